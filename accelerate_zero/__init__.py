@@ -1,0 +1,9 @@
+"""accelerate_zero: ZeRO (stages 0-3, offload) in pure PyTorch for Accelerate and the transformers Trainer."""
+
+from accelerate_zero.config import AUTO, ZeroConfig, ZeroConfigError
+from accelerate_zero.engine.engine import ZeroEngine, initialize
+
+
+__version__ = "0.1.0"
+
+__all__ = ["AUTO", "ZeroConfig", "ZeroConfigError", "ZeroEngine", "initialize", "__version__"]

@@ -1,0 +1,232 @@
+"""GradBucket: one bucket's gradient storage and its reduction, with an explicit lifecycle.
+
+[Note: how a bucket's gradient is reduced, per stage]
+- ALL_REDUCE (stage 0): the bucket's full local gradient is averaged in place on every rank.
+- SCATTER_IN_PLACE (stage 1): the full local gradient is kept; the reduce-scatter writes the averaged slice this
+  rank owns over its own slice of the same buffer (no second buffer). The other slices then hold stale local data.
+- SCATTER_TO_SHARD (stage 2): the full gradient exists only while the bucket is being filled and reduced; the
+  averaged owned slice is added to a shard-sized gradient that accumulates over micro-steps, then the full buffer
+  is released. This is what makes stage 2 hold 1/W of the gradients.
+
+[Note: a gradient that arrives after its bucket was reduced]
+Reentrant activation checkpointing or a second backward can deliver a gradient to a bucket that was already
+reduced in this step. Reduction is linear, so the late part is reduced again and added: stage 2 simply fills a
+fresh full buffer; stage 0 adds onto the averaged buffer A (every rank holds A, and averaging A + g_r over ranks
+gives A + mean(g)); stage 1 multiplies its owned slice by W and zeroes the stale slices, so the next average
+gives back its slice of A plus the late mean.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from accelerate_zero.engine import collectives
+from accelerate_zero.engine.collectives import CommStats, Pending
+from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
+
+
+class ReduceMode(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    SCATTER_IN_PLACE = "scatter_in_place"
+    SCATTER_TO_SHARD = "scatter_to_shard"
+
+
+class BucketState(enum.Enum):
+    EMPTY = "empty"
+    """No local gradient since the last zero (stage 2: also after each reduction)."""
+    ACCUMULATING = "accumulating"
+    """Holds local gradients not reduced yet."""
+    REDUCING = "reducing"
+    """A collective is in flight; `finish_reduce()` before touching the buffers."""
+    REDUCED = "reduced"
+    """Holds this step's averaged gradient (stages 0 and 1)."""
+
+
+class GradScaling:
+    """Factors applied around the collective so that it averages over ranks exactly as DDP does.
+
+    By default the gradient is divided by W before the sum (like DeepSpeed, which keeps fp16 sums in range). With
+    `prescale_gradients`, it is divided by `gradient_predivide_factor` before and by W/factor after.
+    """
+
+    def __init__(self, world_size: int, prescale_gradients: bool, predivide_factor: float) -> None:
+        if prescale_gradients:
+            self.pre, self.post = 1.0 / predivide_factor, predivide_factor / world_size
+        else:
+            self.pre, self.post = 1.0 / world_size, 1.0
+
+
+class GradBucket:
+    """Gradient storage and reduction for one `BucketPlan` (see the notes above)."""
+
+    plan: BucketPlan
+    mode: ReduceMode
+    state: BucketState
+    grad: torch.Tensor | None  # 1D, plan.numel: the full local gradient (stages 0/1: kept; stage 2: transient)
+    shard_grad: torch.Tensor | None  # 1D, plan.shard_numel, stage 2 only: the accumulated averaged slice
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        mode: ReduceMode,
+        rank: int,
+        grad_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+        device: torch.device,
+        storage: torch.Tensor | None,
+    ) -> None:
+        """`storage`, when given, is a persistent view this bucket keeps its gradient in (full-size for stages 0/1,
+        shard-size for stage 2: `contiguous_gradients`); otherwise storage is allocated on first use and released
+        after each step."""
+        self.plan, self.mode, self.rank = plan, mode, rank
+        self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
+        self._storage = storage
+        self.state = BucketState.EMPTY
+        self.grad = None
+        self.shard_grad = None
+        self._shard_has_data = False
+        self._pending: Pending | None = None
+        self._comm_buffer: torch.Tensor | None = None
+        self._scaling: GradScaling | None = None
+        if storage is not None:
+            if mode is ReduceMode.SCATTER_TO_SHARD:
+                self.shard_grad = storage
+            else:
+                self.grad = storage
+
+    # ----------------------------------------------------------------- accumulation
+    def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
+        """Adds one parameter's gradient; returns True when the bucket had already been reduced in this step."""
+        late = self.state in (BucketState.REDUCING, BucketState.REDUCED)
+        if self.state is BucketState.REDUCING:
+            self.finish_reduce()
+        if self.state is BucketState.REDUCED:
+            self._reopen()
+        full = self._full_grad()
+        full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        self.state = BucketState.ACCUMULATING
+        return late
+
+    def _full_grad(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = torch.zeros(self.plan.numel, dtype=self.grad_dtype, device=self.device)
+        return self.grad
+
+    def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.plan.shard_range(self.rank)
+        return tensor[lo:hi]
+
+    def _reopen(self) -> None:
+        if self.mode is ReduceMode.SCATTER_IN_PLACE:
+            assert self.grad is not None and self._scaling is not None
+            owned = self._owned(self.grad).clone()
+            self.grad.zero_()
+            # pre * post == 1/W: scaling the owned slice by W makes the next average return it unchanged.
+            self._owned(self.grad).copy_(owned / (self._scaling.pre * self._scaling.post))
+        self.state = BucketState.ACCUMULATING
+
+    # -------------------------------------------------------------------- reduction
+    def start_reduce(
+        self, dp: DataParallelGroup, stats: CommStats, scaling: GradScaling, use_reduce_scatter: bool, async_op: bool
+    ) -> None:
+        """Issues this bucket's collective; an EMPTY bucket takes part with zeros (other ranks may have data)."""
+        if self._pending is not None:
+            raise RuntimeError(f"bucket {self.plan.index} already has a reduction in flight")
+        if self.state not in (BucketState.EMPTY, BucketState.ACCUMULATING):
+            raise RuntimeError(f"bucket {self.plan.index} cannot start a reduction in state {self.state}")
+        full = self._full_grad()
+        comm = full if self.comm_dtype == full.dtype else full.to(self.comm_dtype)
+        if scaling.pre != 1.0:
+            comm.mul_(scaling.pre)
+        if self.mode is ReduceMode.ALL_REDUCE or not use_reduce_scatter:
+            self._pending = collectives.all_reduce(comm, dp, stats, async_op=async_op)
+        else:
+            self._pending = collectives.reduce_scatter(self._owned(comm), comm, dp, stats, async_op=async_op)
+        self._comm_buffer = comm
+        self._scaling = scaling
+        self.state = BucketState.REDUCING
+
+    def finish_reduce(self) -> None:
+        """Waits for the collective and stores its result; does nothing when no reduction is in flight."""
+        if self.state is not BucketState.REDUCING:
+            return
+        assert self._pending is not None and self._comm_buffer is not None and self._scaling is not None
+        self._pending.wait()
+        comm, post, self._pending, self._comm_buffer = self._comm_buffer, self._scaling.post, None, None
+        if self.mode is ReduceMode.ALL_REDUCE:
+            self._store_all_reduced(comm, post)
+        elif self.mode is ReduceMode.SCATTER_IN_PLACE:
+            self._store_scattered_in_place(comm, post)
+        else:
+            self._add_to_shard(self._owned(comm), post)
+            self.grad = None
+            self.state = BucketState.EMPTY
+            return
+        self.state = BucketState.REDUCED
+
+    def _store_all_reduced(self, comm: torch.Tensor, post: float) -> None:
+        assert self.grad is not None
+        if comm is not self.grad:
+            self.grad.copy_(comm)
+        if post != 1.0:
+            self.grad.mul_(post)
+
+    def _store_scattered_in_place(self, comm: torch.Tensor, post: float) -> None:
+        assert self.grad is not None
+        owned = self._owned(self.grad)
+        if comm is not self.grad:
+            owned.copy_(self._owned(comm))
+        if post != 1.0:
+            owned.mul_(post)
+
+    def _add_to_shard(self, reduced: torch.Tensor, post: float) -> None:
+        if self.shard_grad is None:
+            self.shard_grad = torch.empty(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device)
+        if self._shard_has_data:
+            self.shard_grad.add_(reduced, alpha=post)
+        else:
+            torch.mul(reduced, post, out=self.shard_grad) if post != 1.0 else self.shard_grad.copy_(reduced)
+            self._shard_has_data = True
+
+    # ------------------------------------------------------------------ after step
+    def reduced_shard(self) -> torch.Tensor:
+        """This rank's averaged gradient slice (the whole bucket at stage 0), ready for the optimizer."""
+        if self.state is BucketState.REDUCING:
+            raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
+        if self.mode is ReduceMode.SCATTER_TO_SHARD:
+            if not self._shard_has_data:
+                self._add_to_shard(torch.zeros(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device), 1.0)
+            assert self.shard_grad is not None
+            return self.shard_grad
+        full = self._full_grad()
+        return full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full)
+
+    def zero(self) -> None:
+        """Clears the gradients after an optimizer step (or a skipped one); releases lazily allocated storage."""
+        if self.state is BucketState.REDUCING:
+            self.finish_reduce()
+        if self._storage is None:
+            self.grad, self.shard_grad = None, None
+        elif self.mode is ReduceMode.SCATTER_TO_SHARD:
+            self.grad = None
+        else:
+            self._storage.zero_()
+        self._shard_has_data = False
+        self.state = BucketState.EMPTY
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The gradient storage kept across micro-steps (for memory accounting)."""
+        kept = self.shard_grad if self.mode is ReduceMode.SCATTER_TO_SHARD else self.grad
+        return [] if kept is None else [kept]
+
+    def transient_tensors(self) -> list[torch.Tensor]:
+        """Buffers that live only while the bucket fills and reduces (stage 2's full gradient, a cast copy)."""
+        transient = []
+        if self.mode is ReduceMode.SCATTER_TO_SHARD and self.grad is not None:
+            transient.append(self.grad)
+        if self._comm_buffer is not None and self._comm_buffer is not self.grad:
+            transient.append(self._comm_buffer)
+        return transient

@@ -1,0 +1,125 @@
+"""Stateless collectives on flat tensors; the only module that calls torch.distributed collectives.
+
+Every call is counted in a `CommStats`, so the bytes the engine moves are measured where they are moved.
+`bytes_per_rank` follows the ring algorithms NCCL and gloo use: a reduce-scatter or all-gather of an N-byte
+buffer sends N*(W-1)/W bytes from each rank, an all-reduce twice that, a broadcast N bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from accelerate_zero.engine.groups import DataParallelGroup
+
+
+# torch 2.13 renamed the tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CollectiveCount:
+    calls: int = 0
+    payload_bytes: int = 0
+    """Size of the full buffer each call worked on (the input of a reduce, the output of a gather)."""
+    bytes_per_rank: float = 0.0
+    """Bytes each rank sends, by the ring algorithm's volume."""
+
+
+@dataclass
+class CommStats:
+    """Bytes moved per collective kind since the last `reset()`."""
+
+    by_kind: dict[str, CollectiveCount] = field(default_factory=dict)
+
+    def record(self, kind: str, payload_bytes: int, ring_factor: float) -> None:
+        count = self.by_kind.setdefault(kind, CollectiveCount())
+        count.calls += 1
+        count.payload_bytes += payload_bytes
+        count.bytes_per_rank += payload_bytes * ring_factor
+
+    def reset(self) -> None:
+        self.by_kind.clear()
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        out = {kind: vars(count).copy() for kind, count in sorted(self.by_kind.items())}
+        out["total"] = {
+            "calls": sum(c.calls for c in self.by_kind.values()),
+            "payload_bytes": sum(c.payload_bytes for c in self.by_kind.values()),
+            "bytes_per_rank": sum(c.bytes_per_rank for c in self.by_kind.values()),
+        }
+        return out
+
+
+class Pending(NamedTuple):
+    """An issued collective; `wait()` before reading its output."""
+
+    work: dist.Work | None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(
+    tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False, kind: str = "all_reduce"
+) -> Pending:
+    """Sums `tensor` over the group, in place."""
+    if dp.world_size == 1:
+        return Pending(None)
+    stats.record(kind, _nbytes(tensor), 2 * (dp.world_size - 1) / dp.world_size)
+    return Pending(dist.all_reduce(tensor, group=dp.group, async_op=async_op))
+
+
+def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats) -> None:
+    """Takes the element-wise maximum over the group, in place (synchronous)."""
+    if dp.world_size == 1:
+        return
+    stats.record("all_reduce", _nbytes(tensor), 2 * (dp.world_size - 1) / dp.world_size)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dp.group)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
+) -> Pending:
+    """Sums `input` over the group and leaves slice `rank` of the sum in `output`.
+
+    `output` may be this rank's slice of `input` (in place): NCCL documents it, gloo does it correctly.
+    """
+    if dp.world_size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Pending(None)
+    stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
+    return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
+) -> Pending:
+    """Concatenates every rank's `input` into `output`; `input` may be this rank's slice of `output`."""
+    if dp.world_size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Pending(None)
+    stats.record("all_gather", _nbytes(output), (dp.world_size - 1) / dp.world_size)
+    return Pending(_all_gather_single(output, input, group=dp.group, async_op=async_op))
+
+
+def broadcast(
+    tensor: torch.Tensor, src_rank: int, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
+) -> Pending:
+    """Copies `tensor` from group rank `src_rank` to every rank, in place."""
+    if dp.world_size == 1:
+        return Pending(None)
+    stats.record("broadcast", _nbytes(tensor), 1.0)
+    src = src_rank if dp.group is None else dist.get_global_rank(dp.group, src_rank)
+    return Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op))

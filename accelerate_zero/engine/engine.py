@@ -1,0 +1,372 @@
+"""ZeroEngine: builds a stage's components from one resolved config; the only object integrations call.
+
+A stage is a composition, not a flag:
+- stage 0: buckets all-reduced (ALL_REDUCE), one shard per rank holding everything (data parallelism);
+- stage 1: buckets reduce-scattered at the accumulation boundary (SCATTER_IN_PLACE), optimizer on the shard;
+- stage 2: buckets reduce-scattered on every micro-step into shard-sized gradients (SCATTER_TO_SHARD).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accelerate_zero.config import ZeroConfig, resolve_config
+from accelerate_zero.debug.memory import bytes_by_kind
+from accelerate_zero.engine import collectives
+from accelerate_zero.engine.buckets import GradScaling, ReduceMode
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard
+from accelerate_zero.engine.grad_reduce import GradReducer
+from accelerate_zero.engine.groups import DataParallelGroup, default_device, init_data_parallel_group
+from accelerate_zero.engine.loss_scaler import LossScaler
+from accelerate_zero.engine.setup import (
+    build_lr_scheduler_for,
+    build_optimizer_for,
+    cast_floating_inputs,
+    check_implemented,
+    dtype_from_name,
+    trainable_param_groups,
+)
+from accelerate_zero.engine.shard_plan import plan_group
+from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+from accelerate_zero.engine.step_log import StepLog
+
+
+logger = logging.getLogger(__name__)
+
+_MODE_BY_STAGE = {0: ReduceMode.ALL_REDUCE, 1: ReduceMode.SCATTER_IN_PLACE, 2: ReduceMode.SCATTER_TO_SHARD}
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Any = None,
+    lr_scheduler: Any = None,
+    *,
+    device: torch.device | str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> ZeroEngine:
+    """Shards `model`'s training state across the data-parallel ranks, as `deepspeed.initialize` does.
+
+    Args:
+        model: the model; it is moved to `device` and its trainable parameters become views into flat buffers.
+        optimizer: a torch optimizer over `model`'s parameters (any class, several param groups); it is kept and
+            re-pointed at this rank's shard. None builds one from the config's `optimizer` block.
+        config: a DeepSpeed-format config: dict, path to a .json/.yaml file, or a `ZeroConfig`.
+        lr_scheduler: a scheduler bound to `optimizer`, or a callable taking the optimizer and returning one.
+            None builds one from the config's `scheduler` block, if any.
+        device: where the model computes; default: the local CUDA device if there is one, else the CPU.
+        process_group: the data-parallel group; default: torch's default group (created if needed).
+
+    Returns:
+        The engine: `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`.
+
+    Raises:
+        ZeroConfigError: the config is invalid (every problem listed).
+        ValueError: the model, optimizer or scheduler do not fit the config.
+        NotImplementedError: the config asks for a feature this version does not have (the key is named).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dp = init_data_parallel_group(device, process_group)
+    resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=dp.world_size)
+    check_implemented(resolved)
+    return ZeroEngine(model, optimizer, resolved, lr_scheduler, dp=dp, device=device)
+
+
+class ZeroEngine:
+    """Trains one model with ZeRO stage 0, 1 or 2 (DeepSpeed's engine API: forward, `backward`, `step`)."""
+
+    module: nn.Module
+    config: ZeroConfig
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    dp: DataParallelGroup
+    micro_steps: int
+    global_steps: int
+    skipped_steps: int
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        config: ZeroConfig,
+        lr_scheduler: Any,
+        *,
+        dp: DataParallelGroup,
+        device: torch.device,
+    ) -> None:
+        self.module, self.config, self.dp, self.device = module, config, dp, device
+        self.stage = config.zero_optimization.stage
+        self.compute_dtype = config.compute_dtype
+        self.comm_stats_counter = CommStats()
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._global_grad_norm: float | None = None
+        self._init_module()
+        self.optimizer = build_optimizer_for(module, optimizer, config)
+        self._init_shards()
+        self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
+        self.step_log = StepLog(config, rank=dp.rank)
+        self.comm_stats_counter.reset()
+        logger.info(
+            "accelerate_zero: stage %d on %d ranks, %d buckets, compute dtype %s",
+            self.stage,
+            dp.world_size,
+            len(self.reducer.buckets),
+            self.compute_dtype,
+        )
+
+    # ------------------------------------------------------------------ setup
+    def _init_module(self) -> None:
+        self.module.to(self.device)
+        if self.compute_dtype != torch.float32:
+            for param in self.module.parameters():
+                if param.is_floating_point():
+                    param.data = param.data.to(self.compute_dtype)
+        # Every rank starts from rank 0's weights and buffers, as DDP and DeepSpeed do.
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            collectives.broadcast(tensor.data, 0, self.dp, self.comm_stats_counter)
+
+    def _init_shards(self) -> None:
+        zero = self.config.zero_optimization
+        num_shards = 1 if self.stage == 0 else self.dp.world_size
+        grad_dtype = dtype_from_name(self.config.data_types.grad_accum_dtype) or self.compute_dtype
+        comm_dtype = dtype_from_name(self.config.communication_data_type) or grad_dtype
+        self.groups: list[GroupShard] = []
+        for params in trainable_param_groups(self.module, self.optimizer):
+            plan = plan_group([tuple(p.shape) for p in params], zero.reduce_bucket_size, num_shards)
+            self.groups.append(
+                build_group_shard(
+                    params,
+                    plan,
+                    rank=self.dp.rank if num_shards > 1 else 0,
+                    mode=_MODE_BY_STAGE[self.stage],
+                    compute_dtype=self.compute_dtype,
+                    grad_dtype=grad_dtype,
+                    comm_dtype=comm_dtype,
+                    device=self.device,
+                    contiguous_gradients=zero.contiguous_gradients,
+                )
+            )
+        self.reducer = self._build_reducer()
+        self.reducer.register_hooks()
+        self.sharded_optimizer = self._build_sharded_optimizer()
+        self.sharded_optimizer.switch_param_groups()
+
+    def _build_reducer(self) -> GradReducer:
+        zero = self.config.zero_optimization
+        position = {param: i for i, param in enumerate(self.module.parameters())}
+        entries = [(shard, bucket) for shard in self.groups for bucket in shard.buckets]
+        # Launch order = the order backward completes buckets: the bucket whose first parameter comes last in
+        # the model completes first ([Note: collective order is the same on every rank]).
+        entries.sort(key=lambda e: -min(position[e[0].params[s.param_index]] for s in e[1].plan.slots))
+        locations = {}
+        for index, (shard, bucket) in enumerate(entries):
+            for slot in bucket.plan.slots:
+                locations[shard.params[slot.param_index]] = (index, slot)
+        scaling = GradScaling(
+            self.dp.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
+        )
+        in_flight = (2 if self.stage == 2 else len(entries)) if zero.overlap_comm else 0
+        return GradReducer(
+            [bucket for _, bucket in entries],
+            locations,
+            self.dp,
+            self.comm_stats_counter,
+            scaling,
+            use_reduce_scatter=zero.reduce_scatter,
+            max_in_flight=in_flight,
+            ignore_unused_parameters=zero.ignore_unused_parameters,
+            param_names={p: n for n, p in self.module.named_parameters()},
+        )
+
+    def _build_sharded_optimizer(self) -> ShardedOptimizer:
+        fp16 = self.config.fp16
+        scaler = None
+        if fp16.enabled:
+            dynamic = fp16.loss_scale == 0
+            scaler = LossScaler(
+                dynamic=dynamic,
+                initial_scale=2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale,
+                window=fp16.loss_scale_window,
+                hysteresis=fp16.hysteresis,
+                consecutive_hysteresis=fp16.consecutive_hysteresis,
+                min_scale=fp16.min_loss_scale,
+            )
+        return ShardedOptimizer(
+            self.optimizer,
+            self.groups,
+            self.dp,
+            self.comm_stats_counter,
+            gradient_clipping=self.config.gradient_clipping,
+            loss_scaler=scaler,
+            check_overflow=bool(fp16.enabled or self.config.bf16.check_overflow),
+            allgather_bucket_numel=self.config.zero_optimization.allgather_bucket_size,
+            allgather_partitions=self.config.zero_optimization.allgather_partitions,
+        )
+
+    # --------------------------------------------------------------- training
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the model's forward (fp16 `auto_cast` casts floating inputs to fp16 first)."""
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = cast_floating_inputs((args, kwargs), torch.float16)
+        with self.step_log.timed("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Back-propagates `loss` divided by the accumulation steps (and times the fp16 loss scale).
+
+        Gradients are reduced while backward runs: at stage 2 on every call, at stages 0 and 1 only on the
+        accumulation boundary (other micro-steps communicate nothing).
+        """
+        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        if self.sharded_optimizer.loss_scaler is not None:
+            scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
+        eager = self.stage == 2 or self.is_gradient_accumulation_boundary()
+        self.reducer.begin_backward(eager=eager)
+        with self.step_log.timed("backward"):
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                self.reducer.abort_backward()
+                raise
+            self.reducer.end_backward()
+        return loss
+
+    def step(self) -> None:
+        """Ends a micro-step; on the accumulation boundary clips, steps the optimizer and the LR scheduler.
+
+        On an fp16 overflow (on any rank) the step is skipped on every rank, the loss scale drops and the LR
+        scheduler does not step. Gradients are zeroed after the boundary.
+        """
+        if self.is_gradient_accumulation_boundary():
+            with self.step_log.timed("step"):
+                self._optimizer_step()
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        self.reducer.finish_step()
+        outcome = self.sharded_optimizer.step()
+        self.reducer.zero_grad()
+        self._global_grad_norm = outcome.grad_norm
+        if outcome.overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.step_log.after_step(self)
+
+    def zero_grad(self) -> None:
+        """Drops the accumulated gradients (the engine also does this after every optimizer step)."""
+        self.reducer.zero_grad()
+
+    # ---------------------------------------------------- accumulation control
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps or 1)
+
+    def train_batch_size(self) -> int | None:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next `step()` steps the optimizer."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Overrides the micro-step count (accelerate's `sync_gradients`); None goes back to counting."""
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally without communicating (stages 0 and 1 only)."""
+        if self.stage >= 2:
+            raise RuntimeError(
+                f"no_sync() is incompatible with gradient partitioning (zero_optimization.stage={self.stage}): "
+                "stage 2 reduces every micro-step; use gradient_accumulation_steps instead"
+            )
+        previous, self._boundary_override = self._boundary_override, False
+        try:
+            yield
+        finally:
+            self._boundary_override = previous
+
+    # ----------------------------------------------------------------- queries
+    def get_global_grad_norm(self) -> float | None:
+        """The global L2 norm of the last step's unscaled gradient, before clipping (None before the first)."""
+        return self._global_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        scaler = self.sharded_optimizer.loss_scaler
+        return scaler.scale if scaler is not None else 1.0
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The full model state dict (keys as `module.state_dict()`) on CPU on rank 0; `{}` on other ranks.
+
+        Args:
+            dtype: cast floating-point tensors to this dtype; None keeps the compute dtype.
+        """
+        if self.dp.rank != 0:
+            return {}
+        out = {}
+        for name, tensor in self.module.state_dict().items():
+            cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            out[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True)
+        return out
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds now, per kind, counted from the engine's tensors (each storage once).
+
+        Kinds: parameters (the flat buffers and frozen parameters), gradients (the storage kept across
+        micro-steps), master_weights (fp32 copies that are not the parameters themselves), optimizer_states,
+        communication_buffers (stage 2 buckets being filled or reduced right now), and total. The peak of the
+        latter since the engine started is reported as communication_buffers_peak (not part of total).
+        """
+        flat = [shard.param_buffer for shard in self.groups]
+        kept = self.sharded_optimizer.held_tensors()
+        out = bytes_by_kind(
+            {
+                "parameters": [*flat, *(p for p in self.module.parameters())],
+                "gradients": self.reducer.gradient_tensors(),
+                "master_weights": kept["master_weights"],
+                "optimizer_states": kept["optimizer_states"],
+                "communication_buffers": self.reducer.transient_tensors(),
+            }
+        )
+        out["communication_buffers_peak"] = self.reducer.peak_transient_bytes
+        return out
+
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        """Bytes moved per collective kind since the last `reset_comm_stats()` (see engine/collectives.py)."""
+        return self.comm_stats_counter.as_dict()
+
+    def reset_comm_stats(self) -> None:
+        self.comm_stats_counter.reset()
+
+    def destroy(self) -> None:
+        """Removes the engine's hooks; the model keeps its current weights."""
+        self.reducer.remove_hooks()

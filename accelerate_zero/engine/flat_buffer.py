@@ -1,0 +1,99 @@
+"""GroupShard: one optimizer param group flattened into buckets, and this rank's shard of it.
+
+The parameters become views into one flat buffer (the layout of `shard_plan`), so the all-gather after the
+optimizer step writes straight into the model's weights, and each bucket's slice owned by this rank is a view too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from accelerate_zero.engine.buckets import GradBucket, ReduceMode
+from accelerate_zero.engine.shard_plan import GroupPlan
+
+
+@dataclass
+class GroupShard:
+    """The flat storage of one param group and the fp32 master weights of this rank's shard."""
+
+    plan: GroupPlan
+    rank: int
+    params: list[nn.Parameter]
+    """Trainable parameters, in the optimizer group's order (`ParamSlot.param_index` indexes this list)."""
+    param_buffer: torch.Tensor  # 1D, plan.numel, compute dtype; every param is a view into it
+    buckets: list[GradBucket]  # plan.buckets order
+    master: list[torch.Tensor]  # per bucket: fp32, bucket.shard_numel; views of param_buffer when it is fp32
+    master_aliases_params: bool
+    """True when `master` are views of `param_buffer` (fp32 training): no copy back after the step."""
+
+    def bucket_params(self, index: int) -> torch.Tensor:
+        bucket = self.plan.buckets[index]
+        return self.param_buffer[bucket.offset : bucket.offset + bucket.numel]
+
+    def param_shard(self, index: int) -> torch.Tensor:
+        """This rank's slice of bucket `index`'s parameters."""
+        lo, hi = self.plan.buckets[index].shard_range(self.rank)
+        return self.bucket_params(index)[lo:hi]
+
+
+def flatten_params(
+    params: list[nn.Parameter], plan: GroupPlan, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Copies `params` into a new flat buffer laid out by `plan` and makes each parameter a view into it."""
+    buffer = torch.zeros(plan.numel, dtype=dtype, device=device)
+    for bucket in plan.buckets:
+        for slot in bucket.slots:
+            param = params[slot.param_index]
+            view = buffer[bucket.offset + slot.offset : bucket.offset + slot.offset + slot.numel]
+            view.copy_(param.detach().reshape(-1))
+            # Re-pointing .data keeps the Parameter object (and every reference to it) while moving its storage.
+            param.data = view.view(slot.shape)
+    return buffer
+
+
+def build_group_shard(
+    params: list[nn.Parameter],
+    plan: GroupPlan,
+    *,
+    rank: int,
+    mode: ReduceMode,
+    compute_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    comm_dtype: torch.dtype,
+    device: torch.device,
+    contiguous_gradients: bool,
+) -> GroupShard:
+    """Flattens one param group and creates its buckets and fp32 master shard."""
+    param_buffer = flatten_params(params, plan, compute_dtype, device)
+    grad_storage = None
+    if contiguous_gradients:
+        numel = plan.shard_numel if mode is ReduceMode.SCATTER_TO_SHARD else plan.numel
+        grad_storage = torch.zeros(numel, dtype=grad_dtype, device=device)
+    offsets = plan.shard_offsets() if mode is ReduceMode.SCATTER_TO_SHARD else [b.offset for b in plan.buckets]
+    buckets = []
+    for bucket, offset in zip(plan.buckets, offsets, strict=True):
+        size = bucket.shard_numel if mode is ReduceMode.SCATTER_TO_SHARD else bucket.numel
+        storage = None if grad_storage is None else grad_storage[offset : offset + size]
+        buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage))
+    shard = GroupShard(
+        plan=plan,
+        rank=rank,
+        params=params,
+        param_buffer=param_buffer,
+        buckets=buckets,
+        master=[],
+        master_aliases_params=compute_dtype == torch.float32,
+    )
+    shard.master = _make_master(shard)
+    return shard
+
+
+def _make_master(shard: GroupShard) -> list[torch.Tensor]:
+    views = [shard.param_shard(i) for i in range(len(shard.plan.buckets))]
+    if shard.master_aliases_params:
+        return views
+    flat = torch.cat([v.float() for v in views]) if views else torch.zeros(0)
+    return list(flat.split([v.numel() for v in views]))

@@ -1,0 +1,193 @@
+"""GradReducer: autograd hooks feed gradients into buckets and launch their reductions while backward runs.
+
+[Note: collective order is the same on every rank]
+Each rank must issue the same collectives in the same order. Buckets therefore have one fixed global order (the
+order backward fills them) and a bucket is launched only after every bucket before it. A bucket whose parameters
+did not all receive a gradient on this rank (an unused parameter) holds back the ones after it until
+`end_backward()`, which launches every bucket that was not launched yet, zeros included, then relaunches the
+buckets that received a late gradient ([Note: a gradient that arrives after its bucket was reduced]).
+
+Backward passes started by `ZeroEngine.backward` are "sessions": the engine says whether this backward must be
+reduced now (always at stage 2; at stages 0 and 1 only on the gradient-accumulation boundary). A plain
+`loss.backward()` outside a session still accumulates correctly; its reduction then happens in `finish_step()`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from accelerate_zero.engine.buckets import BucketState, GradBucket, GradScaling, ReduceMode
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.shard_plan import ParamSlot
+
+
+@dataclass
+class _Session:
+    """Bookkeeping of one backward pass started by the engine."""
+
+    eager: bool
+    """Launch reductions as buckets fill (else only accumulate)."""
+    remaining: list[int]
+    """Per bucket (in launch order): parameters that have not delivered a gradient yet."""
+    arrived: list[set[int]]
+    next_launch: int = 0
+    launched: set[int] = field(default_factory=set)
+
+
+class GradReducer:
+    """Owns the gradient hooks and the bucket reduction schedule (see the module note)."""
+
+    def __init__(
+        self,
+        buckets: Sequence[GradBucket],
+        locations: dict[nn.Parameter, tuple[int, ParamSlot]],
+        dp: DataParallelGroup,
+        stats: CommStats,
+        scaling: GradScaling,
+        *,
+        use_reduce_scatter: bool,
+        max_in_flight: int,
+        ignore_unused_parameters: bool = True,
+        param_names: dict[nn.Parameter, str] | None = None,
+    ) -> None:
+        """
+        Args:
+            buckets: every bucket of every param group, in launch order.
+            locations: for each trainable parameter, (index into `buckets`, its slot).
+            max_in_flight: reductions allowed in flight at once; 0 waits for each one right away (no overlap).
+            ignore_unused_parameters: False makes a reducing backward that left a parameter without gradient
+                raise (DeepSpeed's `zero_optimization.ignore_unused_parameters`).
+            param_names: names for error messages.
+        """
+        self.buckets, self.locations = list(buckets), locations
+        self.dp, self.stats, self.scaling = dp, stats, scaling
+        self.use_reduce_scatter, self.max_in_flight = use_reduce_scatter, max_in_flight
+        self.ignore_unused_parameters, self.param_names = ignore_unused_parameters, param_names or {}
+        self._in_flight: collections.deque[GradBucket] = collections.deque()
+        self._session: _Session | None = None
+        self._grads_outside_session = False
+        self._handles: list[RemovableHandle] = []
+        self.partitioned = any(b.mode is ReduceMode.SCATTER_TO_SHARD for b in self.buckets)
+        self.peak_transient_bytes = 0
+
+    def register_hooks(self) -> None:
+        for param in self.locations:
+            self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, eager: bool) -> None:
+        if self._session is not None:
+            raise RuntimeError("begin_backward() called twice without end_backward(): is a backward still running?")
+        self._session = _Session(
+            eager=eager,
+            remaining=[len(b.plan.slots) for b in self.buckets],
+            arrived=[set() for _ in self.buckets],
+        )
+
+    def abort_backward(self) -> None:
+        """Forgets the session of a backward that raised, without launching anything."""
+        self._session = None
+
+    def end_backward(self) -> None:
+        session, self._session = self._session, None
+        if session is None or not session.eager:
+            return
+        if not self.ignore_unused_parameters:
+            self._raise_for_unused(session)
+        for index in range(session.next_launch, len(self.buckets)):
+            self._launch(index)
+        for index in sorted(session.launched):
+            if self.buckets[index].state is BucketState.ACCUMULATING:
+                self._launch(index)
+        self._drain()
+
+    def _raise_for_unused(self, session: _Session) -> None:
+        unused = [
+            self.param_names.get(param, f"<parameter of shape {tuple(param.shape)}>")
+            for param, (index, slot) in self.locations.items()
+            if slot.param_index not in session.arrived[index]
+        ]
+        if unused:
+            raise RuntimeError(
+                f"these parameters got no gradient in this backward: {sorted(unused)}; set "
+                "zero_optimization.ignore_unused_parameters to true (the default) to reduce zeros for them, or "
+                "make them take part in the loss. Other ranks may now wait for this one until the timeout."
+            )
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        index, slot = self.locations[param]
+        bucket = self.buckets[index]
+        bucket.add_grad(slot, grad)
+        self._track_transient_bytes()
+        session = self._session
+        if session is None:
+            self._grads_outside_session = True
+            return
+        if session.eager and slot.param_index not in session.arrived[index]:
+            session.arrived[index].add(slot.param_index)
+            session.remaining[index] -= 1
+            while session.next_launch < len(self.buckets) and session.remaining[session.next_launch] == 0:
+                self._launch(session.next_launch)
+                session.next_launch += 1
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        bucket.start_reduce(self.dp, self.stats, self.scaling, self.use_reduce_scatter, async_op=True)
+        if self._session is not None:
+            self._session.launched.add(index)
+        self._in_flight.append(bucket)
+        while len(self._in_flight) > self.max_in_flight:
+            self._in_flight.popleft().finish_reduce()
+
+    def _drain(self) -> None:
+        while self._in_flight:
+            self._in_flight.popleft().finish_reduce()
+
+    def _track_transient_bytes(self) -> None:
+        if self.partitioned:
+            live = sum(b.grad.numel() * b.grad.element_size() for b in self.buckets if b.grad is not None)
+            self.peak_transient_bytes = max(self.peak_transient_bytes, live)
+
+    # ---------------------------------------------------------------------- step
+    def finish_step(self) -> None:
+        """Makes every bucket's averaged gradient available; called at the accumulation boundary."""
+        if self._session is not None:
+            self.end_backward()
+        if self.partitioned:
+            # Stage 2 reduced every session already; only gradients from a plain loss.backward() are left.
+            pending = self._grads_outside_session
+            to_reduce = range(len(self.buckets)) if pending else ()
+        else:
+            to_reduce = [i for i, b in enumerate(self.buckets) if b.state is not BucketState.REDUCED]
+        for index in to_reduce:
+            self._launch(index)
+        self._drain()
+        self._grads_outside_session = False
+
+    def zero_grad(self) -> None:
+        self._drain()
+        for bucket in self.buckets:
+            bucket.zero()
+        self._grads_outside_session = False
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return [t for bucket in self.buckets for t in bucket.gradient_tensors()]
+
+    def transient_tensors(self) -> list[torch.Tensor]:
+        return [t for bucket in self.buckets for t in bucket.transient_tensors()]

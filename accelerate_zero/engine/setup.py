@@ -1,0 +1,159 @@
+"""Checks and builders that turn a resolved config, a model and an optimizer into the engine's inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from accelerate_zero.config import ZeroConfig
+from accelerate_zero.optim.factory import build_lr_scheduler, build_optimizer
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Keys that only mean something at stage 3; DeepSpeed ignores them below it, we say so.
+_STAGE3_ONLY = (
+    "sub_group_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential",
+    "pipeline_loading_checkpoint",
+    "leaf_module",
+)
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    return None if name is None else _DTYPES[name]
+
+
+def check_implemented(config: ZeroConfig) -> None:
+    """Refuses, by key, what the config asks for and this version cannot do yet; warns about keys that do nothing.
+
+    Raises:
+        NotImplementedError: naming the key, its value, and what to use instead.
+    """
+    zero = config.zero_optimization
+    problems = []
+    if zero.stage == 3:
+        problems.append(
+            "zero_optimization.stage=3: stage 3 (parameter partitioning) is not available yet; use stage 2"
+        )
+    for block in ("offload_optimizer", "offload_param"):
+        offload = getattr(zero, block)
+        if offload is not None and offload.device != "none":
+            problems.append(
+                f"zero_optimization.{block}.device={offload.device!r}: offload is not available yet; remove the "
+                f"{block} block or set its device to 'none'"
+            )
+    if not zero.load_from_fp32_weights:
+        problems.append("zero_optimization.load_from_fp32_weights=false: checkpoint loading is not available yet")
+    default_checkpoint = type(config.checkpoint)()
+    for field in dataclasses.fields(config.checkpoint):
+        value = getattr(config.checkpoint, field.name)
+        if value != getattr(default_checkpoint, field.name):
+            problems.append(f"checkpoint.{field.name}={value!r}: engine checkpoints are not available yet")
+    if problems:
+        raise NotImplementedError("accelerate_zero cannot run this config yet:\n- " + "\n- ".join(problems))
+    _warn_inapplicable(config)
+
+
+def _warn_inapplicable(config: ZeroConfig) -> None:
+    zero = config.zero_optimization
+    defaults = type(zero)()
+    inert = []
+    if zero.stage < 3:
+        inert += [f"zero_optimization.{k}" for k in _STAGE3_ONLY if getattr(zero, k) != getattr(defaults, k)]
+    if zero.round_robin_gradients:
+        inert.append("zero_optimization.round_robin_gradients (only reorders CPU-offloaded gradients)")
+    if inert:
+        warnings.warn(
+            f"these keys have no effect at zero_optimization.stage={zero.stage} and are ignored: {', '.join(inert)}",
+            stacklevel=3,
+        )
+
+
+def trainable_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+    """The trainable parameters of each optimizer param group, checked against the model.
+
+    Raises:
+        ValueError: an optimizer parameter is not in the model, or a trainable model parameter is in no group.
+    """
+    names = {param: name for name, param in module.named_parameters()}
+    groups, seen = [], set()
+    for index, group in enumerate(optimizer.param_groups):
+        params = []
+        for param in group["params"]:
+            if param not in names:
+                raise ValueError(
+                    f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} that is not a "
+                    "parameter of the model passed to accelerate_zero.initialize: build the optimizer over "
+                    "model.parameters()"
+                )
+            if param.requires_grad:
+                params.append(param)
+                seen.add(param)
+        groups.append(params)
+    missing = sorted(name for param, name in names.items() if param.requires_grad and param not in seen)
+    if missing:
+        raise ValueError(
+            f"these trainable parameters are in no optimizer param group: {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}; add them to the optimizer or set requires_grad=False"
+        )
+    return groups
+
+
+def build_optimizer_for(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig
+) -> torch.optim.Optimizer:
+    """The user's optimizer (checked) or one built from the config's `optimizer` block."""
+    if optimizer is not None and config.optimizer is not None:
+        raise ValueError(
+            f"an optimizer was passed in code ({type(optimizer).__name__}) and the config has an optimizer block "
+            f"(type={config.optimizer.type!r}): remove one of them"
+        )
+    if optimizer is None:
+        if config.optimizer is None:
+            raise ValueError("no optimizer: pass one to accelerate_zero.initialize or add an optimizer block")
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        return build_optimizer([{"params": trainable}], config.optimizer.type, config.optimizer.params)
+    if not type(optimizer).__module__.startswith("torch.optim") and not config.zero_allow_untested_optimizer:
+        raise ValueError(
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} is not one of torch.optim's optimizers: set "
+            '"zero_allow_untested_optimizer": true in the config to use it with ZeRO'
+        )
+    return optimizer
+
+
+def build_lr_scheduler_for(optimizer: torch.optim.Optimizer, lr_scheduler: Any, config: ZeroConfig) -> Any:
+    """The user's scheduler, one made by the user's callable, or one built from the `scheduler` block."""
+    if lr_scheduler is not None and config.scheduler is not None:
+        raise ValueError(
+            f"an LR scheduler was passed in code and the config has a scheduler block "
+            f"(type={config.scheduler.type!r}): remove one of them"
+        )
+    if config.scheduler is not None:
+        return build_lr_scheduler(optimizer, config.scheduler.type, config.scheduler.params)
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    return lr_scheduler
+
+
+def cast_floating_inputs(obj: Any, dtype: torch.dtype) -> Any:
+    """Casts every floating-point tensor inside nested tuples, lists and dicts to `dtype`."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floating_inputs(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        return {key: cast_floating_inputs(value, dtype) for key, value in obj.items()}
+    return obj

@@ -1,0 +1,75 @@
+"""What the engine logs every `steps_per_print` steps: progress, and with `wall_clock_breakdown` /
+`memory_breakdown` the time per phase and the bytes held."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from accelerate_zero.config import ZeroConfig
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.engine.engine import ZeroEngine
+
+logger = logging.getLogger("accelerate_zero")
+
+
+class StepLog:
+    """Rank-0 logging driven by `steps_per_print`, `wall_clock_breakdown` and `memory_breakdown`.
+
+    Progress lines appear every `steps_per_print` optimizer steps (never when it is unset). The breakdowns
+    appear at the same interval, or after every step when `steps_per_print` is unset.
+    """
+
+    def __init__(self, config: ZeroConfig, rank: int) -> None:
+        self.interval = config.steps_per_print
+        self.wall_clock = bool(config.wall_clock_breakdown)
+        self.memory = bool(config.memory_breakdown)
+        self.rank = rank
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        if not self.wall_clock:
+            yield
+            return
+        _synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize()
+            self.seconds[phase] += time.perf_counter() - start
+
+    def after_step(self, engine: ZeroEngine) -> None:
+        step = engine.global_steps
+        due = self.interval is not None and self.interval > 0 and step % self.interval == 0
+        if self.rank != 0:
+            return
+        if due:
+            logger.info(
+                "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s",
+                step,
+                engine.skipped_steps,
+                engine.get_lr(),
+                engine.loss_scale,
+                engine.get_global_grad_norm(),
+            )
+        if (due or not self.interval) and self.wall_clock:
+            times = " ".join(f"{phase}={1000 * s:.1f}ms" for phase, s in sorted(self.seconds.items()))
+            logger.info("step=%d time since last report: %s", step, times)
+            self.seconds.clear()
+        if (due or not self.interval) and self.memory:
+            logger.info("step=%d memory held (bytes): %s", step, engine.memory_breakdown())
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -1,0 +1,135 @@
+"""ZeroConfig.from_any errors: unknown keys, several problems at once, refused DeepSpeed features."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelerate_zero.config import ZeroConfig, ZeroConfigError
+from accelerate_zero.config.resolve import REFUSED_FEATURES
+
+
+def problems_of(raw: object) -> list[str]:
+    with pytest.raises(ZeroConfigError) as info:
+        ZeroConfig.from_any(raw)
+    return info.value.problems
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+
+def test_unknown_keys_are_sorted_with_suggestions() -> None:
+    raw = {
+        "zero_optimization": {"reduce_bucket_sz": 1, "offload_param": {"pin_memroy": True}},
+        "trian_batch_size": 8,
+        "fp16": {"xyz": 1},
+        "tensorboard": {"enabled": False},
+    }
+    assert problems_of(raw) == [
+        "unknown key 'fp16.xyz': remove it or fix its spelling",
+        "unknown key 'tensorboard': it is a DeepSpeed option accelerate_zero does not implement; remove it",
+        "unknown key 'trian_batch_size' (did you mean 'train_batch_size'?): remove it or fix its spelling",
+        "unknown key 'zero_optimization.offload_param.pin_memroy' (did you mean 'pin_memory'?): remove it or fix "
+        "its spelling",
+        "unknown key 'zero_optimization.reduce_bucket_sz' (did you mean 'reduce_bucket_size'?): remove it or fix "
+        "its spelling",
+    ]
+
+
+def test_several_problems_are_reported_together() -> None:
+    raw = {
+        "zero_optimization": {"stage": 4, "reduce_bucket_size": -1, "offload_optimizer": {"ratio": 1.5}},
+        "gradient_clipping": "x",
+        "fp16": {"enabled": True},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}},
+        "scheduler": {"params": {}},
+    }
+    with pytest.raises(ZeroConfigError) as info:
+        ZeroConfig.from_any(raw)
+    assert info.value.problems == [
+        "zero_optimization.stage=4: expected an integer in [0, 3]",
+        "zero_optimization.reduce_bucket_size=-1: expected an integer >= 0",
+        "zero_optimization.offload_optimizer.ratio=1.5: expected a finite number in [0, 1]",
+        "gradient_clipping='x': expected a finite number >= 0",
+        'scheduler.type is missing: name the LR scheduler, e.g. "type": "WarmupLR"',
+        "fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be simultaneously enabled; "
+        "set one of them to false",
+        "optimizer.params.max_grad_norm: 'max_grad_norm' is not supported as an optimizer parameter, please switch "
+        "to using the top-level parameter 'gradient_clipping'",
+    ]
+    assert isinstance(info.value, ValueError)
+    assert str(info.value).startswith("invalid ZeRO config (7 problems):\n- zero_optimization.stage=4")
+
+
+def test_non_mapping_blocks_and_sources_are_errors() -> None:
+    assert problems_of({"fp16": None, "zero_optimization": [1]}) == [
+        "fp16=None: expected a mapping of keys to values",
+        "zero_optimization=[1]: expected a mapping of keys to values",
+    ]
+    assert problems_of(["not", "a", "dict"]) == ["a ZeRO config must be a mapping of keys to values, got list"]
+
+
+REFUSED_SAMPLES = {
+    "zero_optimization.legacy_stage1": True,
+    "zero_optimization.zero_hpz_partition_size": 8,
+    "zero_optimization.zero_quantized_weights": True,
+    "zero_optimization.zero_quantized_nontrainable_weights": True,
+    "zero_optimization.zero_quantized_gradients": True,
+    "zero_optimization.zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
+    "zero_optimization.mics_shard_size": 4,
+    "zero_optimization.mics_hierarchical_params_gather": True,
+    "zero_optimization.zenflow": {"topk_ratio": 0.1},
+    "zero_optimization.elastic_checkpoint": True,
+    "zero_optimization.use_multi_rank_bucket_allreduce": False,
+    "zero_optimization.memory_efficient_linear": False,
+    "zero_optimization.override_module_apply": False,
+    "zero_optimization.offload_optimizer.super_offload": True,
+    "fp16.fp16_master_weights_and_grads": True,
+    "bf16.bf16_master_weights_and_grads": True,
+    "bf16.bf16_optimizer_states": True,
+    "bf16.immediate_grad_update": False,
+    "dataloader_drop_last": True,
+}
+
+
+def _nested(path: str, value: object) -> dict:
+    *parents, leaf = path.split(".")
+    raw: dict = {leaf: value}
+    for name in reversed(parents):
+        raw = {name: raw}
+    return raw
+
+
+def test_every_refused_feature_has_a_sample() -> None:
+    assert set(REFUSED_SAMPLES) == set(REFUSED_FEATURES)
+
+
+@pytest.mark.parametrize("path", sorted(REFUSED_SAMPLES))
+def test_refused_feature_is_named_with_its_reason(path: str) -> None:
+    value = REFUSED_SAMPLES[path]
+    problems = problems_of(_nested(path, value))
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}={value!r} is not supported ({REFUSED_FEATURES[path].reason})")
+    ZeroConfig.from_any(_nested(path, REFUSED_FEATURES[path].default))  # the accepted value loads
+
+
+def test_refused_feature_messages_for_the_named_reasons() -> None:
+    problems = problems_of({"zero_optimization": {"override_module_apply": False}, "dataloader_drop_last": True})
+    assert problems == [
+        "zero_optimization.override_module_apply=False is not supported (accelerate_zero never patches nn.Module): "
+        "remove the key or set it to true",
+        "dataloader_drop_last=True is not supported (accelerate_zero.initialize takes no training_data; set drop_last "
+        "on your DataLoader): remove the key or set it to false",
+    ]
+
+
+def test_harmless_values_of_refused_numeric_features_load() -> None:
+    zero = ZeroConfig.from_any({"zero_optimization": {"zero_hpz_partition_size": 0, "mics_shard_size": 0}})
+    assert (zero.zero_optimization.zero_hpz_partition_size, zero.zero_optimization.mics_shard_size) == (0, 0)
+
+
+def test_dynamic_loss_scale_needs_positive_window() -> None:
+    assert problems_of({"fp16": {"enabled": True, "loss_scale_window": 0}}) == [
+        "fp16.loss_scale_window=0: must be > 0 when dynamic loss scaling is enabled (loss_scale=0)"
+    ]
+    ZeroConfig.from_any({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}})  # static: unused
