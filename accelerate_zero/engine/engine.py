@@ -22,10 +22,10 @@ from accelerate_zero.debug.memory import bytes_by_kind
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
-from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard
+from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
 from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.groups import DataParallelGroup, default_device, init_data_parallel_group
-from accelerate_zero.engine.loss_scaler import LossScaler
+from accelerate_zero.engine.loss_scaler import build_loss_scaler
 from accelerate_zero.engine.setup import (
     build_lr_scheduler_for,
     build_optimizer_for,
@@ -188,28 +188,29 @@ class ZeroEngine:
         )
 
     def _build_sharded_optimizer(self) -> ShardedOptimizer:
-        fp16 = self.config.fp16
-        scaler = None
-        if fp16.enabled:
-            dynamic = fp16.loss_scale == 0
-            scaler = LossScaler(
-                dynamic=dynamic,
-                initial_scale=2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale,
-                window=fp16.loss_scale_window,
-                hysteresis=fp16.hysteresis,
-                consecutive_hysteresis=fp16.consecutive_hysteresis,
-                min_scale=fp16.min_loss_scale,
-            )
+        zero = self.config.zero_optimization
+        sharded = self.stage > 0 and self.dp.world_size > 1
+
+        def publish() -> None:
+            if sharded:
+                all_gather_params(
+                    self.groups,
+                    self.dp,
+                    self.comm_stats_counter,
+                    max_numel_in_flight=zero.allgather_bucket_size,
+                    use_all_gather=zero.allgather_partitions,
+                )
+
         return ShardedOptimizer(
             self.optimizer,
-            self.groups,
+            [group_slices(shard) for shard in self.groups],
             self.dp,
             self.comm_stats_counter,
+            sharded=sharded,
             gradient_clipping=self.config.gradient_clipping,
-            loss_scaler=scaler,
-            check_overflow=bool(fp16.enabled or self.config.bf16.check_overflow),
-            allgather_bucket_numel=self.config.zero_optimization.allgather_bucket_size,
-            allgather_partitions=self.config.zero_optimization.allgather_partitions,
+            loss_scaler=build_loss_scaler(self.config),
+            check_overflow=bool(self.config.fp16.enabled or self.config.bf16.check_overflow),
+            publish=publish,
         )
 
     # --------------------------------------------------------------- training

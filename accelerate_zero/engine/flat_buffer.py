@@ -6,13 +6,18 @@ optimizer step writes straight into the model's weights, and each bucket's slice
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, ReduceMode
+from accelerate_zero.engine.collectives import CommStats, Pending
+from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.shard_plan import GroupPlan
+from accelerate_zero.engine.sharded_optimizer import ShardSlice
 
 
 @dataclass
@@ -97,3 +102,54 @@ def _make_master(shard: GroupShard) -> list[torch.Tensor]:
         return views
     flat = torch.cat([v.float() for v in views]) if views else torch.zeros(0)
     return list(flat.split([v.numel() for v in views]))
+
+
+def group_slices(shard: GroupShard) -> list[ShardSlice]:
+    """One optimizer tensor per bucket: the bucket's whole slice of this rank."""
+    return [
+        ShardSlice(
+            bucket=bucket,
+            start=0,
+            end=bucket.plan.shard_numel,
+            master=shard.master[index],
+            params=shard.master[index] if shard.master_aliases_params else shard.param_shard(index),
+        )
+        for index, bucket in enumerate(shard.buckets)
+    ]
+
+
+def all_gather_params(
+    groups: list[GroupShard],
+    dp: DataParallelGroup,
+    stats: CommStats,
+    *,
+    max_numel_in_flight: int,
+    use_all_gather: bool,
+) -> None:
+    """Rebuilds every bucket's full parameters from the ranks' updated slices (after the optimizer step).
+
+    Args:
+        max_numel_in_flight: `allgather_bucket_size`: the most elements being gathered at once.
+        use_all_gather: `allgather_partitions`; False uses one broadcast per owner instead, as DeepSpeed does.
+    """
+    in_flight: collections.deque[tuple[Pending, int]] = collections.deque()
+    live = 0
+    for shard in groups:
+        for index, bucket in enumerate(shard.plan.buckets):
+            full = shard.bucket_params(index)
+            if use_all_gather:
+                pendings = [collectives.all_gather(full, shard.param_shard(index), dp, stats, async_op=True)]
+            else:
+                pendings = [
+                    collectives.broadcast(full[slice(*bucket.shard_range(owner))], owner, dp, stats, async_op=True)
+                    for owner in range(dp.world_size)
+                ]
+            for pending in pendings:
+                in_flight.append((pending, bucket.numel))
+                live += bucket.numel
+            while live > max_numel_in_flight and len(in_flight) > 1:
+                pending, numel = in_flight.popleft()
+                pending.wait()
+                live -= numel
+    for pending, _ in in_flight:
+        pending.wait()

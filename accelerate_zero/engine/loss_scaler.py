@@ -8,7 +8,11 @@ sees the same decision; this module only keeps the scale.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.config import ZeroConfig
 
 
 @dataclass
@@ -80,3 +84,19 @@ class LossScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = LossScalerState(**state)
+
+
+def build_loss_scaler(config: ZeroConfig) -> LossScaler | None:
+    """The fp16 loss scaler the config asks for; None unless `fp16.enabled`."""
+    fp16 = config.fp16
+    if not fp16.enabled:
+        return None
+    dynamic = fp16.loss_scale == 0
+    return LossScaler(
+        dynamic=dynamic,
+        initial_scale=2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale,
+        window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_scale=fp16.min_loss_scale,
+    )

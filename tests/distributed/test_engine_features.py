@@ -49,7 +49,7 @@ def _bf16(stage: int, rank: int, world_size: int) -> dict[str, float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine = accelerate_zero.initialize(model, optimizer, config=_config(stage, bf16={"enabled": True}))
     _train(engine, batches, rank, world_size)
-    master = torch.cat([m.reshape(-1) for g in engine.sharded_optimizer.groups for m in g.master])
+    master = torch.cat([s.master.reshape(-1) for s in engine.sharded_optimizer.slices])
     return {
         "param_dtype_bf16": float(all(p.dtype == torch.bfloat16 for p in model.parameters())),
         "master_dtype_fp32": float(master.dtype == torch.float32),
