@@ -2,8 +2,9 @@
 
 from accelerate_zero.config import AUTO, ZeroConfig, ZeroConfigError
 from accelerate_zero.engine.engine import ZeroEngine, initialize
+from accelerate_zero.engine.gathered import GatheredParameters
 
 
 __version__ = "0.1.0"
 
-__all__ = ["AUTO", "ZeroConfig", "ZeroConfigError", "ZeroEngine", "initialize", "__version__"]
+__all__ = ["AUTO", "GatheredParameters", "ZeroConfig", "ZeroConfigError", "ZeroEngine", "initialize", "__version__"]

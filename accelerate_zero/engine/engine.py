@@ -20,9 +20,10 @@ from torch import nn
 from accelerate_zero.config import ZeroConfig, resolve_config
 from accelerate_zero.debug.memory import bytes_by_kind
 from accelerate_zero.engine import collectives
-from accelerate_zero.engine.buckets import GradScaling, ReduceMode
+from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
-from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
+from accelerate_zero.engine.flat_buffer import all_gather_params, build_group_shard, group_slices
+from accelerate_zero.engine.gathered import register_engine_params, unregister_engine_params
 from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.groups import DataParallelGroup, default_device, init_data_parallel_group
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
@@ -35,7 +36,12 @@ from accelerate_zero.engine.setup import (
     trainable_param_groups,
 )
 from accelerate_zero.engine.shard_plan import plan_group
-from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer, ShardSlice
+from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
+from accelerate_zero.engine.stage3.hooks import register_unit_hooks
+from accelerate_zero.engine.stage3.param_unit import ParamUnit
+from accelerate_zero.engine.stage3.schedule import UnitScheduler
+from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_log import StepLog
 
 
@@ -52,6 +58,7 @@ def initialize(
     *,
     device: torch.device | str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    unit_classes: list[type[nn.Module] | str] | None = None,
 ) -> ZeroEngine:
     """Shards `model`'s training state across the data-parallel ranks, as `deepspeed.initialize` does.
 
@@ -64,6 +71,8 @@ def initialize(
             None builds one from the config's `scheduler` block, if any.
         device: where the model computes; default: the local CUDA device if there is one, else the CPU.
         process_group: the data-parallel group; default: torch's default group (created if needed).
+        unit_classes: stage 3: the module classes (or class names) whose parameters are gathered together;
+            default: `model._no_split_modules` for transformers models, else the root's children.
 
     Returns:
         The engine: `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`.
@@ -77,7 +86,7 @@ def initialize(
     dp = init_data_parallel_group(device, process_group)
     resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=dp.world_size)
     check_implemented(resolved)
-    return ZeroEngine(model, optimizer, resolved, lr_scheduler, dp=dp, device=device)
+    return ZeroEngine(model, optimizer, resolved, lr_scheduler, dp=dp, device=device, unit_classes=unit_classes)
 
 
 class ZeroEngine:
@@ -101,8 +110,10 @@ class ZeroEngine:
         *,
         dp: DataParallelGroup,
         device: torch.device,
+        unit_classes: list[type[nn.Module] | str] | None = None,
     ) -> None:
         self.module, self.config, self.dp, self.device = module, config, dp, device
+        self.unit_classes = unit_classes
         self.stage = config.zero_optimization.stage
         self.compute_dtype = config.compute_dtype
         self.comm_stats_counter = CommStats()
@@ -114,6 +125,7 @@ class ZeroEngine:
         self._init_shards()
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
         self.step_log = StepLog(config, rank=dp.rank)
+        register_engine_params(self)
         self.comm_stats_counter.reset()
         logger.info(
             "accelerate_zero: stage %d on %d ranks, %d buckets, compute dtype %s",
@@ -136,32 +148,80 @@ class ZeroEngine:
 
     def _init_shards(self) -> None:
         zero = self.config.zero_optimization
-        num_shards = 1 if self.stage == 0 else self.dp.world_size
         grad_dtype = dtype_from_name(self.config.data_types.grad_accum_dtype) or self.compute_dtype
-        comm_dtype = dtype_from_name(self.config.communication_data_type) or grad_dtype
-        self.groups: list[GroupShard] = []
-        for params in trainable_param_groups(self.module, self.optimizer):
-            plan = plan_group([tuple(p.shape) for p in params], zero.reduce_bucket_size, num_shards)
-            self.groups.append(
+        dtypes = DtypePlan(
+            self.compute_dtype, grad_dtype, dtype_from_name(self.config.communication_data_type) or grad_dtype
+        )
+        trainable = trainable_param_groups(self.module, self.optimizer)
+        self.units: list[ParamUnit] = []
+        self.scheduler: UnitScheduler | None = None
+        if self.stage == 3:
+            buckets, locations, slices, on_complete = self._init_stage3(trainable, dtypes)
+        else:
+            num_shards = 1 if self.stage == 0 else self.dp.world_size
+            self.groups = [
                 build_group_shard(
                     params,
-                    plan,
+                    plan_group([tuple(p.shape) for p in params], zero.reduce_bucket_size, num_shards),
                     rank=self.dp.rank if num_shards > 1 else 0,
                     mode=_MODE_BY_STAGE[self.stage],
-                    compute_dtype=self.compute_dtype,
-                    grad_dtype=grad_dtype,
-                    comm_dtype=comm_dtype,
+                    compute_dtype=dtypes.compute,
+                    grad_dtype=dtypes.grad,
+                    comm_dtype=dtypes.comm,
                     device=self.device,
                     contiguous_gradients=zero.contiguous_gradients,
                 )
-            )
-        self.reducer = self._build_reducer()
+                for params in trainable
+            ]
+            buckets, locations = self._order_group_buckets()
+            slices, on_complete = [group_slices(shard) for shard in self.groups], None
+        self.reducer = self._build_reducer(buckets, locations, on_complete)
         self.reducer.register_hooks()
-        self.sharded_optimizer = self._build_sharded_optimizer()
+        self.sharded_optimizer = self._build_sharded_optimizer(slices)
         self.sharded_optimizer.switch_param_groups()
 
-    def _build_reducer(self) -> GradReducer:
+    def _init_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan) -> tuple:
         zero = self.config.zero_optimization
+        leaf = zero.leaf_module
+        extra = [*leaf.classes, *leaf.names] if leaf is not None else []
+        layout = layout_units(
+            self.module,
+            find_unit_modules(self.module, self.unit_classes, extra_leaf=extra),
+            zero.stage3_param_persistence_threshold,
+            model_persistence_threshold=zero.stage3_model_persistence_threshold,
+        )
+        parts = build_stage3(
+            layout,
+            trainable,
+            rank=self.dp.rank,
+            world_size=self.dp.world_size,
+            dtypes=dtypes,
+            device=self.device,
+            reduce_bucket_numel=zero.reduce_bucket_size,
+            contiguous_gradients=zero.contiguous_gradients,
+        )
+        self.groups, self.units = parts.persistent_groups, parts.units
+        self.scheduler = UnitScheduler(
+            parts.units,
+            parts.root,
+            self.dp,
+            self.comm_stats_counter,
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            use_all_reduce=zero.stage3_use_all_reduce_for_fetch_params,
+        )
+        self._unit_hooks = register_unit_hooks(parts.units, self.scheduler)
+        scheduler = self.scheduler
+
+        def on_complete(index: int) -> None:
+            unit = parts.unit_of_bucket.get(index)
+            if unit is not None:
+                scheduler.post_backward(unit)
+
+        return parts.buckets, parts.locations, parts.slices_by_group, on_complete
+
+    def _order_group_buckets(self) -> tuple[list[GradBucket], dict]:
         position = {param: i for i, param in enumerate(self.module.parameters())}
         entries = [(shard, bucket) for shard in self.groups for bucket in shard.buckets]
         # Launch order = the order backward completes buckets: the bucket whose first parameter comes last in
@@ -171,12 +231,16 @@ class ZeroEngine:
         for index, (shard, bucket) in enumerate(entries):
             for slot in bucket.plan.slots:
                 locations[shard.params[slot.param_index]] = (index, slot)
+        return [bucket for _, bucket in entries], locations
+
+    def _build_reducer(self, buckets: list[GradBucket], locations: dict, on_complete: Any) -> GradReducer:
+        zero = self.config.zero_optimization
         scaling = GradScaling(
             self.dp.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
         )
-        in_flight = (2 if self.stage == 2 else len(entries)) if zero.overlap_comm else 0
+        in_flight = (2 if self.stage >= 2 else len(buckets)) if zero.overlap_comm else 0
         return GradReducer(
-            [bucket for _, bucket in entries],
+            buckets,
             locations,
             self.dp,
             self.comm_stats_counter,
@@ -185,9 +249,10 @@ class ZeroEngine:
             max_in_flight=in_flight,
             ignore_unused_parameters=zero.ignore_unused_parameters,
             param_names={p: n for n, p in self.module.named_parameters()},
+            on_bucket_complete=on_complete,
         )
 
-    def _build_sharded_optimizer(self) -> ShardedOptimizer:
+    def _build_sharded_optimizer(self, slices: list[list[ShardSlice]]) -> ShardedOptimizer:
         zero = self.config.zero_optimization
         sharded = self.stage > 0 and self.dp.world_size > 1
 
@@ -200,10 +265,12 @@ class ZeroEngine:
                     max_numel_in_flight=zero.allgather_bucket_size,
                     use_all_gather=zero.allgather_partitions,
                 )
+            if self.scheduler is not None:
+                self.scheduler.release_all()  # gathered copies are stale now
 
         return ShardedOptimizer(
             self.optimizer,
-            [group_slices(shard) for shard in self.groups],
+            slices,
             self.dp,
             self.comm_stats_counter,
             sharded=sharded,
@@ -239,6 +306,8 @@ class ZeroEngine:
                 self.reducer.abort_backward()
                 raise
             self.reducer.end_backward()
+            if self.scheduler is not None:
+                self.scheduler.end_backward()
         return loss
 
     def step(self) -> None:
@@ -254,6 +323,8 @@ class ZeroEngine:
 
     def _optimizer_step(self) -> None:
         self.reducer.finish_step()
+        if self.scheduler is not None:
+            self.scheduler.end_backward()
         outcome = self.sharded_optimizer.step()
         self.reducer.zero_grad()
         self._global_grad_norm = outcome.grad_norm
@@ -339,6 +410,11 @@ class ZeroEngine:
             out[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True)
         return out
 
+    def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]:
+        """The stage 3 gather units holding any of `params`, in unit order (the same on every rank)."""
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(p) in wanted for flat in u.flats for p in flat.params)]
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, per kind, counted from the engine's tensors (each storage once).
 
@@ -348,6 +424,7 @@ class ZeroEngine:
         latter since the engine started is reported as communication_buffers_peak (not part of total).
         """
         flat = [shard.param_buffer for shard in self.groups]
+        flat += [t for unit in self.units for t in unit.resident_tensors()]
         kept = self.sharded_optimizer.held_tensors()
         out = bytes_by_kind(
             {
@@ -371,3 +448,6 @@ class ZeroEngine:
     def destroy(self) -> None:
         """Removes the engine's hooks; the model keeps its current weights."""
         self.reducer.remove_hooks()
+        for handle in getattr(self, "_unit_hooks", []):
+            handle.remove()
+        unregister_engine_params(self)

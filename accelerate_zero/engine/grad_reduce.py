@@ -15,7 +15,7 @@ reduced now (always at stage 2; at stages 0 and 1 only on the gradient-accumulat
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +56,7 @@ class GradReducer:
         max_in_flight: int,
         ignore_unused_parameters: bool = True,
         param_names: dict[nn.Parameter, str] | None = None,
+        on_bucket_complete: Callable[[int], None] | None = None,
     ) -> None:
         """
         Args:
@@ -65,11 +66,14 @@ class GradReducer:
             ignore_unused_parameters: False makes a reducing backward that left a parameter without gradient
                 raise (DeepSpeed's `zero_optimization.ignore_unused_parameters`).
             param_names: names for error messages.
+            on_bucket_complete: called with a bucket's index once all its parameters delivered their gradient in
+                a reducing backward (stage 3 releases the unit's gathered parameters there).
         """
         self.buckets, self.locations = list(buckets), locations
         self.dp, self.stats, self.scaling = dp, stats, scaling
         self.use_reduce_scatter, self.max_in_flight = use_reduce_scatter, max_in_flight
         self.ignore_unused_parameters, self.param_names = ignore_unused_parameters, param_names or {}
+        self.on_bucket_complete = on_bucket_complete
         self._in_flight: collections.deque[GradBucket] = collections.deque()
         self._session: _Session | None = None
         self._grads_outside_session = False
@@ -142,6 +146,8 @@ class GradReducer:
         if session.eager and slot.param_index not in session.arrived[index]:
             session.arrived[index].add(slot.param_index)
             session.remaining[index] -= 1
+            if session.remaining[index] == 0 and self.on_bucket_complete is not None:
+                self.on_bucket_complete(index)
             while session.next_launch < len(self.buckets) and session.remaining[session.next_launch] == 0:
                 self._launch(session.next_launch)
                 session.next_launch += 1

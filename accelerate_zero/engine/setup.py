@@ -17,7 +17,6 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Keys that only mean something at stage 3; DeepSpeed ignores them below it, we say so.
 _STAGE3_ONLY = (
-    "sub_group_size",
     "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold",
     "stage3_model_persistence_threshold",
@@ -44,10 +43,15 @@ def check_implemented(config: ZeroConfig) -> None:
     """
     zero = config.zero_optimization
     problems = []
-    if zero.stage == 3:
+    if zero.stage3_allgather_sequential:
+        problems.append("zero_optimization.stage3_allgather_sequential=true: units are always gathered flat")
+    if zero.stage3_module_granularity_threshold != 0:
         problems.append(
-            "zero_optimization.stage=3: stage 3 (parameter partitioning) is not available yet; use stage 2"
+            f"zero_optimization.stage3_module_granularity_threshold={zero.stage3_module_granularity_threshold}: "
+            "not available; choose the gather units with initialize(unit_classes=...) or leaf_module"
         )
+    if zero.pipeline_loading_checkpoint:
+        problems.append("zero_optimization.pipeline_loading_checkpoint=true: partitioned loading is not available yet")
     for block in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, block)
         if offload is not None and offload.device != "none":
@@ -73,6 +77,9 @@ def _warn_inapplicable(config: ZeroConfig) -> None:
     inert = []
     if zero.stage < 3:
         inert += [f"zero_optimization.{k}" for k in _STAGE3_ONLY if getattr(zero, k) != getattr(defaults, k)]
+    offload = any(b is not None and b.device != "none" for b in (zero.offload_optimizer, zero.offload_param))
+    if zero.sub_group_size != defaults.sub_group_size and not offload:
+        inert.append("zero_optimization.sub_group_size (tiles the optimizer step of offloaded state only)")
     if zero.round_robin_gradients:
         inert.append("zero_optimization.round_robin_gradients (only reorders CPU-offloaded gradients)")
     if inert:

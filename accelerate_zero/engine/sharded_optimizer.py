@@ -127,6 +127,12 @@ class ShardedOptimizer:
                 grad.mul_(coefficient)
             master.grad = grad
 
+    def refresh_masters(self) -> None:
+        """Copies the parameter shards into the fp32 master weights (after parameters were overwritten)."""
+        for shard_slice in self.slices:
+            if not shard_slice.aliased:
+                shard_slice.master.copy_(shard_slice.params)
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Master weights and optimizer state tensors (for memory accounting)."""
         masters = [s.master for s in self.slices if not s.aliased]

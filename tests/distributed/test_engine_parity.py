@@ -79,6 +79,44 @@ def _cases() -> list[Case]:
             ),
             Case(f"s{stage}-grad-accum-4", stage, {"reduce_bucket_size": 30}, grad_accum=4, optimizer="sgd", clip=0.0),
         ]
+    no_persist = {"stage3_param_persistence_threshold": 0}
+    cases += [
+        Case("s3-release-after-forward", 3, {**no_persist, "stage3_max_reuse_distance": 0}),
+        Case("s3-biases-persistent-reuse", 3, {"stage3_param_persistence_threshold": 20}, optimizer="sgd", clip=0.0),
+        Case(
+            "s3-groups-frozen-scheduler",
+            3,
+            {**no_persist, "stage3_max_reuse_distance": 0},
+            groups=True,
+            frozen=True,
+            scheduler=True,
+        ),
+        Case(
+            "s3-prefetch-bounded-accum-4",
+            3,
+            {
+                **no_persist,
+                "stage3_prefetch_bucket_size": 120,
+                "stage3_max_live_parameters": 300,
+                "stage3_max_reuse_distance": 0,
+            },
+            grad_accum=4,
+            optimizer="sgd",
+            clip=0.0,
+        ),
+        Case(
+            "s3-allreduce-fetch-lazy-grads",
+            3,
+            {
+                **no_persist,
+                "stage3_use_all_reduce_for_fetch_params": True,
+                "contiguous_gradients": False,
+                "overlap_comm": False,
+            },
+            optimizer="sgd",
+            clip=5.0,
+        ),
+    ]
     return cases
 
 
@@ -117,12 +155,14 @@ def _run_case(case: Case, rank: int, world_size: int) -> dict[str, float]:
             loss = torch.nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with accelerate_zero.GatheredParameters(model.parameters()):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        max_diff = max_param_diff(model, reference)
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     engine.destroy()
     return {
-        "max_diff": max_param_diff(model, reference),
+        "max_diff": max_diff,
         "rank_spread": max((g - gathered[0]).abs().max().item() for g in gathered),
         "global_steps": engine.global_steps,
         "lr": engine.get_lr()[0],

@@ -6,6 +6,7 @@ returns their results; the assertions happen in the pytest process.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -36,6 +37,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
         ACCELERATE_ZERO_PG_TIMEOUT=str(PG_TIMEOUT_SECONDS),
     )
     torch.set_num_threads(1)
+    faulthandler.enable()  # a segfault in a rank prints its Python stack
     try:
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:

@@ -1,0 +1,107 @@
+"""GatheredParameters: read full parameters, or write them from one rank, whatever the stage.
+
+DeepSpeed's `GatheredParameters(params, modifier_rank=None)` takes parameters only, so the engine that owns a
+parameter is found in a side table keyed by the parameter (weakly: it never keeps a model alive). This is the one
+module-level table of the package; nothing is attached to `nn.Parameter` objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from accelerate_zero.engine import collectives
+from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.engine.engine import ZeroEngine
+
+# Keyed by identity: tensors compare element-wise, so a plain WeakKeyDictionary cannot hold them.
+_ENGINE_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_engine_params(engine: ZeroEngine) -> None:
+    for param in engine.module.parameters():
+        _ENGINE_OF_PARAM[param] = engine
+
+
+def unregister_engine_params(engine: ZeroEngine) -> None:
+    for param in engine.module.parameters():
+        if _ENGINE_OF_PARAM.get(param) is engine:
+            del _ENGINE_OF_PARAM[param]
+
+
+class GatheredParameters:
+    """Gathers the full values of `params` for the duration of the context.
+
+    Every rank must enter the context with the same parameters (it communicates under stage 3). Parameters not
+    managed by an engine are left as they are.
+
+    Args:
+        params: a parameter or an iterable of parameters.
+        modifier_rank: None to read only. Otherwise the rank whose writes to the gathered parameters are kept:
+            on exit its values are broadcast and become every rank's shard and fp32 master weights.
+        enabled: False makes the context do nothing.
+
+    Example:
+        with accelerate_zero.GatheredParameters(model.lm_head.weight, modifier_rank=0):
+            if rank == 0:
+                model.lm_head.weight.zero_()
+    """
+
+    def __init__(
+        self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None, enabled: bool = True
+    ) -> None:
+        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.modifier_rank, self.enabled = modifier_rank, enabled
+        self._held: list[tuple[ZeroEngine, list[ParamUnit], list[bool]]] = []
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        for engine, params in _by_engine(self.params):
+            units = engine.units_of(params)
+            was_gathered = [unit.state is UnitState.GATHERED for unit in units]
+            for unit in units:
+                unit.holds += 1
+                unit.unshard(engine.dp, engine.comm_stats_counter)
+            for unit in units:
+                unit.wait_for_unshard()
+            self._held.append((engine, units, was_gathered))
+
+    def __exit__(self, *exc: Any) -> None:
+        held, self._held = self._held, []
+        for engine, units, was_gathered in held:
+            if self.modifier_rank is not None and exc[0] is None:
+                _publish_writes(engine, units, self.modifier_rank, self.params)
+            for unit, kept in zip(units, was_gathered, strict=True):
+                unit.holds -= 1
+                if not kept and unit.holds == 0:
+                    unit.reshard()
+
+
+def _by_engine(params: list[nn.Parameter]) -> list[tuple[ZeroEngine, list[nn.Parameter]]]:
+    grouped: dict[int, tuple[ZeroEngine, list[nn.Parameter]]] = {}
+    for param in params:
+        engine = _ENGINE_OF_PARAM.get(param)
+        if engine is not None:
+            grouped.setdefault(id(engine), (engine, []))[1].append(param)
+    return list(grouped.values())
+
+
+def _publish_writes(engine: ZeroEngine, units: list[ParamUnit], src: int, params: list[nn.Parameter]) -> None:
+    with torch.no_grad():
+        for unit in units:
+            for flat in unit.flats:
+                collectives.broadcast(flat.full, src, engine.dp, engine.comm_stats_counter)
+            unit.refresh_shards_from_full()
+        in_units = {id(p) for unit in units for flat in unit.flats for p in flat.params}
+        for param in params:
+            if id(param) not in in_units and _ENGINE_OF_PARAM.get(param) is engine:
+                collectives.broadcast(param.data, src, engine.dp, engine.comm_stats_counter)
+        engine.sharded_optimizer.refresh_masters()

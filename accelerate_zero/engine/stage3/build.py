@@ -1,0 +1,117 @@
+"""Stage 3 as a composition: gather units for most parameters, stage-2 style groups for the persistent ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from accelerate_zero.engine.buckets import GradBucket, ReduceMode
+from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard, group_slices
+from accelerate_zero.engine.shard_plan import ParamSlot, plan_group
+from accelerate_zero.engine.sharded_optimizer import ShardSlice
+from accelerate_zero.engine.stage3.param_unit import ParamUnit, build_flat, unit_slices
+from accelerate_zero.engine.stage3.units import UnitLayout
+
+
+@dataclass
+class DtypePlan:
+    compute: torch.dtype
+    grad: torch.dtype
+    comm: torch.dtype
+
+
+@dataclass
+class Stage3Parts:
+    units: list[ParamUnit]
+    root: ParamUnit
+    persistent_groups: list[GroupShard]
+    buckets: list[GradBucket]
+    """Every gradient bucket in launch order: units in backward order, the root unit, then persistent ones."""
+    locations: dict[nn.Parameter, tuple[int, ParamSlot]]
+    unit_of_bucket: dict[int, ParamUnit]
+    slices_by_group: list[list[ShardSlice]]
+
+
+def build_stage3(
+    layout: UnitLayout,
+    trainable_groups: list[list[nn.Parameter]],
+    *,
+    rank: int,
+    world_size: int,
+    dtypes: DtypePlan,
+    device: torch.device,
+    reduce_bucket_numel: int,
+    contiguous_gradients: bool,
+) -> Stage3Parts:
+    """Flattens and shards every unit, and plans the persistent parameters per optimizer param group."""
+    group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
+    units = _build_units(layout, group_of, rank, world_size, dtypes, device, contiguous_gradients)
+    root = units[-1]
+    persistent = set(layout.persistent)
+    persistent_groups = []
+    for params in trainable_groups:
+        kept = [p for p in params if p in persistent]
+        plan = plan_group([tuple(p.shape) for p in kept], reduce_bucket_numel, world_size)
+        persistent_groups.append(
+            build_group_shard(
+                kept,
+                plan,
+                rank=rank,
+                mode=ReduceMode.SCATTER_TO_SHARD,
+                compute_dtype=dtypes.compute,
+                grad_dtype=dtypes.grad,
+                comm_dtype=dtypes.comm,
+                device=device,
+                contiguous_gradients=contiguous_gradients,
+            )
+        )
+    ordered_units = [u for u in reversed(units) if u is not root] + [root]
+    buckets: list[GradBucket] = []
+    locations: dict[nn.Parameter, tuple[int, ParamSlot]] = {}
+    unit_of_bucket: dict[int, ParamUnit] = {}
+    for unit in ordered_units:
+        if unit.bucket is None or unit.trainable is None:
+            continue
+        unit_of_bucket[len(buckets)] = unit
+        for slot in unit.trainable.plan.slots:
+            locations[unit.trainable.params[slot.param_index]] = (len(buckets), slot)
+        buckets.append(unit.bucket)
+    for shard in persistent_groups:
+        for bucket in shard.buckets:
+            for slot in bucket.plan.slots:
+                locations[shard.params[slot.param_index]] = (len(buckets), slot)
+            buckets.append(bucket)
+    slices = [group_slices(shard) for shard in persistent_groups]
+    for unit in units:
+        for index, unit_group in enumerate(unit_slices(unit, group_of, rank, len(trainable_groups))):
+            slices[index] += unit_group
+    return Stage3Parts(units, root, persistent_groups, buckets, locations, unit_of_bucket, slices)
+
+
+def _build_units(
+    layout: UnitLayout,
+    group_of: dict[nn.Parameter, int],
+    rank: int,
+    world_size: int,
+    dtypes: DtypePlan,
+    device: torch.device,
+    contiguous_gradients: bool,
+) -> list[ParamUnit]:
+    units = []
+    for index, spec in enumerate(layout.units):
+        # Grouping a unit's trainable parameters by optimizer group makes each group one run of the shard.
+        trainable = sorted((p for p in spec.trainable if p in group_of), key=lambda p: group_of[p])
+        train_flat = build_flat(trainable, rank, world_size, dtypes.compute, device) if trainable else None
+        frozen_flat = build_flat(spec.frozen, rank, world_size, dtypes.compute, device) if spec.frozen else None
+        bucket = None
+        if train_flat is not None:
+            storage = None
+            if contiguous_gradients:
+                storage = torch.zeros(train_flat.plan.shard_numel, dtype=dtypes.grad, device=device)
+            bucket = GradBucket(
+                train_flat.plan, ReduceMode.SCATTER_TO_SHARD, rank, dtypes.grad, dtypes.comm, device, storage
+            )
+        units.append(ParamUnit(index, spec.name, spec.module, train_flat, frozen_flat, bucket))
+    return units

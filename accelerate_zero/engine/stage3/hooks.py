@@ -1,0 +1,64 @@
+"""Module and tensor hooks for stage 3: they keep their handles and delegate to the UnitScheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from accelerate_zero.engine.stage3.param_unit import ParamUnit
+from accelerate_zero.engine.stage3.schedule import UnitScheduler
+
+
+def register_unit_hooks(units: list[ParamUnit], scheduler: UnitScheduler) -> list[RemovableHandle]:
+    """Gather before each unit's forward, release after it, and gather again before its backward."""
+    handles = []
+    for unit in units:
+        handles.append(unit.module.register_forward_pre_hook(_PreForward(unit, scheduler), prepend=True))
+        handles.append(unit.module.register_forward_hook(_PostForward(unit, scheduler)))
+    return handles
+
+
+class _PreForward:
+    def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
+        self.unit, self.scheduler = unit, scheduler
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        with torch.profiler.record_function("ZeRO::pre_forward"):
+            self.scheduler.pre_forward(self.unit)
+
+
+class _PostForward:
+    def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
+        self.unit, self.scheduler = unit, scheduler
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        with torch.profiler.record_function("ZeRO::post_forward"):
+            if torch.is_grad_enabled():
+                pre_backward = _PreBackward(self.unit, self.scheduler)
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(pre_backward)
+            self.scheduler.post_forward(self.unit)
+
+
+class _PreBackward:
+    """Runs when the gradient of one of the unit's outputs is computed, i.e. before the unit's own backward."""
+
+    def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
+        self.unit, self.scheduler = unit, scheduler
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        with torch.profiler.record_function("ZeRO::pre_backward"):
+            self.scheduler.pre_backward(self.unit)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):
+        return [t for value in output.values() for t in _tensors(value)]
+    if isinstance(output, (list, tuple)):
+        return [t for value in output for t in _tensors(value)]
+    return []

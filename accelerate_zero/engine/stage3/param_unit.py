@@ -1,0 +1,186 @@
+"""ParamUnit: one gather unit's lifecycle (sharded -> gathering -> gathered -> sharded).
+
+[Note: what a parameter points at while its unit is sharded]
+The unit's parameters are views into a full flat buffer. At rest the buffer's storage is resized to zero bytes
+and each parameter's `.data` is an empty placeholder (shape `[0]`, as under DeepSpeed ZeRO-3), so reading it
+outside the unit's forward fails with a shape error instead of reading freed memory; read or modify parameters
+inside `accelerate_zero.GatheredParameters(...)`. Gathering resizes the same storage back, all-gathers into it,
+and points the parameters at their views again. Keeping the storage object (not allocating a new one) matters:
+tensors autograd saved in forward as views of a weight (e.g. its transpose) see the re-gathered values in
+backward. Only this rank's shard stays in memory permanently.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from accelerate_zero.engine import collectives
+from accelerate_zero.engine.buckets import GradBucket
+from accelerate_zero.engine.collectives import CommStats, Pending
+from accelerate_zero.engine.flat_buffer import flatten_params
+from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
+from accelerate_zero.engine.sharded_optimizer import ShardSlice
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    """Only this rank's shard is in memory; the parameters' storage is empty."""
+    GATHERING = "gathering"
+    """The all-gather is in flight: `wait_for_unshard()` before computing."""
+    GATHERED = "gathered"
+    """The full parameters are usable."""
+
+
+@dataclass
+class FlatUnitBuffer:
+    """One flat buffer of a unit (its trainable or its frozen parameters)."""
+
+    plan: BucketPlan
+    rank: int
+    """Whose slice `shard` is."""
+    params: list[nn.Parameter]  # `ParamSlot.param_index` indexes this list
+    views: list[torch.Tensor]  # per param: its view into `full` (what `.data` is while gathered)
+    full: torch.Tensor  # 1D, plan.numel; storage freed while sharded
+    shard: torch.Tensor  # 1D, plan.shard_numel: this rank's slice, always resident
+
+    def allocate(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.plan.numel * self.full.element_size())
+
+    def expose(self) -> None:
+        for param, view in zip(self.params, self.views, strict=True):
+            param.data = view
+
+    def free(self) -> None:
+        placeholder = self.full.new_empty(0)
+        for param in self.params:
+            param.data = placeholder
+        self.full.untyped_storage().resize_(0)
+
+
+def build_flat(
+    params: list[nn.Parameter], rank: int, num_shards: int, dtype: torch.dtype, device: torch.device
+) -> FlatUnitBuffer:
+    """Flattens `params` into one padded bucket, keeps this rank's slice, and frees the full buffer."""
+    plan = plan_group([tuple(p.shape) for p in params], sys.maxsize, num_shards)
+    full = flatten_params(params, plan, dtype, device)
+    (bucket,) = plan.buckets
+    lo, hi = bucket.shard_range(rank)
+    views = [param.data for param in params]
+    flat = FlatUnitBuffer(plan=bucket, rank=rank, params=params, views=views, full=full, shard=full[lo:hi].clone())
+    flat.free()
+    return flat
+
+
+class ParamUnit:
+    """A gather unit: its flat buffers, the gradient bucket of its trainable part, and its state."""
+
+    index: int
+    name: str
+    module: nn.Module
+    flats: list[FlatUnitBuffer]
+    trainable: FlatUnitBuffer | None
+    bucket: GradBucket | None
+    state: UnitState
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        trainable: FlatUnitBuffer | None,
+        frozen: FlatUnitBuffer | None,
+        bucket: GradBucket | None,
+    ) -> None:
+        self.index, self.name, self.module = index, name, module
+        self.trainable, self.bucket = trainable, bucket
+        self.flats = [f for f in (trainable, frozen) if f is not None]
+        self.numel = sum(f.plan.numel for f in self.flats)
+        self.state = UnitState.SHARDED
+        self.holds = 0
+        """Open `GatheredParameters` contexts; the unit is not released while any is open."""
+        self._pending: list[Pending] = []
+
+    def __repr__(self) -> str:
+        return f"ParamUnit({self.index}, {self.name or '<root>'!r}, numel={self.numel}, {self.state.value})"
+
+    def unshard(self, dp: DataParallelGroup, stats: CommStats, use_all_reduce: bool = False) -> None:
+        """Starts gathering the full parameters (asynchronously); nothing to do unless sharded.
+
+        `use_all_reduce` fetches with an all-reduce of a zero buffer holding only this rank's slice
+        (DeepSpeed's `stage3_use_all_reduce_for_fetch_params`): twice the traffic, for networks where
+        all-reduce is faster than all-gather.
+        """
+        if self.state is not UnitState.SHARDED:
+            return
+        for flat in self.flats:
+            flat.allocate()
+            if use_all_reduce:
+                flat.full.zero_()
+                flat.full[slice(*flat.plan.shard_range(flat.rank))].copy_(flat.shard)
+                pending = collectives.all_reduce(flat.full, dp, stats, async_op=True, kind="all_reduce_fetch")
+            else:
+                pending = collectives.all_gather(flat.full, flat.shard, dp, stats, async_op=True)
+            self._pending.append(pending)
+        self.state = UnitState.GATHERING
+
+    def wait_for_unshard(self) -> None:
+        if self.state is UnitState.GATHERING:
+            for pending in self._pending:
+                pending.wait()
+            self._pending.clear()
+            for flat in self.flats:
+                flat.expose()
+            self.state = UnitState.GATHERED
+
+    def reshard(self, force: bool = False) -> None:
+        """Frees the full parameters (kept while a `GatheredParameters` context holds them, unless `force`)."""
+        if self.state is UnitState.SHARDED or (self.holds and not force):
+            return
+        self.wait_for_unshard()
+        for flat in self.flats:
+            flat.free()
+        self.state = UnitState.SHARDED
+
+    def refresh_shards_from_full(self) -> None:
+        """After the full parameters were written (GatheredParameters with a modifier rank): keep our slice."""
+        for flat in self.flats:
+            lo, hi = flat.plan.shard_range(flat.rank)
+            flat.shard.copy_(flat.full[lo:hi])
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [t for flat in self.flats for t in (flat.shard, flat.full)]
+
+
+def unit_slices(
+    unit: ParamUnit, group_of: dict[nn.Parameter, int], rank: int, num_groups: int
+) -> list[list[ShardSlice]]:
+    """This rank's runs of the unit's trainable shard, one optimizer tensor per (param group, contiguous run)."""
+    out: list[list[ShardSlice]] = [[] for _ in range(num_groups)]
+    flat, bucket = unit.trainable, unit.bucket
+    if flat is None or bucket is None:
+        return out
+    lo, hi = flat.plan.shard_range(rank)
+    master = flat.shard if flat.shard.dtype == torch.float32 else flat.shard.float()
+    runs: list[tuple[int, int, int]] = []  # (group, start, end) relative to the shard
+    for slot in sorted(flat.plan.slots, key=lambda s: s.offset):
+        start, end = max(lo, slot.offset) - lo, min(hi, slot.offset + slot.numel) - lo
+        if start >= end:
+            continue
+        group = group_of[flat.params[slot.param_index]]
+        if runs and runs[-1][0] == group and runs[-1][2] == start:
+            runs[-1] = (group, runs[-1][1], end)
+        else:
+            runs.append((group, start, end))
+    for group, start, end in runs:
+        params = flat.shard[start:end]
+        master_run = params if master is flat.shard else master[start:end]
+        out[group].append(ShardSlice(bucket=bucket, start=start, end=end, master=master_run, params=params))
+    return out

@@ -1,0 +1,167 @@
+"""UnitScheduler: when units are gathered, prefetched and released during forward and backward.
+
+[Note: the execution-order trace]
+The first forward records the order in which units run. Later forwards compare against it: while they follow it,
+the next units are gathered ahead (forward: the following ones; backward: the preceding ones), up to
+`stage3_prefetch_bucket_size` elements ahead and `stage3_max_live_parameters` gathered in total. A forward that
+takes another order (a different branch, generation) stops prefetching for the rest of that forward and is
+recorded as the new trace: correctness never depends on the trace, only the overlap does. The first change is
+logged as a warning, later ones at debug level only.
+
+[Note: release after forward]
+After a unit's forward (outside backward) it is released unless it will be used again within
+`stage3_max_reuse_distance` elements and keeping it stays within `stage3_max_live_parameters`, as in DeepSpeed.
+When backward follows (grad enabled), a unit's next use is its backward, after the units that ran after it
+have been used twice (their forward and their backward); without grad, the next forward. A unit recomputed
+during backward (activation checkpointing) is kept until its gradients are done.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
+
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (activation checkpointing recomputes forwards there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnitScheduler:
+    """Drives `ParamUnit` state from the module and gradient hooks (see the notes above)."""
+
+    def __init__(
+        self,
+        units: Sequence[ParamUnit],
+        root: ParamUnit | None,
+        dp: DataParallelGroup,
+        stats: CommStats,
+        *,
+        prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_distance: int,
+        use_all_reduce: bool = False,
+    ) -> None:
+        """`use_all_reduce`: `stage3_use_all_reduce_for_fetch_params`, gather with an all-reduce."""
+        self.units, self.root, self.dp, self.stats = list(units), root, dp, stats
+        self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        self.max_reuse_distance, self.use_all_reduce = max_reuse_distance, use_all_reduce
+        self.phase = Phase.IDLE
+        self.trace: list[int] | None = None
+        self._observed: list[int] = []
+        self._on_trace = False
+        self._trace_changes = 0
+        self.peak_live_numel = 0
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, unit: ParamUnit) -> None:
+        recompute = in_backward()
+        if unit is self.root and not recompute:
+            self.phase = Phase.FORWARD
+            self._observed = []
+            self._on_trace = self.trace is not None
+        if not recompute:
+            self._follow_trace(unit)
+        self._gather_now(unit)
+        if not recompute and self._on_trace:
+            assert self.trace is not None
+            self._prefetch(self.trace[len(self._observed) :])
+
+    def post_forward(self, unit: ParamUnit) -> None:
+        if in_backward():
+            return  # recomputed for backward: keep until the gradients are done
+        if unit is self.root:
+            self._end_forward()
+        if not self._keep_after_forward(unit):
+            unit.reshard()
+
+    def _follow_trace(self, unit: ParamUnit) -> None:
+        position = len(self._observed)
+        self._observed.append(unit.index)
+        if self._on_trace and (
+            self.trace is None or position >= len(self.trace) or self.trace[position] != unit.index
+        ):
+            self._on_trace = False
+
+    def _end_forward(self) -> None:
+        observed = self._observed
+        if self.trace is not None and observed != self.trace:
+            self._trace_changes += 1
+            log = logger.warning if self._trace_changes == 1 else logger.debug
+            log(
+                "accelerate_zero stage 3: the order in which modules ran changed (%d units, was %d); prefetching "
+                "follows the new order from the next forward (further changes are logged at debug level)",
+                len(observed),
+                len(self.trace),
+            )
+        self.trace = observed
+        self._on_trace = False
+
+    def _keep_after_forward(self, unit: ParamUnit) -> bool:
+        if self.trace is None or unit.index not in self.trace:
+            return False
+        last = len(self.trace) - 1 - self.trace[::-1].index(unit.index)
+        later = self.trace[last + 1 :]
+        numel = {u.index: u.numel for u in self.units}
+        after = sum(numel[i] for i in set(later))
+        backward_follows = torch.is_grad_enabled()
+        distance = 2 * after if backward_follows else sum(numel.values()) - unit.numel
+        return distance <= self.max_reuse_distance and self.live_numel() <= self.max_live_numel
+
+    # ----------------------------------------------------------------- backward
+    def pre_backward(self, unit: ParamUnit) -> None:
+        self.phase = Phase.BACKWARD
+        self._gather_now(unit)
+        if self.trace is not None and unit.index in self.trace:
+            last = len(self.trace) - 1 - self.trace[::-1].index(unit.index)
+            self._prefetch(reversed(self.trace[:last]))
+
+    def post_backward(self, unit: ParamUnit) -> None:
+        unit.reshard()
+
+    def end_backward(self) -> None:
+        self.release_all()
+        self.phase = Phase.IDLE
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    # ------------------------------------------------------------------ helpers
+    def live_numel(self) -> int:
+        return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
+
+    def _gather_now(self, unit: ParamUnit) -> None:
+        unit.unshard(self.dp, self.stats, self.use_all_reduce)
+        unit.wait_for_unshard()
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
+
+    def _prefetch(self, upcoming: Sequence[int] | object) -> None:
+        budget, live = self.prefetch_numel, self.live_numel()
+        by_index = {u.index: u for u in self.units}
+        for index in upcoming:  # type: ignore[attr-defined]
+            unit = by_index[index]
+            if unit.state is not UnitState.SHARDED:
+                continue
+            if unit.numel > budget or live + unit.numel > self.max_live_numel:
+                break
+            unit.unshard(self.dp, self.stats, self.use_all_reduce)
+            budget -= unit.numel
+            live += unit.numel
+        self.peak_live_numel = max(self.peak_live_numel, live)
