@@ -23,7 +23,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.flat_buffer import all_gather_params, build_group_shard, group_slices
-from accelerate_zero.engine.gathered import register_engine_params, unregister_engine_params
+from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
 from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.groups import DataParallelGroup, default_device, init_data_parallel_group
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
@@ -212,6 +212,9 @@ class ZeroEngine:
             use_all_reduce=zero.stage3_use_all_reduce_for_fetch_params,
         )
         self._unit_hooks = register_unit_hooks(parts.units, self.scheduler)
+        # Under stage 3 every forward is a collective: transformers' generate() must keep all ranks stepping
+        # until the longest sequence is done (synced_gpus). It enables that for modules flagged this way.
+        self.module._is_fsdp_managed_module = True
         scheduler = self.scheduler
 
         def on_complete(index: int) -> None:
@@ -399,16 +402,31 @@ class ZeroEngine:
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The full model state dict (keys as `module.state_dict()`) on CPU on rank 0; `{}` on other ranks.
 
+        Every rank must call it. At stage 3 the units are gathered one at a time, so no rank ever holds more than
+        one extra unit.
+
         Args:
             dtype: cast floating-point tensors to this dtype; None keeps the compute dtype.
         """
+
+        def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+            cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            return tensor.detach().to(device="cpu", dtype=cast, copy=True)
+
+        gathered: dict[str, torch.Tensor] = {}
+        names: dict[int, list[str]] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        for unit in self.units:
+            params = [p for flat in unit.flats for p in flat.params]
+            with GatheredParameters(params):
+                if self.dp.rank == 0:
+                    gathered.update({name: to_cpu(p) for p in params for name in names[id(p)]})
         if self.dp.rank != 0:
             return {}
-        out = {}
-        for name, tensor in self.module.state_dict().items():
-            cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            out[name] = tensor.detach().to(device="cpu", dtype=cast, copy=True)
-        return out
+        return {
+            name: gathered[name] if name in gathered else to_cpu(t) for name, t in self.module.state_dict().items()
+        }
 
     def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]:
         """The stage 3 gather units holding any of `params`, in unit order (the same on every rank)."""

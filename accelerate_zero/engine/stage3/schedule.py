@@ -9,8 +9,8 @@ recorded as the new trace: correctness never depends on the trace, only the over
 logged as a warning, later ones at debug level only.
 
 [Note: release after forward]
-After a unit's forward (outside backward) it is released unless it will be used again within
-`stage3_max_reuse_distance` elements and keeping it stays within `stage3_max_live_parameters`, as in DeepSpeed.
+After a unit's forward (outside backward) it is released unless it will be used again in fewer than
+`stage3_max_reuse_distance` elements (0 always releases) and keeping it stays within `stage3_max_live_parameters`, as in DeepSpeed.
 When backward follows (grad enabled), a unit's next use is its backward, after the units that ran after it
 have been used twice (their forward and their backward); without grad, the next forward. A unit recomputed
 during backward (activation checkpointing) is kept until its gradients are done.
@@ -122,7 +122,7 @@ class UnitScheduler:
         after = sum(numel[i] for i in set(later))
         backward_follows = torch.is_grad_enabled()
         distance = 2 * after if backward_follows else sum(numel.values()) - unit.numel
-        return distance <= self.max_reuse_distance and self.live_numel() <= self.max_live_numel
+        return distance < self.max_reuse_distance and self.live_numel() <= self.max_live_numel
 
     # ----------------------------------------------------------------- backward
     def pre_backward(self, unit: ParamUnit) -> None:
