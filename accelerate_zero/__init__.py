@@ -2,9 +2,18 @@
 
 from accelerate_zero.config import AUTO, ZeroConfig, ZeroConfigError
 from accelerate_zero.engine.engine import ZeroEngine, initialize
-from accelerate_zero.engine.gathered import GatheredParameters
+from accelerate_zero.engine.gathered import GatheredParameters, register_external_parameter
 
 
 __version__ = "0.1.0"
 
-__all__ = ["AUTO", "GatheredParameters", "ZeroConfig", "ZeroConfigError", "ZeroEngine", "initialize", "__version__"]
+__all__ = [
+    "AUTO",
+    "GatheredParameters",
+    "ZeroConfig",
+    "ZeroConfigError",
+    "ZeroEngine",
+    "__version__",
+    "initialize",
+    "register_external_parameter",
+]

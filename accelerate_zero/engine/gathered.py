@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from accelerate_zero.engine import collectives
+from accelerate_zero.engine.stage3.external import attach, find_unit
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
 
@@ -105,3 +106,17 @@ def _publish_writes(engine: ZeroEngine, units: list[ParamUnit], src: int, params
             if id(param) not in in_units and _ENGINE_OF_PARAM.get(param) is engine:
                 collectives.broadcast(param.data, src, engine.dp, engine.comm_stats_counter)
         engine.sharded_optimizer.refresh_masters()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declares that `module`'s forward uses `parameter`, which another module owns (DeepSpeed's API).
+
+    Stage 3 then gathers the parameter's unit together with `module`'s unit. Uses in the first forward are found
+    automatically; register the ones that only happen later (a branch not taken at first). No-op below stage 3.
+    """
+    engine = _ENGINE_OF_PARAM.get(parameter)
+    if engine is None or not engine.units:
+        return
+    (used,) = engine.units_of([parameter]) or (None,)
+    if used is not None:
+        attach(find_unit(engine.units, module), used)

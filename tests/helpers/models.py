@@ -94,3 +94,22 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
         (pa.detach().float() - pb.detach().float()).abs().max().item()
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
     )
+
+
+class TwistyModel(nn.Module):
+    """A block called twice, a weight used outside its module's forward, and a branch that appears later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN_FEATURES, HIDDEN)
+        self.block = nn.Linear(HIDDEN, HIDDEN)
+        self.alt = nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, OUT_FEATURES)
+        self.use_alt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.block(torch.tanh(self.block(torch.tanh(self.inp(x))))))
+        if self.use_alt:
+            h = torch.tanh(self.alt(h))
+        # self.out's weight used again by the root, outside self.out's own forward
+        return self.out(h) + 0.5 * nn.functional.linear(h, self.out.weight)

@@ -16,7 +16,8 @@ def register_unit_hooks(units: list[ParamUnit], scheduler: UnitScheduler) -> lis
     handles = []
     for unit in units:
         handles.append(unit.module.register_forward_pre_hook(_PreForward(unit, scheduler), prepend=True))
-        handles.append(unit.module.register_forward_hook(_PostForward(unit, scheduler)))
+        # always_call: a forward that raises still leaves the unit and the scheduler consistent
+        handles.append(unit.module.register_forward_hook(_PostForward(unit, scheduler), always_call=True))
     return handles
 
 

@@ -106,6 +106,8 @@ class ParamUnit:
         self.state = UnitState.SHARDED
         self.holds = 0
         """Open `GatheredParameters` contexts; the unit is not released while any is open."""
+        self.external: list[ParamUnit] = []
+        """Units whose parameters this unit's forward uses (gathered with it; see stage3/external.py)."""
         self._pending: list[Pending] = []
 
     def __repr__(self) -> str:

@@ -26,6 +26,7 @@ import torch
 
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.stage3.external import ExternalUseDetector, param_index
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
 
@@ -68,28 +69,44 @@ class UnitScheduler:
         self._on_trace = False
         self._trace_changes = 0
         self.peak_live_numel = 0
+        self.active: list[ParamUnit] = []
+        """Units whose forward is running, innermost last."""
+        self._detector: ExternalUseDetector | None = None
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ParamUnit) -> None:
         recompute = in_backward()
         if unit is self.root and not recompute:
-            self.phase = Phase.FORWARD
-            self._observed = []
-            self._on_trace = self.trace is not None
+            self._begin_forward()
         if not recompute:
             self._follow_trace(unit)
-        self._gather_now(unit)
+        self.active.append(unit)
+        for needed in (unit, *unit.external):
+            self._gather_now(needed)
         if not recompute and self._on_trace:
             assert self.trace is not None
             self._prefetch(self.trace[len(self._observed) :])
 
     def post_forward(self, unit: ParamUnit) -> None:
+        if self.active and self.active[-1] is unit:
+            self.active.pop()
         if in_backward():
             return  # recomputed for backward: keep until the gradients are done
         if unit is self.root:
             self._end_forward()
-        if not self._keep_after_forward(unit):
-            unit.reshard()
+        in_use = {id(u) for active in self.active for u in (active, *active.external)}
+        for done in (unit, *unit.external):
+            if id(done) not in in_use and not self._keep_after_forward(done):
+                done.reshard()
+
+    def _begin_forward(self) -> None:
+        self.phase = Phase.FORWARD
+        self._observed = []
+        self._on_trace = self.trace is not None
+        self.active.clear()
+        if self.trace is None and self._detector is None:
+            self._detector = ExternalUseDetector(param_index(self.units), self.active, self._gather_now)
+            self._detector.__enter__()
 
     def _follow_trace(self, unit: ParamUnit) -> None:
         position = len(self._observed)
@@ -100,6 +117,9 @@ class UnitScheduler:
             self._on_trace = False
 
     def _end_forward(self) -> None:
+        if self._detector is not None:
+            self._detector.__exit__(None, None, None)
+            self._detector = None
         observed = self._observed
         if self.trace is not None and observed != self.trace:
             self._trace_changes += 1
@@ -127,7 +147,8 @@ class UnitScheduler:
     # ----------------------------------------------------------------- backward
     def pre_backward(self, unit: ParamUnit) -> None:
         self.phase = Phase.BACKWARD
-        self._gather_now(unit)
+        for needed in (unit, *unit.external):
+            self._gather_now(needed)
         if self.trace is not None and unit.index in self.trace:
             last = len(self.trace) - 1 - self.trace[::-1].index(unit.index)
             self._prefetch(reversed(self.trace[:last]))
