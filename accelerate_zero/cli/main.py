@@ -17,9 +17,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="ZeRO (stages 0-3, offload) in pure PyTorch for Accelerate and the transformers Trainer.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from accelerate_zero.cli import validate
+    from accelerate_zero.cli import launch, validate
 
     validate.register(subcommands)
+    launch.register(subcommands)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Integrations with Hugging Face libraries: `integrations.accelerate` (launcher, ZeroPlugin)."""
