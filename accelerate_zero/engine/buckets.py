@@ -77,11 +77,12 @@ class GradBucket:
         comm_dtype: torch.dtype,
         device: torch.device,
         storage: torch.Tensor | None,
+        params: list[torch.nn.Parameter],
     ) -> None:
         """`storage`, when given, is a persistent view this bucket keeps its gradient in (full-size for stages 0/1,
         shard-size for stage 2: `contiguous_gradients`); otherwise storage is allocated on first use and released
-        after each step."""
-        self.plan, self.mode, self.rank = plan, mode, rank
+        after each step. `params` is the list `ParamSlot.param_index` indexes."""
+        self.plan, self.mode, self.rank, self.params = plan, mode, rank, params
         self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
         self._storage = storage
         self.state = BucketState.EMPTY

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
+from accelerate_zero.checkpoint.io import resolve_tag
 from accelerate_zero.config import ZeroConfig, resolve_config
 from accelerate_zero.debug.memory import bytes_by_kind
 from accelerate_zero.engine import collectives
@@ -427,6 +430,37 @@ class ZeroEngine:
         return {
             name: gathered[name] if name in gathered else to_cpu(t) for name, t in self.module.state_dict().items()
         }
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Saves the full training state (every rank its shard); every rank must call it.
+
+        The folder is universal: `load_checkpoint` restores it on any world size and stage. A save that is
+        interrupted never replaces the previous checkpoint (see accelerate_zero/checkpoint/io.py).
+
+        Args:
+            save_dir: the folder holding checkpoints; `<save_dir>/latest` names the newest.
+            tag: the checkpoint's sub-folder; default `global_step<N>`.
+            client_state: a dict of tensors and plain values saved alongside and returned by `load_checkpoint`.
+
+        Returns:
+            The checkpoint folder.
+        """
+        return str(save_engine(self, save_dir, tag, client_state))
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+    ) -> tuple[str, dict]:
+        """Restores a checkpoint written by `save_checkpoint`, re-partitioning it for this world size and stage.
+
+        Returns:
+            (the checkpoint folder, the client_state saved with it).
+        """
+        client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        return str(resolve_tag(Path(load_dir), tag)), client_state
 
     def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]:
         """The stage 3 gather units holding any of `params`, in unit order (the same on every rank)."""

@@ -82,7 +82,7 @@ def build_group_shard(
     for bucket, offset in zip(plan.buckets, offsets, strict=True):
         size = bucket.shard_numel if mode is ReduceMode.SCATTER_TO_SHARD else bucket.numel
         storage = None if grad_storage is None else grad_storage[offset : offset + size]
-        buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage))
+        buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage, params))
     shard = GroupShard(
         plan=plan,
         rank=rank,

@@ -60,12 +60,16 @@ def check_implemented(config: ZeroConfig) -> None:
                 f"{block} block or set its device to 'none'"
             )
     if not zero.load_from_fp32_weights:
-        problems.append("zero_optimization.load_from_fp32_weights=false: checkpoint loading is not available yet")
+        problems.append(
+            "zero_optimization.load_from_fp32_weights=false: accelerate_zero checkpoints always restore the fp32 "
+            "master weights; remove the key"
+        )
     default_checkpoint = type(config.checkpoint)()
     for field in dataclasses.fields(config.checkpoint):
         value = getattr(config.checkpoint, field.name)
-        if value != getattr(default_checkpoint, field.name):
-            problems.append(f"checkpoint.{field.name}={value!r}: engine checkpoints are not available yet")
+        # Our checkpoints are always universal (load_universal) and the tag is checked on save (tag_validation).
+        if value != getattr(default_checkpoint, field.name) and field.name not in ("load_universal", "tag_validation"):
+            problems.append(f"checkpoint.{field.name}={value!r}: not available; remove the key")
     if problems:
         raise NotImplementedError("accelerate_zero cannot run this config yet:\n- " + "\n- ".join(problems))
     _warn_inapplicable(config)

@@ -7,6 +7,7 @@ returns their results; the assertions happen in the pytest process.
 from __future__ import annotations
 
 import faulthandler
+import io
 import os
 import socket
 import traceback
@@ -39,7 +40,10 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
     torch.set_num_threads(1)
     faulthandler.enable()  # a segfault in a rank prints its Python stack
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Serialized, not shared: a tensor put on the queue as-is lives in this process's shared memory.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -69,7 +73,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
         failures = _drain(queue)
         details = "\n".join(f"rank {r}:\n{tb}" for r, status, tb in failures if status == "error")
         raise AssertionError(f"distributed run failed: {error}\n{details}") from None
-    results = {rank: value for rank, status, value in _drain(queue) if status == "ok"}
+    results = {
+        rank: torch.load(io.BytesIO(value), weights_only=True)
+        for rank, status, value in _drain(queue)
+        if status == "ok"
+    }
     return [results[rank] for rank in range(world_size)]
 
 

@@ -111,7 +111,14 @@ def _build_units(
             if contiguous_gradients:
                 storage = torch.zeros(train_flat.plan.shard_numel, dtype=dtypes.grad, device=device)
             bucket = GradBucket(
-                train_flat.plan, ReduceMode.SCATTER_TO_SHARD, rank, dtypes.grad, dtypes.comm, device, storage
+                train_flat.plan,
+                ReduceMode.SCATTER_TO_SHARD,
+                rank,
+                dtypes.grad,
+                dtypes.comm,
+                device,
+                storage,
+                train_flat.params,
             )
         units.append(ParamUnit(index, spec.name, spec.module, train_flat, frozen_flat, bucket))
     return units
