@@ -3,6 +3,8 @@
 Usage:
     accelerate-zero --help
     accelerate-zero validate CONFIG [--world_size N]
+    accelerate-zero estimate --params 7e9 --num_gpus 8 --gpu_memory 80GB
+    accelerate-zero launch --config_file accelerate_configs/zero2.yaml script.py
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="ZeRO (stages 0-3, offload) in pure PyTorch for Accelerate and the transformers Trainer.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from accelerate_zero.cli import launch, validate
+    from accelerate_zero.cli import estimate, launch, validate
 
     validate.register(subcommands)
+    estimate.register(subcommands)
     launch.register(subcommands)
     return parser
 
