@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
@@ -41,7 +42,8 @@ from accelerate_zero.engine.setup import (
 from accelerate_zero.engine.shard_plan import plan_group
 from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer, ShardSlice
 from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
-from accelerate_zero.engine.stage3.hooks import register_unit_hooks
+from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, register_unit_hooks
+from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
@@ -158,6 +160,7 @@ class ZeroEngine:
         trainable = trainable_param_groups(self.module, self.optimizer)
         self.units: list[ParamUnit] = []
         self.scheduler: UnitScheduler | None = None
+        self._state_dict_guard: PlaceholderStateDictGuard | None = None
         if self.stage == 3:
             buckets, locations, slices, on_complete = self._init_stage3(trainable, dtypes)
         else:
@@ -192,8 +195,10 @@ class ZeroEngine:
             find_unit_modules(self.module, self.unit_classes, extra_leaf=extra),
             zero.stage3_param_persistence_threshold,
             model_persistence_threshold=zero.stage3_model_persistence_threshold,
+            numel_of=preloaded_numel(self.module),
         )
         parts = build_stage3(
+            self.module,
             layout,
             trainable,
             rank=self.dp.rank,
@@ -218,6 +223,8 @@ class ZeroEngine:
         # Under stage 3 every forward is a collective: transformers' generate() must keep all ranks stepping
         # until the longest sequence is done (synced_gpus). It enables that for modules flagged this way.
         self.module._is_fsdp_managed_module = True
+        self._state_dict_guard = PlaceholderStateDictGuard()
+        self._unit_hooks.append(self.module.register_state_dict_post_hook(self._state_dict_guard))
         scheduler = self.scheduler
 
         def on_complete(index: int) -> None:
@@ -427,9 +434,38 @@ class ZeroEngine:
                     gathered.update({name: to_cpu(p) for p in params for name in names[id(p)]})
         if self.dp.rank != 0:
             return {}
-        return {
-            name: gathered[name] if name in gathered else to_cpu(t) for name, t in self.module.state_dict().items()
-        }
+        with self._state_dict_guard.disabled() if self._state_dict_guard else contextlib.nullcontext():
+            full = self.module.state_dict()
+        return {name: gathered[name] if name in gathered else to_cpu(t) for name, t in full.items()}
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """Writes the gathered 16-bit weights as one safetensors file on rank 0; every rank must call it.
+
+        At stage 3 this needs `stage3_gather_16bit_weights_on_model_save: true`. Without it the sharded engine
+        state is saved instead (`save_checkpoint(save_dir)`; turn it into weights with
+        `accelerate-zero consolidate`) and False is returned, as DeepSpeed does.
+
+        Returns:
+            True when the weights file was written.
+        """
+        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            logger.warning(
+                "stage3_gather_16bit_weights_on_model_save=false: saving the sharded engine state to %s instead of "
+                "16-bit weights",
+                save_dir,
+            )
+            self.save_checkpoint(save_dir)
+            return False
+        state = self.full_state_dict(dtype=self.compute_dtype)
+        if self.dp.rank == 0:
+            folder = Path(save_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f".{save_filename}.partial"
+            save_file({k: v.contiguous() for k, v in state.items()}, str(partial), metadata={"format": "pt"})
+            partial.replace(folder / save_filename)  # never a half-written weights file
+        if self.dp.world_size > 1:
+            dist.barrier(group=self.dp.group)
+        return True
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
         """Saves the full training state (every rank its shard); every rank must call it.

@@ -11,7 +11,8 @@ from accelerate_zero.engine.buckets import GradBucket, ReduceMode
 from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard, group_slices
 from accelerate_zero.engine.shard_plan import ParamSlot, plan_group
 from accelerate_zero.engine.sharded_optimizer import ShardSlice
-from accelerate_zero.engine.stage3.param_unit import ParamUnit, build_flat, unit_slices
+from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR, adopt
+from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit, build_flat, unit_slices
 from accelerate_zero.engine.stage3.units import UnitLayout
 
 
@@ -35,6 +36,7 @@ class Stage3Parts:
 
 
 def build_stage3(
+    module: nn.Module,
     layout: UnitLayout,
     trainable_groups: list[list[nn.Parameter]],
     *,
@@ -47,7 +49,7 @@ def build_stage3(
 ) -> Stage3Parts:
     """Flattens and shards every unit, and plans the persistent parameters per optimizer param group."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
-    units = _build_units(layout, group_of, rank, world_size, dtypes, device, contiguous_gradients)
+    units = _build_units(module, layout, rank, world_size, dtypes, device, contiguous_gradients)
     root = units[-1]
     persistent = set(layout.persistent)
     persistent_groups = []
@@ -83,6 +85,8 @@ def build_stage3(
             for slot in bucket.plan.slots:
                 locations[shard.params[slot.param_index]] = (len(buckets), slot)
             buckets.append(bucket)
+    if hasattr(module, PRELOADED_ATTR):
+        delattr(module, PRELOADED_ATTR)
     slices = [group_slices(shard) for shard in persistent_groups]
     for unit in units:
         for index, unit_group in enumerate(unit_slices(unit, group_of, rank, len(trainable_groups))):
@@ -91,20 +95,24 @@ def build_stage3(
 
 
 def _build_units(
+    module: nn.Module,
     layout: UnitLayout,
-    group_of: dict[nn.Parameter, int],
     rank: int,
     world_size: int,
     dtypes: DtypePlan,
     device: torch.device,
     contiguous_gradients: bool,
 ) -> list[ParamUnit]:
+    def flat_of(params: list[nn.Parameter]) -> FlatUnitBuffer | None:
+        # The layout never depends on the optimizer, so shards made by partitioned loading are adopted as they are;
+        # a unit's slices simply split where optimizer param groups alternate.
+        if not params:
+            return None
+        return adopt(module, params, world_size, rank) or build_flat(params, rank, world_size, dtypes.compute, device)
+
     units = []
     for index, spec in enumerate(layout.units):
-        # Grouping a unit's trainable parameters by optimizer group makes each group one run of the shard.
-        trainable = sorted((p for p in spec.trainable if p in group_of), key=lambda p: group_of[p])
-        train_flat = build_flat(trainable, rank, world_size, dtypes.compute, device) if trainable else None
-        frozen_flat = build_flat(spec.frozen, rank, world_size, dtypes.compute, device) if spec.frozen else None
+        train_flat, frozen_flat = flat_of(spec.trainable), flat_of(spec.frozen)
         bucket = None
         if train_flat is not None:
             storage = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,3 +65,29 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, (list, tuple)):
         return [t for value in output for t in _tensors(value)]
     return []
+
+
+class PlaceholderStateDictGuard:
+    """A state_dict post-hook refusing to return partitioned placeholders (they would become empty weight files)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+    def __call__(self, module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        if not self.enabled:
+            return
+        empty = [name for name, value in state_dict.items() if torch.is_tensor(value) and value.numel() == 0]
+        if empty:
+            raise RuntimeError(
+                f"model.state_dict() under ZeRO stage 3 would hold empty placeholders ({empty[:3]} ...): the "
+                "parameters are partitioned. Use engine.full_state_dict() or engine.save_16bit_model(dir), or read "
+                "them inside accelerate_zero.GatheredParameters(model.parameters()) on every rank"
+            )
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True

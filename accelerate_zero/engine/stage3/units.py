@@ -14,7 +14,7 @@ persistent parameters); non-floating-point parameters (a quantized base) are lef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,9 +34,8 @@ class UnitSpec:
     trainable: list[nn.Parameter] = field(default_factory=list)
     frozen: list[nn.Parameter] = field(default_factory=list)
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in (*self.trainable, *self.frozen))
+    def numel(self, numel_of: Callable[[nn.Parameter], int] = torch.numel) -> int:
+        return sum(numel_of(p) for p in (*self.trainable, *self.frozen))
 
 
 @dataclass
@@ -92,27 +91,30 @@ def _outermost(names: list[str]) -> list[str]:
 
 
 def layout_units(
-    model: nn.Module, unit_names: list[str], persistence_threshold: int, model_persistence_threshold: int
+    model: nn.Module,
+    unit_names: list[str],
+    persistence_threshold: int,
+    model_persistence_threshold: int,
+    numel_of: Callable[[nn.Parameter], int] = torch.numel,
 ) -> UnitLayout:
     """Assigns every floating-point parameter to a unit, the root unit, or the persistent set.
 
     Persistent parameters are the smallest ones first, as long as their total stays within
-    `model_persistence_threshold` elements (`stage3_model_persistence_threshold`).
+    `model_persistence_threshold` elements (`stage3_model_persistence_threshold`). `numel_of` gives a parameter's
+    real size (a partitioned parameter's own `.numel()` is 0).
     """
     owners: dict[nn.Parameter, set[str]] = {}
     for param_name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(param, set()).add(_owning_unit(param_name, unit_names))
     specs = {name: UnitSpec(name=name, module=model.get_submodule(name)) for name in unit_names}
     root = UnitSpec(name="", module=model)
-    small = sorted(
-        (p for p in owners if p.is_floating_point() and p.numel() <= persistence_threshold), key=torch.numel
-    )
+    small = sorted((p for p in owners if p.is_floating_point() and numel_of(p) <= persistence_threshold), key=numel_of)
     persistent, total = [], 0
     for param in small:
-        if total + param.numel() > model_persistence_threshold:
+        if total + numel_of(param) > model_persistence_threshold:
             break
         persistent.append(param)
-        total += param.numel()
+        total += numel_of(param)
     kept = set(persistent)
     for param, units in owners.items():
         if not param.is_floating_point() or param in kept:
@@ -120,7 +122,7 @@ def layout_units(
         spec = specs[next(iter(units))] if len(units) == 1 and "" not in units else root
         (spec.trainable if param.requires_grad else spec.frozen).append(param)
     # The root unit is always there, even empty: its hooks mark where each forward starts and ends.
-    units = [spec for spec in specs.values() if spec.numel > 0] + [root]
+    units = [spec for spec in specs.values() if spec.numel(numel_of) > 0] + [root]
     return UnitLayout(units=units, persistent=persistent)
 
 

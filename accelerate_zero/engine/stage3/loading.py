@@ -1,0 +1,165 @@
+"""Partitioned loading: a model that never exists whole on any rank.
+
+The model is built with its parameters on the meta device (buffers real, so values computed at construction such
+as rotary frequencies stay right), then each gather unit is read from the safetensors files one at a time: its
+full flat buffer is filled, this rank's shard kept, the buffer freed. Peak memory is this rank's shards plus one
+unit. `initialize` adopts the shards instead of flattening the parameters again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accelerate_zero.checkpoint.hf_files import SafetensorsFolder
+from accelerate_zero.config import ZeroConfig
+from accelerate_zero.engine.groups import default_device, init_data_parallel_group
+from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, build_flat
+from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
+
+
+PRELOADED_ATTR = "_accelerate_zero_preloaded"
+
+
+@dataclass
+class Preloaded:
+    """Shards made by `from_pretrained`, waiting for `initialize` to adopt them."""
+
+    world_size: int
+    rank: int
+    dtype: torch.dtype
+    flats: dict[tuple[int, ...], FlatUnitBuffer]
+    """Keyed by the ids of the flat's parameters, in order."""
+
+
+def from_pretrained(
+    model_class: Any,
+    path: str,
+    config: Any = None,
+    *,
+    unit_classes: list[type[nn.Module] | str] | None = None,
+    device: torch.device | str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    **model_kwargs: Any,
+) -> nn.Module:
+    """Loads a transformers model from a local folder with only this rank's stage-3 shards materialized.
+
+    Below stage 3 (where every rank holds the full parameters anyway) this is `model_class.from_pretrained`.
+
+    Args:
+        model_class: e.g. `LlamaForCausalLM` or `AutoModelForCausalLM`.
+        path: a local folder with config.json and safetensors weights.
+        config: the ZeRO config (dict, path or ZeroConfig) that `initialize` will get; its stage, compute dtype
+            (bf16/fp16) and stage3 thresholds decide the layout.
+        unit_classes: as for `initialize`.
+        model_kwargs: passed to the model's constructor (e.g. attn_implementation).
+
+    Returns:
+        The model; pass it to `accelerate_zero.initialize` with the same config on every rank.
+    """
+    zero = ZeroConfig.from_any(config if config is not None else {})
+    if zero.zero_optimization.stage != 3:
+        return model_class.from_pretrained(path, **model_kwargs)
+    device = torch.device(device) if device is not None else default_device()
+    dp = init_data_parallel_group(device, process_group)
+    dtype = zero.compute_dtype
+    model = _empty_model(model_class, path, model_kwargs)
+    files = SafetensorsFolder(path)
+    names = {id(p): n for n, p in model.named_parameters()}
+    _check_keys(names.values(), files)
+    zero_opt = zero.zero_optimization
+    leaf = zero_opt.leaf_module
+    layout = layout_units(  # on the meta parameters: shapes and sizes are all it needs
+        model,
+        find_unit_modules(model, unit_classes, extra_leaf=[*leaf.classes, *leaf.names] if leaf else []),
+        zero_opt.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero_opt.stage3_model_persistence_threshold,
+    )
+    real = _replace_meta_parameters(model, device, dtype)
+    names = {id(p): n for n, p in model.named_parameters()}
+    flats = {}
+    for spec in layout.units:
+        for meta_params in (spec.trainable, spec.frozen):
+            params = [real[id(p)] for p in meta_params]
+            if params:
+                for param in params:  # one unit at a time: its full tensors live only inside this loop
+                    param.data = files.get(names[id(param)]).to(device=device, dtype=dtype)
+                flats[tuple(id(p) for p in params)] = build_flat(params, dp.rank, dp.world_size, dtype, device)
+    in_units = {id(p) for flat in flats.values() for p in flat.params}
+    for param in model.parameters():
+        if id(param) not in in_units:
+            loaded = files.get(names[id(param)])
+            param.data = loaded.to(device=device, dtype=dtype if loaded.is_floating_point() else loaded.dtype)
+    _load_buffers(model, files, device)
+    setattr(model, PRELOADED_ATTR, Preloaded(dp.world_size, dp.rank, dtype, flats))
+    return model
+
+
+def _empty_model(model_class: Any, path: str, model_kwargs: dict) -> nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        # Auto classes build with from_config, concrete model classes with _from_config.
+        builder = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
+        model = builder(hf_config, **model_kwargs)
+    model.tie_weights()
+    return model
+
+
+def _replace_meta_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[int, nn.Parameter]:
+    """Swaps every meta parameter for an empty real one (a meta tensor cannot take real data), keeping ties."""
+    real: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in real:
+                kind = dtype if param.is_floating_point() else param.dtype
+                real[id(param)] = nn.Parameter(torch.empty(0, device=device, dtype=kind), param.requires_grad)
+            module._parameters[name] = real[id(param)]
+    return real
+
+
+def _check_keys(names: Any, files: SafetensorsFolder) -> None:
+    missing = sorted(set(names) - files.keys())
+    if missing:
+        raise ValueError(
+            f"the checkpoint lacks {len(missing)} parameters the model has, e.g. {missing[:5]}: partitioned loading "
+            "needs every parameter in the safetensors files (is this checkpoint for this model class?)"
+        )
+
+
+def _load_buffers(model: nn.Module, files: SafetensorsFolder, device: torch.device) -> None:
+    keys = files.keys()
+    for name, buffer in model.named_buffers():
+        buffer.data = (files.get(name) if name in keys else buffer.data).to(device)
+
+
+def preloaded_numel(model: nn.Module) -> Callable[[nn.Parameter], int]:
+    """A parameter's real size, also for the placeholders `from_pretrained` leaves behind."""
+    preloaded: Preloaded | None = getattr(model, PRELOADED_ATTR, None)
+    sizes = {}
+    if preloaded is not None:
+        for flat in preloaded.flats.values():
+            sizes.update({id(flat.params[slot.param_index]): slot.numel for slot in flat.plan.slots})
+    return lambda param: sizes.get(id(param), param.numel())
+
+
+def adopt(model: nn.Module, params: list[nn.Parameter], world_size: int, rank: int) -> FlatUnitBuffer | None:
+    """The preloaded flat holding exactly `params`, if `from_pretrained` made one for this layout."""
+    preloaded: Preloaded | None = getattr(model, PRELOADED_ATTR, None)
+    if preloaded is None:
+        return None
+    if (preloaded.world_size, preloaded.rank) != (world_size, rank):
+        raise ValueError(
+            f"the model was loaded for {preloaded.world_size} ranks (this is rank {preloaded.rank}) but the engine "
+            f"runs on {world_size} (rank {rank}): call accelerate_zero.from_pretrained inside the same job"
+        )
+    return preloaded.flats.get(tuple(id(p) for p in params))

@@ -1,0 +1,792 @@
+"""ZeroAccelerator: an `accelerate.Accelerator` whose models train with accelerate_zero's ZeRO engine (no deepspeed).
+
+[Note: how ZeroAccelerator sits inside accelerate]
+accelerate keeps seeing MULTI_CPU / MULTI_GPU (never DEEPSPEED: INTEGRATION_NOTES §3.5), so its data loading, RNG,
+gathering, logging and trackers are untouched. Only what touches a model's training state is overridden, doing
+what accelerate 1.15 does for DeepSpeed (`_prepare_deepspeed`, `DeepSpeedEngineWrapper`) with our engine:
+
+* `prepare`: each model, with the optimizer passed with it, becomes one `ZeroEngine`. The engine works in place
+  (hooks, flat buffers), so the model object itself is returned; its optimizer comes back wrapped with no-op
+  `step()`/`zero_grad()`, because `backward` steps the engine; a torch LR scheduler comes back as accelerate's
+  `AcceleratedScheduler`, which does not step after a skipped (fp16 overflow) step. Dataloaders, schedulers and
+  everything else go through accelerate's own `prepare`.
+* `backward`: `engine.backward(loss)` (it divides by gradient_accumulation_steps and applies the fp16 loss scale)
+  then `engine.step()`, which steps the optimizer on the accumulation boundary; `sync_gradients` (driven by
+  `accumulate()`) marks the boundary.
+* Mixed precision belongs to the engine (DeepSpeed semantics: 16-bit weights, fp32 master shard, fp16 loss
+  scaling): it goes into the ZeRO config's fp16/bf16 blocks and accelerate is given "no", so it neither autocasts
+  nor wraps forward nor creates a GradScaler.
+* `save_state`/`load_state`: every rank writes its own shards (`engine.save_checkpoint`), accelerate saves the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator, PartialState
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without deepspeed
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
+from accelerate_zero.config.schema import is_auto
+from accelerate_zero.engine.engine import ZeroEngine, initialize
+from accelerate_zero.engine.groups import process_group_timeout
+from accelerate_zero.engine.setup import cast_floating_inputs
+from accelerate_zero.integrations.accelerate.launch_config import build_deepspeed_config
+from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
+
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_TAG = "zero_model"
+"""`save_state` writes the i-th trained model's engine checkpoint to `<output_dir>/zero_model[_i]/`."""
+
+_HIDDEN_SIZE_KEYS = (
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+)
+_REFUSED_KWARGS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin")
+
+
+class ZeroOptimizerWrapper(AcceleratedOptimizer):
+    """The optimizer `ZeroAccelerator.prepare` returns: `step()` and `zero_grad()` do nothing.
+
+    The engine steps the optimizer inside `accelerator.backward` on the accumulation boundary and zeroes the
+    gradients after it (as accelerate's `DeepSpeedOptimizerWrapper`), so a loop written for accelerate runs as is.
+    `param_groups`, `state_dict()` and `load_state_dict()` are those of the user's optimizer, which the engine keeps
+    and re-points at this rank's fp32 shard.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+        self._step_was_skipped = False
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        pass  # the engine zeroes its gradient buffers after each optimizer step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        pass  # accelerator.backward steps the engine on the accumulation boundary
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped because of an fp16 (or bf16) gradient overflow."""
+        return self._step_was_skipped
+
+
+class ZeroSchedulerWrapper(AcceleratedScheduler):
+    """A scheduler the engine built (config `scheduler` block, or `DummyScheduler(lr_scheduler_callable=...)`).
+
+    The engine steps it after each optimizer step that was not skipped, so `step()` does nothing here (as
+    accelerate's `DeepSpeedSchedulerWrapper`); its state is saved with the engine checkpoint.
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _ZeroModel:
+    """A model `prepare` handed to an engine."""
+
+    model: nn.Module
+    engine: ZeroEngine
+    optimizer: ZeroOptimizerWrapper | None
+    """None: prepared for inference (frozen, no optimizer state; sharded at stage 3)."""
+    hooks: list[RemovableHandle]
+    """Hooks this accelerator added to the model (fp16 `auto_cast`)."""
+
+    def close(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.engine.destroy()
+
+
+class ZeroAccelerator(Accelerator):
+    """An `accelerate.Accelerator` that trains every prepared model with accelerate_zero's ZeRO engine (stages 0-3).
+
+    Use it as `Accelerator`; run the script with `accelerate-zero launch` (or `torchrun`, or `python` for one
+    process). Differences from accelerate's DeepSpeed integration: several models can be prepared (one engine
+    each; a model passed without an optimizer is prepared for inference), and `mixed_precision` never autocasts:
+    the engine keeps the model in 16-bit and an fp32 master copy of this rank's shard.
+
+    Args:
+        zero_plugin (`ZeroPlugin`, defaults to `None`):
+            The ZeRO settings. `None` means `ZeroPlugin()`: the settings `accelerate-zero launch` put in the
+            environment, else accelerate's DeepSpeed defaults (stage 2, batch sizes "auto").
+        **accelerate_kwargs:
+            `Accelerator` arguments. `mixed_precision` ("no", "fp16", "bf16"; `None` reads
+            `ACCELERATE_MIXED_PRECISION`) goes into the ZeRO config's fp16/bf16 blocks, accelerate itself gets "no".
+            `gradient_accumulation_steps` fills a "auto" in the config (a number in the config wins, with a warning,
+            as in accelerate). DeepSpeed, FSDP, Megatron-LM and tensor-parallel plugins are refused.
+
+    Attributes:
+        zero_plugin: the plugin the config came from.
+        zero_engines: the engines, one per prepared model, in prepare order.
+        zero_config: the resolved config of the first prepared model's engine (before any `prepare`: the
+            config with "auto" values still in it).
+
+    Raises:
+        ZeroConfigError: the ZeRO config or `mixed_precision` is invalid (every problem listed).
+        ValueError: a DeepSpeed/FSDP/Megatron plugin was passed or is requested by the environment.
+        RuntimeError: the script runs on several ranks but accelerate was already initialised for one process.
+    """
+
+    def __init__(self, zero_plugin: ZeroPlugin | None = None, **accelerate_kwargs: Any) -> None:
+        _refuse_other_backends(accelerate_kwargs)
+        mixed_precision = accelerate_kwargs.pop("mixed_precision", None)
+        if mixed_precision is None:
+            mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
+        self._base_config = _config_with_precision(self.zero_plugin, str(mixed_precision).lower())
+        super().__init__(mixed_precision="no", **_with_process_group_setup(accelerate_kwargs))
+        self._check_distributed_state()
+        self._zero_models: list[_ZeroModel] = []
+        self._held_engines: set[int] = set()  # ids of engines inside `no_sync`
+        self._warned_max_norm = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def zero_engines(self) -> list[ZeroEngine]:
+        return [entry.engine for entry in self._zero_models]
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        return self._zero_models[0].engine.config if self._zero_models else self._base_config
+
+    def _check_distributed_state(self) -> None:
+        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+            raise ValueError(
+                f"accelerate is set up for {self.distributed_type} (ACCELERATE_USE_* in the environment): "
+                "ZeroAccelerator trains with accelerate_zero's engine; launch with `accelerate-zero launch` instead"
+            )
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.num_processes == 1 and world_size > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={world_size} but accelerate runs this process alone ({self.distributed_type}): "
+                "accelerate was initialised (PartialState/Accelerator) before ZeroAccelerator without cpu=True, so "
+                "every rank would train by itself. Create the ZeroAccelerator first, or launch with "
+                "`accelerate-zero launch`"
+            )
+
+    def _entry_of(self, model: Any) -> _ZeroModel | None:
+        return next((entry for entry in self._zero_models if entry.model is model), None)
+
+    def _entry_of_param(self, param: torch.Tensor) -> _ZeroModel | None:
+        return next((e for e in self._zero_models if any(p is param for p in e.model.parameters())), None)
+
+    # --------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepares models (one ZeRO engine each), their optimizers, and everything else as accelerate does.
+
+        Each model, with the optimizer passed in the same call (matched by its parameters), becomes one engine; the
+        model object itself is returned (the engine works in place), the optimizer as a `ZeroOptimizerWrapper`.
+        A model passed without an optimizer is prepared for inference: its parameters are frozen, sharded at
+        stage 3, and only placed on the device (in the compute dtype) below it. "auto" config values are filled as
+        accelerate does for DeepSpeed (batch sizes from the dataloaders of this or an earlier call,
+        gradient_accumulation_steps, gradient_clipping=1.0, hidden-size bucket sizes, optimizer/scheduler params).
+
+        Args:
+            *args: models, optimizers (torch or `accelerate.utils.DummyOptim`), dataloaders, schedulers (torch or
+                `DummyScheduler`), other objects; returned in the same order.
+            device_placement: as accelerate's, for the objects that are not models or optimizers (the engine
+                always places its model).
+
+        Raises:
+            ValueError: an optimizer is passed without its model, a config value is "auto" and cannot be filled
+                (accelerate's messages), or the config and the objects disagree (optimizer/scheduler in both).
+        """
+        placements = list(device_placement) if device_placement is not None else [None] * len(args)
+        if len(placements) != len(args):
+            raise ValueError(
+                f"`device_placement` should be a list with {len(args)} elements (the number of objects passed)."
+            )
+        result = list(args)
+        owned = self._prepare_zero_objects(args, result)
+        for index in owned:
+            if placements[index] is False:
+                raise ValueError(
+                    "You can't customize device placements of models and optimizers with ZeRO: the engine places them"
+                )
+        rest = [index for index in range(len(args)) if index not in owned]
+        if rest:
+            prepared = super().prepare(*(args[i] for i in rest), device_placement=[placements[i] for i in rest])
+            prepared = prepared if len(rest) > 1 else (prepared,)
+            for index, obj in zip(rest, prepared, strict=True):
+                result[index] = obj
+        return tuple(result) if len(result) > 1 else result[0]
+
+    def _prepare_zero_objects(self, args: tuple, result: list) -> set[int]:
+        """Builds the engines of the models in `args`; writes the returned objects into `result`."""
+        owned = {i for i, obj in enumerate(args) if self._entry_of(obj) is not None or _is_zero_wrapper(obj)}
+        for i, obj in enumerate(args):
+            wrapper = next(
+                (e.optimizer for e in self._zero_models if e.optimizer and e.optimizer.optimizer is obj), None
+            )
+            if wrapper is not None:  # the raw optimizer of a model prepared earlier: its wrapper again
+                result[i] = wrapper
+                owned.add(i)
+        models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and i not in owned]
+        optimizers = [
+            i for i, obj in enumerate(args) if isinstance(obj, (torch.optim.Optimizer, DummyOptim)) and i not in owned
+        ]
+        dummy_schedulers = [i for i, obj in enumerate(args) if isinstance(obj, DummyScheduler)]
+        pairs = _pair_optimizers(args, models, optimizers, self._zero_models)
+        micro_batch = _MicroBatch(self, args)
+        for model_index in models:
+            opt_index = pairs.get(model_index)
+            optimizer = args[opt_index] if opt_index is not None else None
+            sched_index = next((i for i in dummy_schedulers if args[i].optimizer is optimizer), None)
+            scheduler = args[sched_index] if sched_index is not None else None
+            self._check_objects(args, optimizer, scheduler)
+            entry = self._build_engine(args[model_index], optimizer, scheduler, micro_batch)
+            result[model_index] = entry.model
+            owned.add(model_index)
+            if opt_index is not None:
+                result[opt_index] = entry.optimizer
+                owned.add(opt_index)
+            if sched_index is not None:
+                result[sched_index] = self._wrap_engine_scheduler(entry)
+                owned.add(sched_index)
+        for index in dummy_schedulers:
+            if index not in owned:
+                raise ValueError("a DummyScheduler was passed without the model and optimizer it belongs to")
+        return owned
+
+    def _check_objects(self, args: tuple, optimizer: Any, scheduler: DummyScheduler | None) -> None:
+        """accelerate's DeepSpeed checks between the config and the optimizer/scheduler objects (same messages)."""
+        config = self._base_config
+        if optimizer is not None and config.optimizer is not None and not isinstance(optimizer, DummyOptim):
+            raise ValueError(
+                "You cannot specify an optimizer in the config file and in the code at the same time. Please remove "
+                "the optimizer from the config file or create `accelerate.utils.DummyOptim` in the code."
+            )
+        if isinstance(optimizer, DummyOptim) and config.optimizer is None:
+            raise ValueError("You cannot create a `DummyOptim` without specifying an optimizer in the config file.")
+        if isinstance(optimizer, DummyOptim) and any(isinstance(group, dict) for group in optimizer.params):
+            raise ValueError(
+                "DummyOptim with param groups: the engine builds the config's optimizer over all trainable "
+                "parameters; pass a torch optimizer with your groups instead and remove the config's optimizer block"
+            )
+        torch_schedulers = [obj for obj in args if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)]
+        if config.scheduler is not None and any(s.optimizer is optimizer for s in torch_schedulers):
+            raise ValueError(
+                "You cannot specify a scheduler in the config file and in the code at the same time. Please remove "
+                "the scheduler from the config file or create `accelerate.utils.DummyScheduler` in the code."
+            )
+        if scheduler is not None and config.scheduler is None and scheduler.lr_scheduler_callable is None:
+            raise ValueError(
+                "Either specify a scheduler in the config file or pass in the `lr_scheduler_callable` parameter when "
+                "using `accelerate.utils.DummyScheduler`."
+            )
+        if isinstance(optimizer, DummyOptim) and any(s.optimizer is optimizer for s in torch_schedulers):
+            raise ValueError(
+                "You can only specify `accelerate.utils.DummyScheduler` in the code when using "
+                "`accelerate.utils.DummyOptim`."
+            )
+
+    def _build_engine(
+        self, model: nn.Module, optimizer: Any, scheduler: DummyScheduler | None, micro_batch: _MicroBatch
+    ) -> _ZeroModel:
+        config = self._engine_config(model, optimizer, scheduler, micro_batch)
+        if optimizer is None:
+            # [Note: models prepared for inference] An engine whose optimizer has no parameters: the frozen
+            # parameters are sharded at stage 3 (and gathered unit by unit in forward); below stage 3 the engine
+            # only moves them to the device, casts them to the compute dtype and broadcasts rank 0's values. No
+            # gradient buffer, master weight or optimizer state is allocated, so this costs nothing but the weights.
+            model.requires_grad_(False)
+            engine = initialize(model, torch.optim.SGD([{"params": []}], lr=0.0), config, device=self.device)
+            wrapper = None
+        else:
+            torch_optimizer = None if isinstance(optimizer, DummyOptim) else optimizer
+            callable_scheduler = scheduler.lr_scheduler_callable if scheduler is not None else None
+            engine = initialize(model, torch_optimizer, config, callable_scheduler, device=self.device)
+            wrapper = ZeroOptimizerWrapper(engine.optimizer, engine)
+            self._optimizers.append(wrapper)
+            wrapper._is_accelerate_prepared = True
+        hooks = []
+        if engine.config.fp16.enabled and engine.config.fp16.auto_cast:
+            # DeepSpeed's engine forward casts floating inputs to fp16 (`fp16.auto_cast`); the model is returned
+            # unwrapped, so a forward pre-hook does it.
+            hooks.append(model.register_forward_pre_hook(_cast_inputs_to_fp16, with_kwargs=True))
+        entry = _ZeroModel(model, engine, wrapper, hooks)
+        self._zero_models.append(entry)
+        self._models.append(model)
+        model._is_accelerate_prepared = True
+        return entry
+
+    def _wrap_engine_scheduler(self, entry: _ZeroModel) -> ZeroSchedulerWrapper:
+        if entry.engine.lr_scheduler is None:
+            raise ValueError("the DummyScheduler's model got no scheduler from its engine")
+        wrapper = ZeroSchedulerWrapper(entry.engine.lr_scheduler, entry.optimizer)
+        self._schedulers.append(wrapper)
+        wrapper._is_accelerate_prepared = True
+        return wrapper
+
+    def _engine_config(
+        self, model: nn.Module, optimizer: Any, scheduler: DummyScheduler | None, micro_batch: _MicroBatch
+    ) -> ZeroConfig:
+        """The config with every "auto" filled as accelerate's `_prepare_deepspeed` does (steps 1-6, INTEGRATION_NOTES
+        §3.3), resolved for this world size."""
+        config = self._base_config if optimizer is not None else _without_optimizer_blocks(self._base_config)
+        values: dict[str, Any] = {
+            "gradient_clipping": 1.0,
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+        micro = config.train_micro_batch_size_per_gpu
+        if is_auto(micro):
+            # A model prepared for inference needs no batch size (accelerate's `set_deepspeed_weakref` uses 1).
+            micro = micro_batch.size(required=optimizer is not None) or 1
+            values["train_micro_batch_size_per_gpu"] = micro
+        ga = config.gradient_accumulation_steps
+        ga = self.gradient_accumulation_steps if is_auto(ga) else ga
+        if isinstance(micro, int) and isinstance(ga, int):
+            values["train_batch_size"] = micro * ga * self.num_processes
+        values.update(_hidden_size_values(model, config))
+        values.update(self._optimizer_values(optimizer, scheduler))
+        filled = config.fill_auto(values)
+        left = filled.auto_keys()
+        if left:
+            raise ZeroConfigError(
+                [
+                    f"`{key}` not found in kwargs. Please specify `{key}` without `auto` (set to correct value) in the "
+                    "DeepSpeed config (ZeroPlugin(config=...) or the launcher's deepspeed_config_file)."
+                    for key in left
+                ]
+            )
+        if isinstance(optimizer, torch.optim.Optimizer):
+            filled.zero_allow_untested_optimizer = True  # accelerate sets it for any client optimizer
+        resolved = resolve_config(filled, world_size=self.num_processes)
+        if resolved.gradient_accumulation_steps != self.gradient_accumulation_steps:
+            logger.warning(
+                "Gradient accumulation steps mismatch: GradientAccumulationPlugin has %s, the ZeRO config has %s. "
+                "Using the ZeRO config's value.",
+                self.gradient_accumulation_steps,
+                resolved.gradient_accumulation_steps,
+            )
+            self.gradient_accumulation_steps = resolved.gradient_accumulation_steps
+        return resolved
+
+    def _optimizer_values(self, optimizer: Any, scheduler: DummyScheduler | None) -> dict[str, Any]:
+        """ "auto" values of the config's optimizer/scheduler blocks, from the objects passed (fill_auto skips a
+        block the config does not have)."""
+        values: dict[str, Any] = {}
+        if isinstance(optimizer, DummyOptim):
+            values["optimizer.params.lr"] = optimizer.lr
+            values["optimizer.params.weight_decay"] = optimizer.weight_decay
+            lr = optimizer.lr
+        else:
+            lr = optimizer.defaults.get("lr") if isinstance(optimizer, torch.optim.Optimizer) else None
+        if lr is not None:
+            values.update({"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": lr})
+        if scheduler is not None and scheduler.lr_scheduler_callable is None:
+            values["scheduler.params.warmup_num_steps"] = max(1, scheduler.warmup_num_steps)
+            if scheduler.total_num_steps is not None:
+                total = scheduler.total_num_steps
+                values["scheduler.params.total_num_steps"] = (
+                    total if self.split_batches else math.ceil(total / self.num_processes)
+                )
+        return values
+
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        """Prepares `model` without an optimizer: for inference (frozen; sharded at stage 3). See `prepare`."""
+        return self.prepare(model)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        """Returns an optimizer already prepared with its model; any other is an error (see `prepare`)."""
+        if _is_zero_wrapper(optimizer):
+            return optimizer
+        raise ValueError(
+            "With ZeroAccelerator a model and its optimizer must be passed together to `prepare()`: the engine "
+            "re-points the optimizer at this rank's shard while it builds"
+        )
+
+    # -------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Back-propagates `loss` through the engine, and steps it on the accumulation boundary.
+
+        The engine divides `loss` by gradient_accumulation_steps (unless `scale_wrt_gas=False`, which the
+        transformers Trainer passes when it divided already) and multiplies it by the fp16 loss scale. The boundary
+        is `accelerator.sync_gradients` (set by `accumulate()`) outside `no_sync`.
+
+        Args:
+            loss: the loss of this micro-batch.
+            **kwargs: `retain_graph`, `scale_wrt_gas`, and `model` (which prepared model this loss trains; needed
+                only when several models were prepared with optimizers).
+
+        Raises:
+            RuntimeError: several models train and `model=` does not say which.
+            TypeError: another keyword argument was passed.
+        """
+        entry = self._training_entry(kwargs.pop("model", None))
+        if entry is None:
+            super().backward(loss, **kwargs)
+            return
+        retain_graph, scale_wrt_gas = kwargs.pop("retain_graph", False), kwargs.pop("scale_wrt_gas", True)
+        if kwargs:
+            raise TypeError(f"ZeroAccelerator.backward() got unexpected keyword arguments {sorted(kwargs)}")
+        engine, optimizer = entry.engine, entry.optimizer
+        boundary = self.sync_gradients and id(engine) not in self._held_engines
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        skipped_before = engine.skipped_steps
+        engine.step()
+        optimizer._step_was_skipped = boundary and engine.skipped_steps > skipped_before
+
+    def _training_entry(self, model: nn.Module | None) -> _ZeroModel | None:
+        training = [entry for entry in self._zero_models if entry.optimizer is not None]
+        if model is not None:
+            entry = self._entry_of(model)
+            if entry is None or entry.optimizer is None:
+                raise ValueError("backward(model=...) must be a model prepared together with its optimizer")
+            return entry
+        if len(training) > 1:
+            raise RuntimeError(
+                f"{len(training)} models were prepared with optimizers and one backward drives one engine: pass "
+                "the model this loss trains, accelerator.backward(loss, model=model)"
+            )
+        return training[0] if training else None
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Backward passes inside accumulate without stepping the optimizer (at every stage; stage 2 still reduces
+        each micro-step into its gradient shard)."""
+        entry = self._entry_of(model)
+        if entry is None:
+            with super().no_sync(model):
+                yield
+            return
+        key = id(entry.engine)
+        held = key in self._held_engines
+        self._held_engines.add(key)
+        try:
+            yield
+        finally:
+            if not held:
+                self._held_engines.discard(key)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor | None:
+        """The global L2 gradient norm of the last optimizer step (before clipping), as DeepSpeed's integration does.
+
+        The engine clips inside the step with the config's `gradient_clipping` (accelerate fills an "auto" with
+        1.0); a different `max_norm` is not applied (a warning says so, once). `max_norm=inf` just reads the norm.
+
+        Returns:
+            A float32 scalar tensor, or None before the first optimizer step.
+
+        Raises:
+            ValueError: `norm_type` is not 2.
+        """
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        entry = self._entry_of_param(params[0]) if params else None
+        if entry is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        if norm_type != 2:
+            raise ValueError(f"norm_type={norm_type}: the ZeRO engine computes the L2 norm (norm_type=2) only")
+        clipping = entry.engine.config.gradient_clipping
+        if math.isfinite(max_norm) and max_norm != clipping and not self._warned_max_norm:
+            self._warned_max_norm = True
+            warnings.warn(
+                f"clip_grad_norm_(max_norm={max_norm}) does not clip: the ZeRO engine clips inside the optimizer "
+                f"step with gradient_clipping={clipping} from the config (0 means no clipping). Set gradient_clipping "
+                f"to {max_norm} in the config (or ZeroPlugin(gradient_clipping={max_norm})) to clip at {max_norm}.",
+                stacklevel=2,
+            )
+        norm = entry.engine.get_global_grad_norm()
+        return None if norm is None else torch.tensor(norm, dtype=torch.float32)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Not available: the engine clips the global norm (`gradient_clipping`), as with DeepSpeed and FSDP."""
+        raise RuntimeError(
+            "ZeRO (like DeepSpeed and FSDP) does not support `clip_grad_value_`. Use `clip_grad_norm_` instead: the "
+            "engine clips the global gradient norm with the config's gradient_clipping."
+        )
+
+    # ---------------------------------------------------------------- saving
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
+        """The full state dict of `model` in its compute dtype (16-bit under mixed precision) on the main process.
+
+        Every rank must call it (at stage 3 the parameters are gathered unit by unit). Other ranks get None, which
+        makes accelerate's `save_model` write nothing there.
+
+        Raises:
+            ValueError: at stage 3 when `stage3_gather_16bit_weights_on_model_save` is false (accelerate's
+                DeepSpeed message).
+        """
+        entry = self._entry_of(model)
+        if entry is None:
+            return super().get_state_dict(model, unwrap)
+        config = entry.engine.config
+        gather = config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        if entry.engine.stage == 3 and not (gather or self.zero_plugin.zero3_save_16bit_model):
+            raise ValueError(
+                "Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` in the ZeRO "
+                "config is False. To save the model weights in 16bit, set "
+                "`zero_optimization.stage3_gather_16bit_weights_on_model_save` to True in the DeepSpeed config file "
+                "or set `zero3_save_16bit_model` to True when using `accelerate config` (or "
+                "`ZeroPlugin(zero3_save_16bit_model=True)`). To save the full checkpoint, run "
+                "`accelerator.save_state(save_dir)`: every rank writes its shards."
+            )
+        state_dict = entry.engine.full_state_dict()
+        return state_dict if self.is_main_process else None
+
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+    ) -> str:
+        """Saves the training state: each trained model's engine checkpoint plus accelerate's usual state.
+
+        Every rank writes its own shards into `<output_dir>/zero_model[_i]/` (i-th model prepared with an optimizer);
+        accelerate writes the RNG states, torch schedulers, dataloader samplers, the GradScaler-free step counter
+        and registered objects as it always does. Models prepared for inference are not saved. Save/load pre-hooks
+        receive every prepared model and an empty `weights` list (as under DeepSpeed).
+
+        Args:
+            output_dir: the folder (accelerate's `automatic_checkpoint_naming` works as usual).
+            safe_serialization: as accelerate's.
+            **save_model_func_kwargs: passed to `ZeroEngine.save_checkpoint` (e.g. `client_state`).
+
+        Returns:
+            The folder written.
+        """
+
+        def save_engines(models: list, weights: list, folder: str) -> None:
+            for tag, entry in self._checkpointed():
+                entry.engine.save_checkpoint(folder, tag=tag, **save_model_func_kwargs)
+
+        with self._accelerate_state_only("_save_model_state_pre_hook", save_engines):
+            return super().save_state(output_dir, safe_serialization)
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+    ) -> None:
+        """Restores what `save_state` wrote: models, optimizers, fp16 loss scale, schedulers, RNG, dataloaders.
+
+        The engine checkpoints are universal (any world size or stage can load them); only safetensors, JSON and
+        `torch.load(weights_only=True)` files are read for them.
+
+        Args:
+            input_dir: the folder `save_state` wrote (None: the latest with `automatic_checkpoint_naming`).
+            load_kwargs: as accelerate's.
+            **load_model_func_kwargs: `load_optimizer_states` / `load_lr_scheduler_states` for the engines
+                (default True); the rest goes to accelerate.
+        """
+        engine_kwargs = {
+            key: load_model_func_kwargs.pop(key)
+            for key in ("load_optimizer_states", "load_lr_scheduler_states")
+            if key in load_model_func_kwargs
+        }
+
+        def load_engines(models: list, folder: str) -> None:
+            for tag, entry in self._checkpointed():
+                entry.engine.load_checkpoint(folder, tag=tag, **engine_kwargs)
+                entry.optimizer._step_was_skipped = False
+
+        with self._accelerate_state_only("_load_model_state_pre_hook", load_engines):
+            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def _checkpointed(self) -> list[tuple[str, _ZeroModel]]:
+        trained = [entry for entry in self._zero_models if entry.optimizer is not None]
+        return [(CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", entry) for i, entry in enumerate(trained)]
+
+    @contextlib.contextmanager
+    def _accelerate_state_only(self, hooks_attr: str, engine_hook: Callable[..., None]) -> Iterator[None]:
+        """[Note: save_state/load_state] accelerate's own save_state/load_state run unchanged (folder naming,
+        RNG, schedulers, dataloaders, custom objects) with the ZeRO models, optimizers and engine-owned schedulers
+        hidden from them: their generic path writes model/optimizer files on the main process only, which would
+        lose the other ranks' shards. The engines are saved/loaded by a pre-hook, which accelerate calls with the
+        resolved folder, before its own files."""
+        saved = self._models, self._optimizers, self._schedulers, getattr(self, hooks_attr)
+        all_models = list(self._models)
+        zero_models = {id(entry.model) for entry in self._zero_models}
+        hooks: OrderedDict = OrderedDict(zero=engine_hook)
+        for key, hook in saved[3].items():
+            hooks[key] = _with_models(hook, all_models)
+        self._models = [m for m in self._models if id(m) not in zero_models]
+        self._optimizers = [o for o in self._optimizers if not isinstance(o, ZeroOptimizerWrapper)]
+        self._schedulers = [s for s in self._schedulers if not isinstance(s, ZeroSchedulerWrapper)]
+        setattr(self, hooks_attr, hooks)
+        try:
+            yield
+        finally:
+            self._models, self._optimizers, self._schedulers = saved[:3]
+            setattr(self, hooks_attr, saved[3])
+
+    def free_memory(self, *objects: Any) -> Any:
+        """Destroys the engines (their hooks come off the models), then releases accelerate's references."""
+        for entry in self._zero_models:
+            entry.close()
+        self._zero_models, self._held_engines = [], set()
+        return super().free_memory(*objects)
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+class _MicroBatch:
+    """`train_micro_batch_size_per_gpu` from the dataloaders (accelerate's `_prepare_deepspeed` step 1)."""
+
+    def __init__(self, accelerator: ZeroAccelerator, args: tuple) -> None:
+        self.accelerator = accelerator
+        self.loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
+
+    def size(self, required: bool) -> int | None:
+        acc = self.accelerator
+        if self.loaders:
+            sizes = [loader.batch_size for loader in self.loaders]
+            if any(size is None for size in sizes):
+                if not required:
+                    return None
+                raise ValueError(
+                    "At least one of the dataloaders passed to `accelerate.prepare()` has `None` as batch size. "
+                    "Please set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
+                )
+            return min(size // acc.num_processes if acc.split_batches else size for size in sizes)
+        # A dataloader prepared in an earlier call (the Trainer prepares it before the model).
+        earlier = [d.total_batch_size // acc.num_processes for d in acc._dataloaders if hasattr(d, "total_batch_size")]
+        if earlier:
+            return min(earlier)
+        if required:
+            raise ValueError(
+                "When using ZeRO, `accelerate.prepare()` requires you to pass at least one of training or evaluation "
+                "dataloaders with `batch_size` attribute returning an integer value (in this or an earlier call) or "
+                "alternatively set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
+            )
+        return None
+
+
+def _without_optimizer_blocks(config: ZeroConfig) -> ZeroConfig:
+    """The config of a model prepared for inference: no optimizer/scheduler block (as transformers'
+    `deepspeed_init(inference=True)`), so their "auto" values need no filling."""
+    raw = config.to_dict()
+    raw.pop("optimizer", None)
+    raw.pop("scheduler", None)
+    return ZeroConfig.from_any(raw)
+
+
+def _refuse_other_backends(kwargs: dict[str, Any]) -> None:
+    given = [name for name in _REFUSED_KWARGS if kwargs.get(name) is not None]
+    if kwargs.get("parallelism_config") is not None:
+        given.append("parallelism_config")
+    if given:
+        raise ValueError(f"ZeroAccelerator trains with accelerate_zero's ZeRO engine: remove {given}")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise ValueError(
+            "ACCELERATE_USE_DEEPSPEED=true: the script was started by `accelerate launch` with a DeepSpeed config. "
+            "Start it with `accelerate-zero launch` (same flags and config file), which runs it without deepspeed"
+        )
+
+
+def _config_with_precision(plugin: ZeroPlugin, mixed_precision: str) -> ZeroConfig:
+    """The plugin's config with accelerate's `mixed_precision` applied as `DeepSpeedPlugin.set_mixed_precision` does:
+    on the config as written, where an absent fp16/bf16 block differs from a disabled one."""
+    settings = dataclasses.replace(plugin._settings(), mixed_precision=mixed_precision)
+    return build_deepspeed_config(settings).zero_config
+
+
+def _with_process_group_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """[Note: process group under plain torchrun] On a machine without an accelerator, accelerate only goes
+    distributed (MULTI_CPU, gloo) when told the run is on CPU (`cpu=True` or ACCELERATE_USE_CPU, which
+    `accelerate-zero launch` sets); under plain `torchrun` it reports DistributedType.NO and every rank trains alone.
+    Passing `cpu=True` there is the narrowest fix: accelerate itself then forms the gloo group from
+    RANK/WORLD_SIZE/MASTER_*, and reports the real world size and rank. In every launch mode the group gets the
+    engine's timeout (ACCELERATE_ZERO_PG_TIMEOUT) unless the caller passed its own InitProcessGroupKwargs."""
+    kwargs = dict(kwargs)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not _has_accelerator() and PartialState._shared_state == {} and not dist.is_initialized():
+        kwargs["cpu"] = True
+    handlers = list(kwargs.get("kwargs_handlers") or [])
+    if not any(isinstance(handler, InitProcessGroupKwargs) for handler in handlers):
+        handlers.append(InitProcessGroupKwargs(timeout=process_group_timeout()))
+    kwargs["kwargs_handlers"] = handlers
+    return kwargs
+
+
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def _pair_optimizers(args: tuple, models: list[int], optimizers: list[int], prepared: list[_ZeroModel]) -> dict:
+    """model index -> the index of the optimizer over its parameters (each optimizer belongs to exactly one model)."""
+    owner_of = {id(p): i for i in models for p in args[i].parameters()}
+    pairs: dict[int, int] = {}
+    for opt_index in optimizers:
+        params = _optimizer_params(args[opt_index])
+        owners = {owner_of.get(id(p)) for p in params}
+        if len(owners) != 1 or None in owners:
+            earlier = any(any(p is q for q in e.model.parameters()) for e in prepared for p in params[:1])
+            raise ValueError(
+                "an optimizer was passed to prepare() without the model owning all its parameters"
+                + (" (its model was prepared earlier without an optimizer, for inference)" if earlier else "")
+                + ": with ZeroAccelerator a model and its optimizer must be passed together to the same prepare() call"
+            )
+        model_index = owners.pop()
+        if model_index in pairs:
+            raise ValueError("several optimizers for one model: the ZeRO engine steps one optimizer per model")
+        pairs[model_index] = opt_index
+    return pairs
+
+
+def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
+    if isinstance(optimizer, DummyOptim):
+        groups = list(optimizer.params)
+        return [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _hidden_size_values(model: nn.Module, config: ZeroConfig) -> dict[str, int]:
+    """accelerate's hidden-size "auto" values (`_prepare_deepspeed` step 5), with its messages."""
+    autos = config.auto_keys()
+    wanted = [key for key in _HIDDEN_SIZE_KEYS if key in autos]
+    if config.zero_optimization.stage != 3:
+        wanted = [key for key in wanted if "stage3_" not in key]  # resolve_config gives them their defaults
+    if not wanted:
+        return {}
+    reasoning = (
+        "therefore it's not possible to automatically fill out the following `auto` entries in the DeepSpeed config "
+        f"file: {wanted}. You can fix that by replacing `auto` values for these keys with an integer value of your "
+        "choice."
+    )
+    model_config = getattr(model, "config", None)
+    if model_config is None:
+        raise ValueError("Can't find `model.config` entry, " + reasoning)
+    if hasattr(model_config, "hidden_size"):
+        hidden = model_config.hidden_size
+    elif hasattr(model_config, "hidden_sizes"):
+        hidden = max(model_config.hidden_sizes)
+    else:
+        raise ValueError("Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`, " + reasoning)
+    return dict(zip(_HIDDEN_SIZE_KEYS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden), strict=True))
+
+
+def _is_zero_wrapper(obj: Any) -> bool:
+    return isinstance(obj, (ZeroOptimizerWrapper, ZeroSchedulerWrapper))
+
+
+def _with_models(hook: Callable[..., None], models: list) -> Callable[..., None]:
+    def call(_hidden: list, *args: Any) -> None:
+        hook(models, *args)
+
+    return call
+
+
+def _cast_inputs_to_fp16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return cast_floating_inputs(args, torch.float16), cast_floating_inputs(kwargs, torch.float16)

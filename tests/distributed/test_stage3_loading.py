@@ -1,0 +1,110 @@
+"""Partitioned loading and 16-bit saving at stage 3, on 3 ranks.
+
+A tiny Llama saved as sharded safetensors is loaded with `accelerate_zero.from_pretrained`: every rank holds only
+its shards, the gathered weights equal transformers' own loading, training matches the reference, the gathered
+16-bit save reloads with `from_pretrained`, a plain `model.state_dict()` refuses to return placeholders, and
+without `stage3_gather_16bit_weights_on_model_save` the save writes the sharded engine state instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.helpers.dist import run_distributed
+
+
+def _llama_class() -> Any:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def _save_tiny_llama(folder: Path) -> None:
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    _llama_class()(config).save_pretrained(folder, max_shard_size="20KB")  # several files + an index
+
+
+def _check(rank: int, world_size: int, folder: str, out: str) -> dict[str, Any]:
+    import accelerate_zero
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
+    model = accelerate_zero.from_pretrained(_llama_class(), folder, config={"zero_optimization": zero})
+    placeholders = all(p.numel() == 0 for p in model.model.layers.parameters())
+    engine = accelerate_zero.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), config={"zero_optimization": zero}
+    )
+    padded = sum(flat.plan.numel for unit in engine.units for flat in unit.flats)
+    held = engine.memory_breakdown()["parameters"]
+    reference = _llama_class().from_pretrained(folder)
+    with accelerate_zero.GatheredParameters(list(model.parameters())):
+        loaded_equal = all(torch.equal(p, r) for p, r in zip(model.parameters(), reference.parameters()))
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tokens = torch.randint(0, 64, (2 * world_size, 10), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        reference(input_ids=tokens, labels=tokens).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        mine = tokens[2 * rank : 2 * rank + 2]
+        engine.backward(engine(input_ids=mine, labels=mine).loss)
+        engine.step()
+    with accelerate_zero.GatheredParameters(list(model.parameters())):
+        diff = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+    try:
+        model.state_dict()
+        guarded = False
+    except RuntimeError:
+        guarded = True
+    wrote = engine.save_16bit_model(out)  # the weights only, as DeepSpeed's: the config comes from the model
+    reload_diff = None
+    if rank == 0:
+        model.config.save_pretrained(out)
+        reloaded = _llama_class().from_pretrained(out)
+        reload_diff = max((a - b).abs().max().item() for a, b in zip(reloaded.parameters(), reference.parameters()))
+    engine.destroy()
+    model2 = accelerate_zero.from_pretrained(_llama_class(), folder, config={"zero_optimization": {"stage": 3}})
+    engine2 = accelerate_zero.initialize(
+        model2, torch.optim.SGD(model2.parameters(), lr=0.1), config={"zero_optimization": {"stage": 3}}
+    )
+    wrote_without_flag = engine2.save_16bit_model(out + "-noflag")
+    return {
+        "placeholders": placeholders,
+        "held": held,
+        "padded": padded,
+        "loaded_equal": loaded_equal,
+        "diff": diff,
+        "guarded": guarded,
+        "wrote": wrote,
+        "reload_diff": reload_diff,
+        "wrote_without_flag": wrote_without_flag,
+    }
+
+
+def test_partitioned_loading_training_and_saving(tmp_path: Path) -> None:
+    folder = tmp_path / "tiny-llama"
+    _save_tiny_llama(folder)
+    assert (folder / "model.safetensors.index.json").exists()
+    results = run_distributed(_check, 3, str(folder), str(tmp_path / "saved"))
+    for r in results:
+        assert r["placeholders"] and r["loaded_equal"] and r["guarded"] and r["wrote"]
+        assert r["held"] == 4 * r["padded"] // 3  # only this rank's shard of every unit
+        assert r["diff"] < 1e-6
+        assert r["wrote_without_flag"] is False
+    assert results[0]["reload_diff"] < 1e-6
+    assert (tmp_path / "saved" / "model.safetensors").exists()
+    noflag = tmp_path / "saved-noflag"
+    assert (noflag / "latest").exists() and not (noflag / "model.safetensors").exists()
