@@ -67,6 +67,7 @@ class GradBucket:
     state: BucketState
     grad: torch.Tensor | None  # 1D, plan.numel: the full local gradient (stages 0/1: kept; stage 2: transient)
     shard_grad: torch.Tensor | None  # 1D, plan.shard_numel, stage 2 only: the accumulated averaged slice
+    host_grad: torch.Tensor | None  # 1D fp32 in host memory when the optimizer is offloaded (see offload/policy.py)
 
     def __init__(
         self,
@@ -85,6 +86,7 @@ class GradBucket:
         self.plan, self.mode, self.rank, self.params = plan, mode, rank, params
         self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
         self._storage = storage
+        self.host_grad = None
         self.state = BucketState.EMPTY
         self.grad = None
         self.shard_grad = None
@@ -184,6 +186,15 @@ class GradBucket:
             owned.mul_(post)
 
     def _add_to_shard(self, reduced: torch.Tensor, post: float) -> None:
+        if self.host_grad is not None:
+            # Offloaded optimizer: the averaged slice goes to host memory as soon as it is reduced.
+            reduced = reduced.to(device=self.host_grad.device, dtype=self.host_grad.dtype)
+            if self._shard_has_data:
+                self.host_grad.add_(reduced, alpha=post)
+            else:
+                torch.mul(reduced, post, out=self.host_grad)
+                self._shard_has_data = True
+            return
         if self.shard_grad is None:
             self.shard_grad = torch.empty(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device)
         if self._shard_has_data:
@@ -200,10 +211,14 @@ class GradBucket:
         if self.mode is ReduceMode.SCATTER_TO_SHARD:
             if not self._shard_has_data:
                 self._add_to_shard(torch.zeros(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device), 1.0)
-            assert self.shard_grad is not None
-            return self.shard_grad
+            kept = self.host_grad if self.host_grad is not None else self.shard_grad
+            assert kept is not None
+            return kept
         full = self._full_grad()
-        return full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full)
+        reduced = full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full)
+        if self.host_grad is None:
+            return reduced
+        return self.host_grad.copy_(reduced)  # stages 0/1 keep full gradients on the device until the step
 
     def zero(self) -> None:
         """Clears the gradients after an optimizer step (or a skipped one); releases lazily allocated storage."""

@@ -9,6 +9,7 @@ A stage is a composition, not a flag:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_log import StepLog
+from accelerate_zero.offload.policy import offload_masters, offload_policy, use_fused_cpu_step
 
 
 logger = logging.getLogger(__name__)
@@ -158,11 +160,15 @@ class ZeroEngine:
             self.compute_dtype, grad_dtype, dtype_from_name(self.config.communication_data_type) or grad_dtype
         )
         trainable = trainable_param_groups(self.module, self.optimizer)
+        self.offload = offload_policy(self.config)
+        if self.offload.optimizer:
+            # Gradients go to host memory as each bucket is reduced: no device gradient shard is kept.
+            zero = dataclasses.replace(zero, contiguous_gradients=False)
         self.units: list[ParamUnit] = []
         self.scheduler: UnitScheduler | None = None
         self._state_dict_guard: PlaceholderStateDictGuard | None = None
         if self.stage == 3:
-            buckets, locations, slices, on_complete = self._init_stage3(trainable, dtypes)
+            buckets, locations, slices, on_complete = self._init_stage3(trainable, dtypes, zero)
         else:
             num_shards = 1 if self.stage == 0 else self.dp.world_size
             self.groups = [
@@ -181,13 +187,17 @@ class ZeroEngine:
             ]
             buckets, locations = self._order_group_buckets()
             slices, on_complete = [group_slices(shard) for shard in self.groups], None
+        if self.offload.optimizer:
+            for bucket in buckets:
+                bucket.host_grad = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
+            slices = offload_masters(slices, self.offload)
+            use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
         self.reducer = self._build_reducer(buckets, locations, on_complete)
         self.reducer.register_hooks()
         self.sharded_optimizer = self._build_sharded_optimizer(slices)
         self.sharded_optimizer.switch_param_groups()
 
-    def _init_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan) -> tuple:
-        zero = self.config.zero_optimization
+    def _init_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
         leaf = zero.leaf_module
         extra = [*leaf.classes, *leaf.names] if leaf is not None else []
         layout = layout_units(
@@ -207,6 +217,7 @@ class ZeroEngine:
             device=self.device,
             reduce_bucket_numel=zero.reduce_bucket_size,
             contiguous_gradients=zero.contiguous_gradients,
+            offload=self.offload,
         )
         self.groups, self.units = parts.persistent_groups, parts.units
         self.scheduler = UnitScheduler(
@@ -291,6 +302,7 @@ class ZeroEngine:
             loss_scaler=build_loss_scaler(self.config),
             check_overflow=bool(self.config.fp16.enabled or self.config.bf16.check_overflow),
             publish=publish,
+            device=self.device,
         )
 
     # --------------------------------------------------------------- training
@@ -509,20 +521,38 @@ class ZeroEngine:
         Kinds: parameters (the flat buffers and frozen parameters), gradients (the storage kept across
         micro-steps), master_weights (fp32 copies that are not the parameters themselves), optimizer_states,
         communication_buffers (stage 2 buckets being filled or reduced right now), and total. The peak of the
-        latter since the engine started is reported as communication_buffers_peak (not part of total).
+        latter since the engine started is reported as communication_buffers_peak (not part of total). Offloaded
+        state is reported as host_parameters, host_gradients, host_master_weights, host_optimizer_states and
+        host_total.
         """
         flat = [shard.param_buffer for shard in self.groups]
-        flat += [t for unit in self.units for t in unit.resident_tensors()]
+        unit_full = [flat.full for unit in self.units for flat in unit.flats]
+        unit_shards = [flat.shard for unit in self.units for flat in unit.flats]
         kept = self.sharded_optimizer.held_tensors()
-        out = bytes_by_kind(
-            {
-                "parameters": [*flat, *(p for p in self.module.parameters())],
-                "gradients": self.reducer.gradient_tensors(),
-                "master_weights": kept["master_weights"],
-                "optimizer_states": kept["optimizer_states"],
-                "communication_buffers": self.reducer.transient_tensors(),
-            }
-        )
+        host_grads = [b.host_grad for b in self.reducer.buckets if b.host_grad is not None]
+        # Offloaded state lives in host memory: reported apart from what the compute device holds.
+        host = {
+            "host_parameters": unit_shards if self.offload.params else [],
+            "host_gradients": host_grads,
+            "host_master_weights": kept["master_weights"] if self.offload.optimizer else [],
+            "host_optimizer_states": kept["optimizer_states"] if self.offload.optimizer else [],
+        }
+        device = {
+            "parameters": [
+                *flat,
+                *unit_full,
+                *([] if self.offload.params else unit_shards),
+                *self.module.parameters(),
+            ],
+            "gradients": self.reducer.gradient_tensors(),
+            "master_weights": [] if self.offload.optimizer else kept["master_weights"],
+            "optimizer_states": [] if self.offload.optimizer else kept["optimizer_states"],
+            "communication_buffers": self.reducer.transient_tensors(),
+        }
+        out = bytes_by_kind(device)
+        host_bytes = bytes_by_kind(host)
+        host_bytes["host_total"] = host_bytes.pop("total")
+        out.update(host_bytes)
         out["communication_buffers_peak"] = self.reducer.peak_transient_bytes
         return out
 

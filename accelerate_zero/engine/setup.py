@@ -54,11 +54,15 @@ def check_implemented(config: ZeroConfig) -> None:
         problems.append("zero_optimization.pipeline_loading_checkpoint=true: partitioned loading is not available yet")
     for block in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, block)
-        if offload is not None and offload.device != "none":
+        if offload is not None and offload.device == "nvme":
             problems.append(
-                f"zero_optimization.{block}.device={offload.device!r}: offload is not available yet; remove the "
-                f"{block} block or set its device to 'none'"
+                f"zero_optimization.{block}.device='nvme': NVMe offload is not available yet; use device 'cpu'"
             )
+    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio < 1.0:
+        problems.append(
+            f"zero_optimization.offload_optimizer.ratio={zero.offload_optimizer.ratio}: partial offload is not "
+            "available; remove the key (everything is offloaded)"
+        )
     if not zero.load_from_fp32_weights:
         problems.append(
             "zero_optimization.load_from_fp32_weights=false: accelerate_zero checkpoints always restore the fp32 "

@@ -59,6 +59,7 @@ class ShardedOptimizer:
         loss_scaler: LossScaler | None,
         check_overflow: bool,
         publish: Callable[[], None],
+        device: torch.device,
     ) -> None:
         """
         Args:
@@ -70,6 +71,8 @@ class ShardedOptimizer:
         self.optimizer, self.slices_by_group, self.dp, self.stats = optimizer, slices_by_group, dp, stats
         self.sharded, self.gradient_clipping = sharded, gradient_clipping
         self.loss_scaler, self.check_overflow, self.publish = loss_scaler, check_overflow, publish
+        self.device = device
+        """Where the norm is all-reduced (gradients may live in host memory under offload)."""
         self.slices = [s for group in slices_by_group for s in group]
         self.buckets = list({id(s.bucket): s.bucket for s in self.slices}.values())
 
@@ -111,7 +114,7 @@ class ShardedOptimizer:
         if not grads:
             return 0.0
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        sum_sq = torch.stack(norms).square().sum()
+        sum_sq = torch.stack(norms).square().sum().to(self.device)
         if self.sharded:
             # Each element belongs to exactly one rank's shard: summing the squares over ranks gives the full norm.
             collectives.all_reduce(sum_sq, self.dp, self.stats)

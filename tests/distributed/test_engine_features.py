@@ -105,8 +105,22 @@ def _comm_and_memory(stage: int, rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+def _offload_memory(rank: int, world_size: int) -> dict[str, Any]:
+    import accelerate_zero
+
+    batches = make_batches(1, 1, PER_RANK_BATCH * world_size)
+    model = make_model()
+    config = _config(2, zero={"offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 10**9})
+    engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
+    x, y = batches.rank_slice(0, 0, rank, world_size)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    fused = all(group["fused"] for group in engine.optimizer.param_groups)
+    return {"memory": engine.memory_breakdown(), "padded": sum(g.plan.numel for g in engine.groups), "fused": fused}
+
+
 def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
-    out = {}
+    out = {"offload": _offload_memory(rank, world_size)}
     for stage in (0, 1, 2):
         out[f"bf16-s{stage}"] = _bf16(stage, rank, world_size)
         out[f"fp16-s{stage}"] = _fp16_overflow(stage, rank, world_size)
@@ -173,3 +187,13 @@ def test_memory_held_shrinks_by_stage(results: Any, stage: int) -> None:
         # exp_avg and exp_avg_sq per shard element, plus one scalar step tensor per bucket
         assert 8 * shard <= memory["optimizer_states"] <= 8 * shard + 64
         assert memory["total"] == sum(memory[k] for k in memory if k not in ("total", "communication_buffers_peak"))
+
+
+def test_offloaded_optimizer_state_is_held_on_the_host(results: Any) -> None:
+    world_size, by_rank = results
+    for r in by_rank:
+        memory, shard = r["offload"]["memory"], r["offload"]["padded"] // world_size
+        assert r["offload"]["fused"]  # the CPU step uses torch's fused kernel
+        assert memory["master_weights"] == memory["optimizer_states"] == memory["gradients"] == 0
+        assert memory["host_master_weights"] == 4 * shard and memory["host_gradients"] == 4 * shard
+        assert 8 * shard - 64 <= memory["host_optimizer_states"] <= 8 * shard + 64

@@ -117,6 +117,27 @@ def _cases() -> list[Case]:
             clip=5.0,
         ),
     ]
+    cpu = {"offload_optimizer": {"device": "cpu"}}
+    cases += [
+        Case("s1-offload-optimizer", 1, {**cpu, "reduce_bucket_size": 64}),
+        Case(
+            "s2-offload-optimizer-sgd-accum-4",
+            2,
+            {**cpu, "reduce_bucket_size": 64},
+            grad_accum=4,
+            optimizer="sgd",
+            clip=0.0,
+        ),
+        Case(
+            "s3-offload-optimizer-and-params",
+            3,
+            {**cpu, **no_persist, "offload_param": {"device": "cpu"}, "stage3_max_reuse_distance": 0},
+            groups=True,
+            frozen=True,
+            scheduler=True,
+        ),
+        Case("s3-offload-params-sgd", 3, {**no_persist, "offload_param": {"device": "cpu"}}, optimizer="sgd"),
+    ]
     return cases
 
 

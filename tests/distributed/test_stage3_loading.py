@@ -51,7 +51,7 @@ def _check(rank: int, world_size: int, folder: str, out: str) -> dict[str, Any]:
     held = engine.memory_breakdown()["parameters"]
     reference = _llama_class().from_pretrained(folder)
     with accelerate_zero.GatheredParameters(list(model.parameters())):
-        loaded_equal = all(torch.equal(p, r) for p, r in zip(model.parameters(), reference.parameters()))
+        loaded_equal = all(torch.equal(p, r) for p, r in zip(model.parameters(), reference.parameters(), strict=True))
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     tokens = torch.randint(0, 64, (2 * world_size, 10), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
@@ -63,7 +63,7 @@ def _check(rank: int, world_size: int, folder: str, out: str) -> dict[str, Any]:
         engine.backward(engine(input_ids=mine, labels=mine).loss)
         engine.step()
     with accelerate_zero.GatheredParameters(list(model.parameters())):
-        diff = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+        diff = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters(), strict=True))
     try:
         model.state_dict()
         guarded = False
@@ -74,7 +74,9 @@ def _check(rank: int, world_size: int, folder: str, out: str) -> dict[str, Any]:
     if rank == 0:
         model.config.save_pretrained(out)
         reloaded = _llama_class().from_pretrained(out)
-        reload_diff = max((a - b).abs().max().item() for a, b in zip(reloaded.parameters(), reference.parameters()))
+        reload_diff = max(
+            (a - b).abs().max().item() for a, b in zip(reloaded.parameters(), reference.parameters(), strict=True)
+        )
     engine.destroy()
     model2 = accelerate_zero.from_pretrained(_llama_class(), folder, config={"zero_optimization": {"stage": 3}})
     engine2 = accelerate_zero.initialize(

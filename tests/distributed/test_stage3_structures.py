@@ -67,7 +67,7 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
             engine(x)  # an eval forward between steps
             engine.train()
     with accelerate_zero.GatheredParameters(list(model.parameters())):
-        diff = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+        diff = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters(), strict=True))
     return {
         "diff": diff,
         "order_warnings": sum("order in which modules ran changed" in w for w in warnings),

@@ -14,6 +14,7 @@ from accelerate_zero.engine.sharded_optimizer import ShardSlice
 from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR, adopt
 from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit, build_flat, unit_slices
 from accelerate_zero.engine.stage3.units import UnitLayout
+from accelerate_zero.offload.policy import OffloadPolicy
 
 
 @dataclass
@@ -46,10 +47,11 @@ def build_stage3(
     device: torch.device,
     reduce_bucket_numel: int,
     contiguous_gradients: bool,
+    offload: OffloadPolicy,
 ) -> Stage3Parts:
     """Flattens and shards every unit, and plans the persistent parameters per optimizer param group."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
-    units = _build_units(module, layout, rank, world_size, dtypes, device, contiguous_gradients)
+    units = _build_units(module, layout, rank, world_size, dtypes, device, contiguous_gradients, offload)
     root = units[-1]
     persistent = set(layout.persistent)
     persistent_groups = []
@@ -102,13 +104,17 @@ def _build_units(
     dtypes: DtypePlan,
     device: torch.device,
     contiguous_gradients: bool,
+    offload: OffloadPolicy,
 ) -> list[ParamUnit]:
     def flat_of(params: list[nn.Parameter]) -> FlatUnitBuffer | None:
         # The layout never depends on the optimizer, so shards made by partitioned loading are adopted as they are;
         # a unit's slices simply split where optimizer param groups alternate.
         if not params:
             return None
-        return adopt(module, params, world_size, rank) or build_flat(params, rank, world_size, dtypes.compute, device)
+        flat = adopt(module, params, world_size, rank) or build_flat(params, rank, world_size, dtypes.compute, device)
+        if offload.params:  # offload_param: the shard lives in host memory, copied in before each all-gather
+            flat.shard = offload.host_zeros(flat.shard.numel(), flat.shard.dtype, device).copy_(flat.shard)
+        return flat
 
     units = []
     for index, spec in enumerate(layout.units):

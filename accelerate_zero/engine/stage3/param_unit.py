@@ -124,12 +124,14 @@ class ParamUnit:
             return
         for flat in self.flats:
             flat.allocate()
+            # offload_param keeps the shard in host memory: bring it to the device first (no-op when it is there).
+            shard = flat.shard.to(flat.full.device, non_blocking=True)
             if use_all_reduce:
                 flat.full.zero_()
-                flat.full[slice(*flat.plan.shard_range(flat.rank))].copy_(flat.shard)
+                flat.full[slice(*flat.plan.shard_range(flat.rank))].copy_(shard)
                 pending = collectives.all_reduce(flat.full, dp, stats, async_op=True, kind="all_reduce_fetch")
             else:
-                pending = collectives.all_gather(flat.full, flat.shard, dp, stats, async_op=True)
+                pending = collectives.all_gather(flat.full, shard, dp, stats, async_op=True)
             self._pending.append(pending)
         self.state = UnitState.GATHERING
 

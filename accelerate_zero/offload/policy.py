@@ -1,0 +1,80 @@
+"""Where the optimizer's state and the partitioned parameters live: a policy decided once, at construction.
+
+With `offload_optimizer.device: cpu` every fp32 master slice and its optimizer state live in host memory (pinned
+when the compute device is a GPU, so copies can overlap), each gradient bucket accumulates its averaged slice
+into a host fp32 buffer as soon as its reduction finishes, the optimizer steps on the CPU with torch's fused
+kernel when the optimizer class has one, and the updated slices are copied back into the parameters. With
+`offload_param.device: cpu` (stage 3) each unit's shard lives in host memory and is copied to the device right
+before its all-gather. On a CPU-only machine the same code runs; the copies are host-to-host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from accelerate_zero.config import ZeroConfig
+from accelerate_zero.engine.sharded_optimizer import ShardSlice
+
+
+# torch optimizers with a fused CPU kernel (torch >= 2.4); measured fastest in bench/offload_bench.py.
+_FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    optimizer: bool
+    """fp32 master weights, optimizer states and their gradients live in host memory."""
+    params: bool
+    """Stage 3 parameter shards live in host memory."""
+    pin_memory: bool
+    """Page-locked host buffers; only used when the compute device is a GPU."""
+
+    def host_zeros(self, numel: int, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
+        pin = self.pin_memory and compute_device.type == "cuda"
+        return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def offload_policy(config: ZeroConfig) -> OffloadPolicy:
+    zero = config.zero_optimization
+    optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    params = zero.offload_param is not None and zero.offload_param.device == "cpu"
+    pins = [b.pin_memory for b in (zero.offload_optimizer, zero.offload_param) if b is not None and b.device != "none"]
+    return OffloadPolicy(optimizer=optimizer, params=params, pin_memory=all(pins) if pins else False)
+
+
+def offload_masters(slices_by_group: list[list[ShardSlice]], policy: OffloadPolicy) -> list[list[ShardSlice]]:
+    """The same slices with their fp32 master in host memory (one contiguous host buffer per param group)."""
+    out = []
+    for slices in slices_by_group:
+        device = slices[0].params.device if slices else torch.device("cpu")
+        flat = policy.host_zeros(sum(s.end - s.start for s in slices), torch.float32, device)
+        pieces = flat.split([s.end - s.start for s in slices]) if slices else []
+        moved = []
+        for shard_slice, master in zip(slices, pieces, strict=True):
+            master.copy_(shard_slice.params)
+            moved.append(
+                ShardSlice(shard_slice.bucket, shard_slice.start, shard_slice.end, master, shard_slice.params)
+            )
+        out.append(moved)
+    return out
+
+
+def use_fused_cpu_step(optimizer: torch.optim.Optimizer, force_fast: bool) -> None:
+    """Makes the optimizer step its host state with torch's fused CPU kernel.
+
+    Raises:
+        ValueError: the optimizer class has no fused CPU kernel and `zero_force_ds_cpu_optimizer` is true
+            (DeepSpeed's guard against slow client optimizers under offload).
+    """
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.startswith("torch.optim") and name in _FUSED_ON_CPU:
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+        return
+    if force_fast:
+        raise ValueError(
+            f"offload_optimizer steps {name} on the CPU without a fused kernel, which is slow: use one of "
+            f'{", ".join(_FUSED_ON_CPU)} from torch.optim, or set "zero_force_ds_cpu_optimizer": false to accept it'
+        )
