@@ -60,6 +60,7 @@ def _covered(engine: ZeroEngine) -> set[int]:
 # --------------------------------------------------------------------------- save
 def save_engine(engine: ZeroEngine, save_dir: str | Path, tag: str | None, client_state: dict | None) -> Path:
     """Writes every rank's shard and the rank-independent state; returns the checkpoint folder."""
+    _refuse_nvme(engine)
     save_dir = Path(save_dir)
     tag = tag or f"global_step{engine.global_steps}"
     _validate_tag(engine, tag)
@@ -133,6 +134,7 @@ def load_engine(
     load_lr_scheduler_states: bool,
 ) -> dict:
     """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage."""
+    _refuse_nvme(engine)
     folder = resolve_tag(Path(load_dir), tag)
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("format") != FORMAT:
@@ -213,6 +215,13 @@ def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, st
         saved = reader.read_whole(whole_key(name, "buffer"))
         if saved is not None:
             buffer.copy_(saved)
+
+
+def _refuse_nvme(engine: ZeroEngine) -> None:
+    if engine.sharded_optimizer.swapper is not None:
+        raise NotImplementedError(
+            "engine checkpoints with offload_optimizer.device='nvme' are not available yet: use device 'cpu'"
+        )
 
 
 def _validate_tag(engine: ZeroEngine, tag: str) -> None:

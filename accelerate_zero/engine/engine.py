@@ -49,6 +49,7 @@ from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_log import StepLog
+from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.policy import offload_masters, offload_policy, use_fused_cpu_step
 
 
@@ -196,6 +197,12 @@ class ZeroEngine:
         self.reducer.register_hooks()
         self.sharded_optimizer = self._build_sharded_optimizer(slices)
         self.sharded_optimizer.switch_param_groups()
+        if self.offload.nvme_path is not None:
+            numel = sum(s.end - s.start for group in slices for s in group)
+            folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel)
+            self.sharded_optimizer.swapper = NvmeSwapper(
+                folder, slices, zero.sub_group_size, self.offload.buffer_count
+            )
 
     def _init_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
         leaf = zero.leaf_module
@@ -553,6 +560,8 @@ class ZeroEngine:
         host_bytes = bytes_by_kind(host)
         host_bytes["host_total"] = host_bytes.pop("total")
         out.update(host_bytes)
+        swapper = self.sharded_optimizer.swapper
+        out["nvme_bytes"] = swapper.file_bytes() if swapper is not None else 0
         out["communication_buffers_peak"] = self.reducer.peak_transient_bytes
         return out
 
@@ -566,6 +575,8 @@ class ZeroEngine:
     def destroy(self) -> None:
         """Removes the engine's hooks; the model keeps its current weights."""
         self.reducer.remove_hooks()
+        if self.sharded_optimizer.swapper is not None:
+            self.sharded_optimizer.swapper.close()
         for handle in getattr(self, "_unit_hooks", []):
             handle.remove()
         unregister_engine_params(self)

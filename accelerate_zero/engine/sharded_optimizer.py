@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,6 +74,8 @@ class ShardedOptimizer:
         self.loss_scaler, self.check_overflow, self.publish = loss_scaler, check_overflow, publish
         self.device = device
         """Where the norm is all-reduced (gradients may live in host memory under offload)."""
+        self.swapper: Any = None
+        """NVMe offload (offload/nvme.py): steps the slices sub-group by sub-group from files."""
         self.slices = [s for group in slices_by_group for s in group]
         self.buckets = list({id(s.bucket): s.bucket for s in self.slices}.values())
 
@@ -100,14 +103,21 @@ class ShardedOptimizer:
         if self.gradient_clipping > 0:
             # Same coefficient as torch.nn.utils.clip_grad_norm_, folded into the unscale multiply.
             coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        self._attach_grads(coefficient)
+        if self.swapper is None:
+            self.step_slices(self.slices, coefficient)
+        else:
+            self.swapper.step(self, coefficient)
+        self.publish()
+        return StepOutcome(grad_norm=norm, overflow=False)
+
+    def step_slices(self, slices: list[ShardSlice], coefficient: float) -> None:
+        """Attaches the clipped gradients of `slices`, steps the optimizer, copies the masters into parameters."""
+        self._attach_grads(slices, coefficient)
         self.optimizer.step()
-        for shard_slice in self.slices:
+        for shard_slice in slices:
             shard_slice.master.grad = None
             if not shard_slice.aliased:
                 shard_slice.params.copy_(shard_slice.master)
-        self.publish()
-        return StepOutcome(grad_norm=norm, overflow=False)
 
     def _global_norm(self) -> float:
         grads = [bucket.reduced_shard() for bucket in self.buckets]
@@ -120,8 +130,8 @@ class ShardedOptimizer:
             collectives.all_reduce(sum_sq, self.dp, self.stats)
         return sum_sq.sqrt().item()
 
-    def _attach_grads(self, coefficient: float) -> None:
-        for shard_slice in self.slices:
+    def _attach_grads(self, slices: list[ShardSlice], coefficient: float) -> None:
+        for shard_slice in slices:
             grad = shard_slice.bucket.reduced_shard()[shard_slice.start : shard_slice.end]
             master = shard_slice.master
             if grad.dtype != master.dtype or grad.device != master.device:
@@ -132,6 +142,11 @@ class ShardedOptimizer:
 
     def refresh_masters(self) -> None:
         """Copies the parameter shards into the fp32 master weights (after parameters were overwritten)."""
+        if self.swapper is not None:
+            raise NotImplementedError(
+                "writing parameters (GatheredParameters with modifier_rank) is not available with "
+                "offload_optimizer.device='nvme' yet"
+            )
         for shard_slice in self.slices:
             if not shard_slice.aliased:
                 shard_slice.master.copy_(shard_slice.params)

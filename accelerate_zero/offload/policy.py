@@ -30,6 +30,9 @@ class OffloadPolicy:
     """Stage 3 parameter shards live in host memory."""
     pin_memory: bool
     """Page-locked host buffers; only used when the compute device is a GPU."""
+    nvme_path: str | None = None
+    """With offload_optimizer.device=nvme: masters and optimizer state live in files there (offload/nvme.py)."""
+    buffer_count: int = 4
 
     def host_zeros(self, numel: int, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
         pin = self.pin_memory and compute_device.type == "cuda"
@@ -38,14 +41,28 @@ class OffloadPolicy:
 
 def offload_policy(config: ZeroConfig) -> OffloadPolicy:
     zero = config.zero_optimization
-    optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+    opt = zero.offload_optimizer
+    optimizer = opt is not None and opt.device in ("cpu", "nvme")
     params = zero.offload_param is not None and zero.offload_param.device == "cpu"
-    pins = [b.pin_memory for b in (zero.offload_optimizer, zero.offload_param) if b is not None and b.device != "none"]
-    return OffloadPolicy(optimizer=optimizer, params=params, pin_memory=all(pins) if pins else False)
+    pins = [b.pin_memory for b in (opt, zero.offload_param) if b is not None and b.device != "none"]
+    nvme = opt.nvme_path if opt is not None and opt.device == "nvme" else None
+    return OffloadPolicy(
+        optimizer=optimizer,
+        params=params,
+        pin_memory=all(pins) if pins else False,
+        nvme_path=nvme,
+        buffer_count=opt.buffer_count if opt is not None else 4,
+    )
 
 
 def offload_masters(slices_by_group: list[list[ShardSlice]], policy: OffloadPolicy) -> list[list[ShardSlice]]:
-    """The same slices with their fp32 master in host memory (one contiguous host buffer per param group)."""
+    """The same slices with their fp32 master in host memory (one contiguous host buffer per param group; one
+    tensor per slice under NVMe offload, so a swapped-out slice frees its memory)."""
+    if policy.nvme_path is not None:
+        return [
+            [ShardSlice(s.bucket, s.start, s.end, s.params.detach().float().cpu().clone(), s.params) for s in slices]
+            for slices in slices_by_group
+        ]
     out = []
     for slices in slices_by_group:
         device = slices[0].params.device if slices else torch.device("cpu")

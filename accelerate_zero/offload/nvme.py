@@ -1,0 +1,162 @@
+"""NVMe offload of the optimizer (ZeRO-Infinity): fp32 masters and optimizer state live in files between steps.
+
+The shard's slices are cut into sub-groups of at most `sub_group_size` elements. At the step each sub-group is
+read from its file (the next one is read ahead by a thread), stepped with the user's optimizer on the CPU, copied
+into the parameters, and written back by a thread, so at most `buffer_count` sub-groups are in memory at once.
+Between steps a master slice holds an empty placeholder. Files live under `<nvme_path>/accelerate_zero/rank<R>/`;
+stale ones from an earlier job are removed at start, ours when the engine is destroyed or the process exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import socket
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from accelerate_zero.engine.sharded_optimizer import ShardSlice
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+
+# exp_avg and exp_avg_sq for Adam-like optimizers: the most any torch optimizer keeps per element.
+_STATES_PER_ELEMENT = 2
+
+
+def rank_folder(nvme_path: str, rank: int) -> Path:
+    return Path(nvme_path) / "accelerate_zero" / f"rank{rank:05d}"
+
+
+def check_nvme_path(nvme_path: str, rank: int, numel: int) -> Path:
+    """Creates this rank's folder (removing stale files) and checks it is writable and has room.
+
+    Raises:
+        OSError: naming the host, the path, the bytes needed and the bytes free.
+    """
+    folder = rank_folder(nvme_path, rank)
+    host = socket.gethostname()
+    try:
+        shutil.rmtree(folder, ignore_errors=True)  # files of an earlier job that did not end cleanly
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write_probe"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as error:
+        raise OSError(
+            f"{host}: offload_optimizer.nvme_path={nvme_path!r} is not a writable folder ({error}); create it on "
+            "every node or point nvme_path at a local disk"
+        ) from None
+    needed = 4 * numel * (1 + _STATES_PER_ELEMENT)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise OSError(
+            f"{host}: offload_optimizer.nvme_path={nvme_path!r} has {free:,} bytes free but rank {rank} needs "
+            f"{needed:,} bytes for its fp32 master weights and optimizer state; free space or use another path"
+        )
+    return folder
+
+
+class NvmeSwapper:
+    """Steps the optimizer sub-group by sub-group from files (see the module docstring)."""
+
+    def __init__(
+        self, folder: Path, slices_by_group: list[list[ShardSlice]], sub_group_numel: int, buffer_count: int
+    ) -> None:
+        self.folder, self.buffer_count = folder, max(2, buffer_count)
+        entries = [(group, s) for group, slices in enumerate(slices_by_group) for s in slices]
+        self.subgroups: list[list[tuple[int, ShardSlice]]] = []
+        for entry in entries:
+            size = entry[1].end - entry[1].start
+            if self.subgroups and sum(s.end - s.start for _, s in self.subgroups[-1]) + size <= sub_group_numel:
+                self.subgroups[-1].append(entry)
+            else:
+                self.subgroups.append([entry])
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="accelerate_zero_nvme")
+        self.peak_resident = 0
+        """Most sub-groups in memory at once during a step (the current, the one read ahead, writes in flight)."""
+        for index, subgroup in enumerate(self.subgroups):
+            save_file(_tensors(subgroup, {}), str(self._file(index)))
+            _release(subgroup)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)
+
+    def _file(self, index: int) -> Path:
+        return self.folder / f"subgroup{index:05d}.safetensors"
+
+    def _write(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        partial = self.folder / f".subgroup{index:05d}.partial"
+        save_file(tensors, str(partial))
+        os.replace(partial, self._file(index))
+
+    def step(self, sharded: ShardedOptimizer, coefficient: float) -> None:
+        """One optimizer step over every sub-group, reading ahead and writing behind."""
+        optimizer = sharded.optimizer
+        all_params = [group["params"] for group in optimizer.param_groups]
+        writes: collections.deque[Future] = collections.deque()
+        reading = self._pool.submit(load_file, str(self._file(0)))
+        try:
+            for index, subgroup in enumerate(self.subgroups):
+                loaded = reading.result()
+                while len(writes) + 2 > self.buffer_count:  # current + read-ahead + writes in flight
+                    writes.popleft().result()
+                if index + 1 < len(self.subgroups):
+                    reading = self._pool.submit(load_file, str(self._file(index + 1)))
+                self.peak_resident = max(self.peak_resident, len(writes) + 1 + int(index + 1 < len(self.subgroups)))
+                _restore(subgroup, loaded, optimizer)
+                for group_index, group in enumerate(optimizer.param_groups):
+                    group["params"] = [s.master for g, s in subgroup if g == group_index]
+                sharded.step_slices([s for _, s in subgroup], coefficient)
+                tensors = _tensors(subgroup, optimizer.state)
+                _release(subgroup, optimizer.state)
+                writes.append(self._pool.submit(self._write, index, tensors))
+        finally:
+            for group, params in zip(optimizer.param_groups, all_params, strict=True):
+                group["params"] = params
+            for write in writes:
+                write.result()
+
+    def file_bytes(self) -> int:
+        return sum(path.stat().st_size for path in self.folder.glob("subgroup*.safetensors"))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._finalizer()
+
+
+def _key(index: int, kind: str) -> str:
+    return f"{index}/{kind}"
+
+
+def _tensors(subgroup: list[tuple[int, ShardSlice]], state: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for index, (_, shard_slice) in enumerate(subgroup):
+        out[_key(index, "master")] = shard_slice.master.detach().clone()
+        for kind, value in state.get(shard_slice.master, {}).items():
+            if torch.is_tensor(value):
+                out[_key(index, kind)] = value.detach().clone()
+    return out
+
+
+def _restore(
+    subgroup: list[tuple[int, ShardSlice]], loaded: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> None:
+    for index, (_, shard_slice) in enumerate(subgroup):
+        shard_slice.master.data = loaded[_key(index, "master")]
+        state = {key.split("/", 1)[1]: value for key, value in loaded.items() if key.startswith(f"{index}/")}
+        state.pop("master")
+        if state:
+            optimizer.state[shard_slice.master] = state
+
+
+def _release(subgroup: list[tuple[int, ShardSlice]], state: dict | None = None) -> None:
+    for _, shard_slice in subgroup:
+        shard_slice.master.data = torch.empty(0)
+        if state is not None:
+            state.pop(shard_slice.master, None)
