@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.models import tiny_llama_config
+
 
 STEPS, GRAD_ACCUM, PER_RANK_BATCH, SEQ, VOCAB = 4, 2, 2, 12, 64
 # SGD, not Adam: Adam's normalised update turns the summation-order noise of near-zero gradients (unused
@@ -21,20 +23,10 @@ ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_
 
 
 def _tiny_llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).to(dtype)
+    return LlamaForCausalLM(tiny_llama_config()).to(dtype)
 
 
 def _batches(world_size: int) -> list[list[torch.Tensor]]:

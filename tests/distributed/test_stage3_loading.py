@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.models import tiny_llama_config
 
 
 def _llama_class() -> Any:
@@ -23,19 +24,8 @@ def _llama_class() -> Any:
 
 
 def _save_tiny_llama(folder: Path) -> None:
-    from transformers import LlamaConfig
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    _llama_class()(config).save_pretrained(folder, max_shard_size="20KB")  # several files + an index
+    _llama_class()(tiny_llama_config()).save_pretrained(folder, max_shard_size="20KB")  # several files + an index
 
 
 def _check(rank: int, world_size: int, folder: str, out: str) -> dict[str, Any]:

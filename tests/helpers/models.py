@@ -113,3 +113,20 @@ class TwistyModel(nn.Module):
             h = torch.tanh(self.alt(h))
         # self.out's weight used again by the root, outside self.out's own forward
         return self.out(h) + 0.5 * nn.functional.linear(h, self.out.weight)
+
+
+def tiny_llama_config(**overrides: object) -> object:
+    """A LlamaConfig of a few thousand parameters with tied embeddings (uneven enough to pad)."""
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return LlamaConfig(**{**values, **overrides})
