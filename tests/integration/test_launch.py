@@ -58,7 +58,10 @@ def check_run(out: Path, stage: int) -> list[dict[str, Any]]:
     return runs
 
 
-@pytest.mark.parametrize(("name", "stage"), [("zero1.yaml", 1), ("zero2.yaml", 2)])
+@pytest.mark.parametrize(
+    ("name", "stage"),
+    [("zero1.yaml", 1), ("zero2.yaml", 2), ("zero3.yaml", 3), ("zero3_offload.yaml", 3), ("zero3_nvme.yaml", 3)],
+)
 def test_shipped_config_trains_on_two_processes(tmp_path: Path, name: str, stage: int) -> None:
     assert launch(tmp_path, "--config_file", str(CONFIGS / name)) == 0
     check_run(tmp_path, stage)
