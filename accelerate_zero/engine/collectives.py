@@ -1,8 +1,14 @@
 """Stateless collectives on flat tensors; the only module that calls torch.distributed collectives.
 
 Every call is counted in a `CommStats`, so the bytes the engine moves are measured where they are moved.
-`bytes_per_rank` follows the ring algorithms NCCL and gloo use: a reduce-scatter or all-gather of an N-byte
+`bytes_per_rank` follows the algorithms the backends run: with NCCL a reduce-scatter or all-gather of an N-byte
 buffer sends N*(W-1)/W bytes from each rank, an all-reduce twice that, a broadcast N bytes.
+
+[Note: reduce-scatter on gloo]
+gloo has no reduce-scatter algorithm: torch implements it as an all-reduce of a copy of the input, then keeps one
+chunk (measured with bench/gloo_collectives.py: 1.5x the bytes of the ring formula for reduce-scatter plus
+all-gather, and a full-size temporary). On gloo we all-reduce the bucket in place instead, which moves the same
+bytes without the copy, and count it as what it is: 2N*(W-1)/W.
 """
 
 from __future__ import annotations
@@ -98,6 +104,11 @@ def reduce_scatter(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Pending(None)
+    own_slice = input.data_ptr() + dp.rank * output.numel() * output.element_size()
+    if dp.backend == "gloo" and output.data_ptr() == own_slice:
+        # [Note: reduce-scatter on gloo]
+        stats.record("reduce_scatter", _nbytes(input), 2 * (dp.world_size - 1) / dp.world_size)
+        return Pending(dist.all_reduce(input, group=dp.group, async_op=async_op))
     stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
 

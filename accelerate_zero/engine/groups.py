@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ DEFAULT_TIMEOUT_SECONDS = 1800
 TIMEOUT_ENV = "ACCELERATE_ZERO_PG_TIMEOUT"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DataParallelGroup:
     """The data-parallel process group the engine shards over."""
 
@@ -23,7 +24,7 @@ class DataParallelGroup:
     rank: int
     world_size: int
 
-    @property
+    @functools.cached_property
     def backend(self) -> str:
         return dist.get_backend(self.group)
 
