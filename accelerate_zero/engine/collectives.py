@@ -6,9 +6,10 @@ buffer sends N*(W-1)/W bytes from each rank, an all-reduce twice that, a broadca
 
 [Note: reduce-scatter on gloo]
 gloo has no reduce-scatter algorithm: torch implements it as an all-reduce of a copy of the input, then keeps one
-chunk (measured with bench/gloo_collectives.py: 1.5x the bytes of the ring formula for reduce-scatter plus
-all-gather, and a full-size temporary). On gloo we all-reduce the bucket in place instead, which moves the same
-bytes without the copy, and count it as what it is: 2N*(W-1)/W.
+chunk (bench/gloo_collectives.py: twice the bytes of a ring reduce-scatter, and a full-size temporary). On gloo we
+run the ring ourselves with torch's point-to-point ops: in W-1 steps every rank sends one chunk of its partial sums
+to the next rank and adds the chunk it receives from the previous one, so each rank sends N*(W-1)/W bytes and ends
+with the full sum of its own chunk. It completes before returning (gloo point-to-point ops are not overlapped).
 """
 
 from __future__ import annotations
@@ -106,11 +107,30 @@ def reduce_scatter(
         return Pending(None)
     own_slice = input.data_ptr() + dp.rank * output.numel() * output.element_size()
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
-        # [Note: reduce-scatter on gloo]
-        stats.record("reduce_scatter", _nbytes(input), 2 * (dp.world_size - 1) / dp.world_size)
-        return Pending(dist.all_reduce(input, group=dp.group, async_op=async_op))
+        stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
+        _ring_reduce_scatter_in_place(input, dp)
+        return Pending(None)
     stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
+
+
+def _ring_reduce_scatter_in_place(buffer: torch.Tensor, dp: DataParallelGroup) -> None:
+    """[Note: reduce-scatter on gloo]: afterwards chunk `rank` of `buffer` holds the sum over ranks."""
+    world, rank = dp.world_size, dp.rank
+    chunks = buffer.chunk(world)
+    received = torch.empty_like(chunks[0])
+    peers = [(rank + 1) % world, (rank - 1) % world]
+    if dp.group is not None:
+        peers = [dist.get_global_rank(dp.group, peer) for peer in peers]
+    for step in range(world - 1):
+        sent, summed = (rank - step - 1) % world, (rank - step - 2) % world
+        ops = [
+            dist.P2POp(dist.isend, chunks[sent], peers[0], dp.group),
+            dist.P2POp(dist.irecv, received, peers[1], dp.group),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        chunks[summed].add_(received)
 
 
 def all_gather(

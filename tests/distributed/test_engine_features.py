@@ -160,7 +160,7 @@ def test_bytes_moved_per_step_match_zero_volume(results: Any, stage: int) -> Non
     for r in by_rank:
         stats, padded = r[f"comm-s{stage}"]["stats"], r[f"comm-s{stage}"]["padded"]
         ring = (world_size - 1) / world_size
-        scatter = 2 * ring  # gloo reduces a bucket by all-reducing it ([Note: reduce-scatter on gloo]); NCCL: ring
+        scatter = ring  # a ring reduce-scatter on gloo too ([Note: reduce-scatter on gloo])
         if stage < 2:
             assert r[f"comm-s{stage}"]["non_boundary_bytes"] == 0  # stages 0/1 accumulate locally
         else:
