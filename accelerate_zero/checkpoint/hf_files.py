@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -30,6 +31,22 @@ class SafetensorsFolder:
 
     def keys(self) -> set[str]:
         return set(self._file_of)
+
+    def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor `key`, reading only the rows that hold them."""
+        handle = self._handle(key)
+        piece = handle.get_slice(key)  # type: ignore[attr-defined]
+        shape = piece.get_shape()
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        first, last = start // row, -(-end // row)
+        rows = piece[first:last] if shape else piece[:]
+        return rows.reshape(-1)[start - first * row : end - first * row]
+
+    def _handle(self, key: str) -> object:
+        path = self._file_of[key]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
 
     def get(self, key: str) -> torch.Tensor:
         path = self._file_of[key]

@@ -1,13 +1,14 @@
 """Partitioned loading: a model that never exists whole on any rank.
 
 The model is built with its parameters on the meta device (buffers real, so values computed at construction such
-as rotary frequencies stay right), then each gather unit is read from the safetensors files one at a time: its
-full flat buffer is filled, this rank's shard kept, the buffer freed. Peak memory is this rank's shards plus one
-unit. `initialize` adopts the shards instead of flattening the parameters again.
+as rotary frequencies stay right), then each gather unit's shard is read from the safetensors files: only the rows
+of each tensor that hold this rank's element ranges are read. Peak memory is this rank's shards plus one tensor's
+rows. `initialize` adopts the shards instead of flattening the parameters again.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accelerate_zero.checkpoint.fragments import range_fragments
 from accelerate_zero.checkpoint.hf_files import SafetensorsFolder
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.groups import default_device, init_data_parallel_group
-from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, build_flat
+from accelerate_zero.engine.shard_plan import plan_group
+from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 
 
@@ -80,16 +83,18 @@ def from_pretrained(
         zero_opt.stage3_param_persistence_threshold,
         model_persistence_threshold=zero_opt.stage3_model_persistence_threshold,
     )
+    shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     real = _replace_meta_parameters(model, device, dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     flats = {}
     for spec in layout.units:
         for meta_params in (spec.trainable, spec.frozen):
-            params = [real[id(p)] for p in meta_params]
-            if params:
-                for param in params:  # one unit at a time: its full tensors live only inside this loop
-                    param.data = files.get(names[id(param)]).to(device=device, dtype=dtype)
-                flats[tuple(id(p) for p in params)] = build_flat(params, dp.rank, dp.world_size, dtype, device)
+            if meta_params:
+                params = [real[id(p)] for p in meta_params]
+                flat = _load_flat(
+                    params, [shapes[id(p)] for p in meta_params], names, files, dp.rank, dp.world_size, dtype, device
+                )
+                flats[tuple(id(p) for p in params)] = flat
     in_units = {id(p) for flat in flats.values() for p in flat.params}
     for param in model.parameters():
         if id(param) not in in_units:
@@ -98,6 +103,33 @@ def from_pretrained(
     _load_buffers(model, files, device)
     setattr(model, PRELOADED_ATTR, Preloaded(dp.world_size, dp.rank, dtype, flats))
     return model
+
+
+def _load_flat(
+    params: list[nn.Parameter],
+    shapes: list[tuple[int, ...]],
+    names: dict[int, str],
+    files: SafetensorsFolder,
+    rank: int,
+    world_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> FlatUnitBuffer:
+    """This rank's shard of one unit, read straight from the files (only the rows holding its ranges)."""
+    plan = plan_group(shapes, sys.maxsize, world_size).buckets[0]
+    lo, hi = plan.shard_range(rank)
+    shard = torch.zeros(hi - lo, dtype=dtype, device=device)
+    for frag in range_fragments(plan, params, names, lo, hi):
+        shard[frag.offset : frag.offset + frag.numel].copy_(files.read_range(frag.name, frag.start, frag.end))
+    # The full buffer only provides the parameters' views; its storage is freed at once ([Note: what a parameter
+    # points at while its unit is sharded]).
+    full = torch.empty(plan.numel, dtype=dtype, device=device)
+    views = [
+        full[s.offset : s.offset + s.numel].view(s.shape) for s in sorted(plan.slots, key=lambda s: s.param_index)
+    ]
+    flat = FlatUnitBuffer(plan=plan, rank=rank, params=params, views=views, full=full, shard=shard)
+    flat.free()
+    return flat
 
 
 def _empty_model(model_class: Any, path: str, model_kwargs: dict) -> nn.Module:
