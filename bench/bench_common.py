@@ -109,12 +109,12 @@ def with_total(by_kind: dict[str, dict[str, float]]) -> dict[str, dict[str, floa
 
 # ----------------------------------------------------------------------------------------- process readings
 def proc_status() -> dict[str, int]:
-    """VmRSS, VmHWM and RssAnon of this process, in bytes."""
+    """VmRSS, VmHWM, RssAnon and RssFile of this process, in bytes."""
     out = {}
     with open("/proc/self/status") as status:
         for line in status:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = int(value.split()[0]) * 1024
     return out
 
@@ -150,12 +150,14 @@ def live_tensor_bytes() -> int:
             if obj.is_meta:
                 continue
             storage = obj.untyped_storage()
+            # FSDP2's freed unsharded parameters leave tensors whose storage is invalid: data_ptr() raises.
+            pointer, nbytes = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError, ReferenceError):
             continue
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
+        if pointer in seen or nbytes == 0:
             continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
+        seen.add(pointer)
+        total += nbytes
     return total
 
 

@@ -3,34 +3,57 @@
 Usage (what engine_bench.py runs):
     torchrun --standalone --nproc_per_node 4 bench/bench_worker.py --system az2 --steps 20 --warmup 3 --out r.json
 
-Systems: ddp, ddp_bucket_view, ddp_zero_r (torch) and az0, az1, az2 (accelerate_zero stages 0-2). The process
-group is created here, before the baseline reading, so every system's baseline holds the same things.
+Systems: ddp, ddp_bucket_view, ddp_zero_r, fsdp2 (torch) and az0, az1, az2, az3 (accelerate_zero stages 0-3;
+stage3_bench.py runs az3 and fsdp2). The process group is created here, before the baseline reading, so every
+system's baseline holds the same things. `--load_dir DIR --system load_az3|load_hf` measures instead the peak RSS
+of loading a saved LlamaForCausalLM (partitioned by accelerate_zero.from_pretrained, or whole by transformers).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_common import LR, ByteCounter, Measurement, build_model, finish, make_batch, run_steps, start_measurement
+from bench_common import (
+    LR,
+    ByteCounter,
+    Measurement,
+    build_model,
+    finish,
+    live_tensor_bytes,
+    make_batch,
+    proc_status,
+    run_steps,
+    start_measurement,
+)
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 
-TORCH_SYSTEMS = ("ddp", "ddp_bucket_view", "ddp_zero_r")
-ENGINE_SYSTEMS = ("az0", "az1", "az2")
+TORCH_SYSTEMS = ("ddp", "ddp_bucket_view", "ddp_zero_r", "fsdp2")
+ENGINE_SYSTEMS = ("az0", "az1", "az2", "az3")
+LOAD_SYSTEMS = ("load_az3", "load_hf")
+
+# Stage 3 as stage3_bench.py measures it: every Linear is its own gather unit, released right after use.
+STAGE3_KEYS: dict[str, Any] = {
+    "stage3_param_persistence_threshold": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 2100000,
+    "stage3_max_live_parameters": 4200000,
+}
 
 
 def engine_config(stage: int, reduce_bucket_size: int | None) -> dict[str, Any]:
     """The config every ZeRO system gets (DeepSpeed's too): defaults except clipping off."""
-    zero: dict[str, Any] = {"stage": stage}
+    zero: dict[str, Any] = {"stage": stage, **(STAGE3_KEYS if stage == 3 else {})}
     if reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = reduce_bucket_size
     return {
@@ -77,7 +100,55 @@ def _count_broadcasts(counter: ByteCounter) -> None:
     dist.broadcast = counted
 
 
+def _count_fsdp_collectives(counter: ByteCounter) -> None:
+    """Wraps the two torch.distributed calls FSDP2 makes (`_fsdp_collectives` looks them up at call time).
+
+    The full buffer of an all-gather is its output, of a reduce-scatter its input.
+    """
+    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    @functools.wraps(all_gather)
+    def counted_all_gather(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counter.record("all_gather", output.numel() * output.element_size())
+        return all_gather(output, *args, **kwargs)
+
+    @functools.wraps(reduce_scatter)
+    def counted_reduce_scatter(*args: Any, **kwargs: Any) -> Any:
+        full = kwargs["input"] if "input" in kwargs else args[1]
+        counter.record("reduce_scatter", full.numel() * full.element_size())
+        return reduce_scatter(*args, **kwargs)
+
+    dist.all_gather_single = counted_all_gather  # type: ignore[assignment]
+    dist.reduce_scatter_single = counted_reduce_scatter  # type: ignore[assignment]
+
+
+def build_fsdp2_system(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> System:
+    """FSDP2: `fully_shard` on each Linear, then on the root, resharding after forward (ZeRO-3's layout)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    counter = ByteCounter(dist.get_world_size())
+    _count_fsdp_collectives(counter)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return System(step, counter.as_dict, counter.reset)
+
+
 def build_torch_system(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> System:
+    if name == "fsdp2":
+        return build_fsdp2_system(model, x, y)
     counter = ByteCounter(dist.get_world_size())
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=name == "ddp_bucket_view")
     ddp.register_comm_hook(counter, _counting_allreduce_hook)
@@ -119,7 +190,8 @@ def build_engine_system(
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--system", required=True, choices=[*TORCH_SYSTEMS, *ENGINE_SYSTEMS])
+    parser.add_argument("--system", required=True, choices=[*TORCH_SYSTEMS, *ENGINE_SYSTEMS, *LOAD_SYSTEMS])
+    parser.add_argument("--load_dir", default=None, help="load_az3 / load_hf: the saved LlamaForCausalLM folder")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes every rank's measurement to")
@@ -127,10 +199,63 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def measure_loading(measurement: Measurement, system: str, folder: str, model_class: Any) -> None:
+    """Loads `folder` once; keeps VmHWM/VmRSS after it (the baseline was taken before) and what the rank holds."""
+    import threading
+
+    import accelerate_zero  # already imported before the baseline
+
+    peaks = {"RssAnon": 0, "RssFile": 0}
+    done = threading.Event()
+
+    def sample() -> None:  # VmHWM does not split anonymous from file-backed pages: poll both every 2 ms
+        while not done.is_set():
+            with open("/proc/self/status") as status:
+                for line in status:
+                    key, _, value = line.partition(":")
+                    if key in peaks:
+                        peaks[key] = max(peaks[key], int(value.split()[0]) * 1024)
+            done.wait(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if system == "load_az3":
+        config = engine_config(3, None)
+        model = accelerate_zero.from_pretrained(model_class, folder, config=config)
+    else:
+        model = model_class.from_pretrained(folder)
+    done.set()
+    sampler.join()
+    gc.collect()
+    measurement.after = proc_status()
+    measurement.extra["sampled_peak"] = peaks
+    # transformers may leave parameters as views of the mmap-ed safetensors file, not yet read: touch every one
+    # (as the first forward would) and read again.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.sum()
+    measurement.extra["after_touch"] = proc_status()
+    measurement.params = sum(p.numel() for p in model.parameters())
+    measurement.live_tensor_bytes = live_tensor_bytes()
+    dist.barrier()
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    if args.system in LOAD_SYSTEMS:
+        # Both loaders import the same things before the baseline, the Llama modeling module and accelerate's
+        # init_empty_weights included, so that the reading holds the loading alone.
+        import accelerate  # noqa: F401
+        from transformers import LlamaForCausalLM
+
+        import accelerate_zero  # noqa: F401
+
+        measurement = start_measurement()
+        measure_loading(measurement, args.system, args.load_dir, LlamaForCausalLM)
+        finish(measurement, args.out)
+        return
     measurement: Measurement = start_measurement()
     model = build_model()
     measurement.params = sum(p.numel() for p in model.parameters())

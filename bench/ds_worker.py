@@ -23,6 +23,13 @@ from torch import nn
 
 def ds_config(stage: int, reduce_bucket_size: int | None) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:  # as bench_worker.STAGE3_KEYS: every Linear a gather unit, released right after use
+        zero.update(
+            stage3_param_persistence_threshold=0,
+            stage3_max_reuse_distance=0,
+            stage3_prefetch_bucket_size=2100000,
+            stage3_max_live_parameters=4200000,
+        )
     if reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = reduce_bucket_size
     return {
@@ -58,7 +65,7 @@ def reset_comms_logger() -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", type=int, required=True, choices=[1, 2])
+    parser.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", required=True)

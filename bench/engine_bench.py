@@ -68,17 +68,18 @@ def worker_command(system: str, args: argparse.Namespace, out: Path) -> tuple[li
     """The torchrun command line and environment that run `system` on `args.world_size` fresh processes."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
-    if args.reduce_bucket_size is not None and (system in DS_SYSTEMS or system.startswith("az")):
+    if args.reduce_bucket_size is not None and (system.startswith(("ds", "az"))):
         common += ["--reduce_bucket_size", str(args.reduce_bucket_size)]
     launch = ["--standalone", "--nproc_per_node", str(args.world_size)]
-    if system in DS_SYSTEMS:
+    if system.startswith("ds"):  # ds1, ds2 here; ds3 from stage3_bench.py
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
         env["DS_ACCELERATOR"] = "cpu"
         torchrun = [str(args.ds_venv / "bin" / "torchrun")]
         return [*torchrun, *launch, str(BENCH_DIR / "ds_worker.py"), "--stage", system[-1], *common], env
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    return [*torchrun, *launch, str(BENCH_DIR / "bench_worker.py"), "--system", system, *common], env
+    extra = getattr(args, "worker_extra", {}).get(system, [])  # stage3_bench.py: the loading systems' folder
+    return [*torchrun, *launch, str(BENCH_DIR / "bench_worker.py"), "--system", system, *common, *extra], env
 
 
 def run_system(system: str, args: argparse.Namespace, round_index: int) -> list[dict[str, Any]] | None:

@@ -24,8 +24,11 @@ MEMORY_FORMULA = {
     "az2": (4, 12),
     "ds1": (8, 8),
     "ds2": (4, 12),
+    "az3": (0, 16),
+    "fsdp2": (0, 16),
+    "ds3": (0, 16),
 }
-FORMULA_TEXT = {(16, 0): "16Ψ", (8, 8): "8Ψ+8Ψ/W", (4, 12): "4Ψ+12Ψ/W"}
+FORMULA_TEXT = {(16, 0): "16Ψ", (8, 8): "8Ψ+8Ψ/W", (4, 12): "4Ψ+12Ψ/W", (0, 16): "16Ψ/W"}
 
 LABELS = {
     "ddp": "torch DDP + AdamW",
@@ -36,6 +39,9 @@ LABELS = {
     "az2": "accelerate_zero stage 2",
     "ds1": "DeepSpeed 0.19 stage 1",
     "ds2": "DeepSpeed 0.19 stage 2",
+    "az3": "accelerate_zero stage 3",
+    "fsdp2": "torch FSDP2 (fully_shard per Linear)",
+    "ds3": "DeepSpeed 0.19 stage 3",
 }
 COUNTED_BY = {
     "ddp": "comm hook",
@@ -46,6 +52,9 @@ COUNTED_BY = {
     "az2": "engine.comm_stats()",
     "ds1": "DeepSpeed comms logger",
     "ds2": "DeepSpeed comms logger",
+    "az3": "engine.comm_stats()",
+    "fsdp2": "wrapped dist.all_gather_single / reduce_scatter_single",
+    "ds3": "DeepSpeed comms logger",
 }
 
 
