@@ -65,18 +65,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
+    context = mp.start_processes(
+        _rank_main, args=(world_size, port, fn, args, queue), nprocs=world_size, start_method="spawn", join=False
+    )
+    received: list[tuple[int, str, Any]] = []
     try:
-        mp.start_processes(
-            _rank_main, args=(world_size, port, fn, args, queue), nprocs=world_size, start_method="spawn"
-        )
+        # Read while the ranks run: a result larger than the pipe buffer blocks its rank until it is read.
+        while not context.join(timeout=0.2):
+            received += _drain(queue)
     except Exception as error:
-        failures = _drain(queue)
-        details = "\n".join(f"rank {r}:\n{tb}" for r, status, tb in failures if status == "error")
+        received += _drain(queue)
+        details = "\n".join(f"rank {r}:\n{tb}" for r, status, tb in received if status == "error")
         raise AssertionError(f"distributed run failed: {error}\n{details}") from None
+    received += _drain(queue)
     results = {
-        rank: torch.load(io.BytesIO(value), weights_only=True)
-        for rank, status, value in _drain(queue)
-        if status == "ok"
+        rank: torch.load(io.BytesIO(value), weights_only=True) for rank, status, value in received if status == "ok"
     }
     return [results[rank] for rank in range(world_size)]
 
