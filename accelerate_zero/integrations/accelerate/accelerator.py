@@ -1,22 +1,17 @@
 """ZeroAccelerator: an `accelerate.Accelerator` whose models train with accelerate_zero's ZeRO engine (no deepspeed).
 
-[Note: how ZeroAccelerator sits inside accelerate]
-accelerate keeps seeing MULTI_CPU / MULTI_GPU (never DEEPSPEED: INTEGRATION_NOTES §3.5), so its data loading, RNG,
-gathering, logging and trackers are untouched. Only what touches a model's training state is overridden, doing
-what accelerate 1.15 does for DeepSpeed (`_prepare_deepspeed`, `DeepSpeedEngineWrapper`) with our engine:
+accelerate keeps seeing MULTI_CPU / MULTI_GPU, never DEEPSPEED (INTEGRATION_NOTES §3.5): its data loading, RNG,
+gathering and logging are untouched. What touches a model's training state is overridden, doing with our engine
+what accelerate 1.15 does for DeepSpeed (`_prepare_deepspeed`, `DeepSpeedEngineWrapper`):
 
-* `prepare`: each model, with the optimizer passed with it, becomes one `ZeroEngine`. The engine works in place
-  (hooks, flat buffers), so the model object itself is returned; its optimizer comes back wrapped with no-op
-  `step()`/`zero_grad()`, because `backward` steps the engine; a torch LR scheduler comes back as accelerate's
-  `AcceleratedScheduler`, which does not step after a skipped (fp16 overflow) step. Dataloaders, schedulers and
-  everything else go through accelerate's own `prepare`.
-* `backward`: `engine.backward(loss)` (it divides by gradient_accumulation_steps and applies the fp16 loss scale)
-  then `engine.step()`, which steps the optimizer on the accumulation boundary; `sync_gradients` (driven by
-  `accumulate()`) marks the boundary.
-* Mixed precision belongs to the engine (DeepSpeed semantics: 16-bit weights, fp32 master shard, fp16 loss
-  scaling): it goes into the ZeRO config's fp16/bf16 blocks and accelerate is given "no", so it neither autocasts
-  nor wraps forward nor creates a GradScaler.
-* `save_state`/`load_state`: every rank writes its own shards (`engine.save_checkpoint`), accelerate saves the rest.
+* `prepare`: each model (with the optimizer passed with it) becomes one `ZeroEngine`, which works in place, so the
+  model itself is returned; the optimizer comes back with no-op `step()`/`zero_grad()`; a torch scheduler comes back
+  as accelerate's `AcceleratedScheduler`, which skips the step after an fp16 overflow. The rest is accelerate's.
+* `backward`: `engine.backward(loss)` (divides by gradient_accumulation_steps, applies the fp16 loss scale), then
+  `engine.step()`, which steps the optimizer on the boundary `accumulate()` marks (`sync_gradients`).
+* Mixed precision is the engine's (16-bit weights, fp32 master shard, fp16 loss scaling): it goes into the config's
+  fp16/bf16 blocks and accelerate gets "no", so it neither autocasts, nor wraps forward, nor makes a GradScaler.
+* `save_state`/`load_state`: every rank writes its own shards (`engine.save_checkpoint`); accelerate the rest.
 """
 
 from __future__ import annotations
@@ -192,14 +187,12 @@ class ZeroAccelerator(Accelerator):
 
     # --------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Prepares models (one ZeRO engine each), their optimizers, and everything else as accelerate does.
+        """Prepares each model (with the optimizer over its parameters) as one ZeRO engine, the rest as accelerate does.
 
-        Each model, with the optimizer passed in the same call (matched by its parameters), becomes one engine; the
-        model object itself is returned (the engine works in place), the optimizer as a `ZeroOptimizerWrapper`.
-        A model passed without an optimizer is prepared for inference: its parameters are frozen, sharded at
-        stage 3, and only placed on the device (in the compute dtype) below it. "auto" config values are filled as
-        accelerate does for DeepSpeed (batch sizes from the dataloaders of this or an earlier call,
-        gradient_accumulation_steps, gradient_clipping=1.0, hidden-size bucket sizes, optimizer/scheduler params).
+        The model object itself is returned, its optimizer as a `ZeroOptimizerWrapper`. A model passed without an
+        optimizer is prepared for inference ([Note: models prepared for inference]). "auto" config values are filled
+        as accelerate does for DeepSpeed: batch sizes from the dataloaders (of this or an earlier call), the
+        accumulation steps, gradient_clipping 1.0, hidden-size bucket sizes, optimizer/scheduler params.
 
         Args:
             *args: models, optimizers (torch or `accelerate.utils.DummyOptim`), dataloaders, schedulers (torch or
@@ -247,14 +240,13 @@ class ZeroAccelerator(Accelerator):
         ]
         dummy_schedulers = [i for i, obj in enumerate(args) if isinstance(obj, DummyScheduler)]
         pairs = _pair_optimizers(args, models, optimizers, self._zero_models)
-        micro_batch = _MicroBatch(self, args)
         for model_index in models:
             opt_index = pairs.get(model_index)
             optimizer = args[opt_index] if opt_index is not None else None
             sched_index = next((i for i in dummy_schedulers if args[i].optimizer is optimizer), None)
             scheduler = args[sched_index] if sched_index is not None else None
             self._check_objects(args, optimizer, scheduler)
-            entry = self._build_engine(args[model_index], optimizer, scheduler, micro_batch)
+            entry = self._build_engine(args[model_index], optimizer, scheduler, args)
             result[model_index] = entry.model
             owned.add(model_index)
             if opt_index is not None:
@@ -301,14 +293,14 @@ class ZeroAccelerator(Accelerator):
             )
 
     def _build_engine(
-        self, model: nn.Module, optimizer: Any, scheduler: DummyScheduler | None, micro_batch: _MicroBatch
+        self, model: nn.Module, optimizer: Any, scheduler: DummyScheduler | None, args: tuple
     ) -> _ZeroModel:
-        config = self._engine_config(model, optimizer, scheduler, micro_batch)
+        config = self._engine_config(model, optimizer, scheduler, args)
         if optimizer is None:
-            # [Note: models prepared for inference] An engine whose optimizer has no parameters: the frozen
-            # parameters are sharded at stage 3 (and gathered unit by unit in forward); below stage 3 the engine
-            # only moves them to the device, casts them to the compute dtype and broadcasts rank 0's values. No
-            # gradient buffer, master weight or optimizer state is allocated, so this costs nothing but the weights.
+            # [Note: models prepared for inference] The model is frozen and gets an engine whose optimizer has no
+            # parameters: at stage 3 the engine shards the frozen weights (gathered unit by unit in forward); below
+            # it, it only moves them to the device in the compute dtype and broadcasts rank 0's values. No gradient,
+            # master weight or optimizer state is allocated.
             model.requires_grad_(False)
             engine = initialize(model, torch.optim.SGD([{"params": []}], lr=0.0), config, device=self.device)
             wrapper = None
@@ -339,7 +331,7 @@ class ZeroAccelerator(Accelerator):
         return wrapper
 
     def _engine_config(
-        self, model: nn.Module, optimizer: Any, scheduler: DummyScheduler | None, micro_batch: _MicroBatch
+        self, model: nn.Module, optimizer: Any, scheduler: DummyScheduler | None, args: tuple
     ) -> ZeroConfig:
         """The config with every "auto" filled as accelerate's `_prepare_deepspeed` does (steps 1-6, INTEGRATION_NOTES
         §3.3), resolved for this world size."""
@@ -352,7 +344,7 @@ class ZeroAccelerator(Accelerator):
         micro = config.train_micro_batch_size_per_gpu
         if is_auto(micro):
             # A model prepared for inference needs no batch size (accelerate's `set_deepspeed_weakref` uses 1).
-            micro = micro_batch.size(required=optimizer is not None) or 1
+            micro = _micro_batch_size(self, args, required=optimizer is not None) or 1
             values["train_micro_batch_size_per_gpu"] = micro
         ga = config.gradient_accumulation_steps
         ga = self.gradient_accumulation_steps if is_auto(ga) else ga
@@ -361,7 +353,8 @@ class ZeroAccelerator(Accelerator):
         values.update(_hidden_size_values(model, config))
         values.update(self._optimizer_values(optimizer, scheduler))
         filled = config.fill_auto(values)
-        left = filled.auto_keys()
+        below_3 = filled.zero_optimization.stage != 3  # resolve_config gives stage3_* "auto" values their defaults
+        left = [key for key in filled.auto_keys() if not (below_3 and key.startswith("zero_optimization.stage3_"))]
         if left:
             raise ZeroConfigError(
                 [
@@ -553,12 +546,11 @@ class ZeroAccelerator(Accelerator):
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
     ) -> str:
-        """Saves the training state: each trained model's engine checkpoint plus accelerate's usual state.
+        """Saves the training state: every rank writes its shards of each trained model, accelerate the rest.
 
-        Every rank writes its own shards into `<output_dir>/zero_model[_i]/` (i-th model prepared with an optimizer);
-        accelerate writes the RNG states, torch schedulers, dataloader samplers, the GradScaler-free step counter
-        and registered objects as it always does. Models prepared for inference are not saved. Save/load pre-hooks
-        receive every prepared model and an empty `weights` list (as under DeepSpeed).
+        The i-th model prepared with an optimizer goes to `<output_dir>/zero_model[_i]/` (`ZeroEngine.save_checkpoint`);
+        accelerate writes RNG states, torch schedulers, dataloaders, its step and registered objects as usual. Models
+        prepared for inference are not saved. Pre-hooks get every prepared model and `weights=[]` (as under DeepSpeed).
 
         Args:
             output_dir: the folder (accelerate's `automatic_checkpoint_naming` works as usual).
@@ -640,36 +632,26 @@ class ZeroAccelerator(Accelerator):
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
-class _MicroBatch:
-    """`train_micro_batch_size_per_gpu` from the dataloaders (accelerate's `_prepare_deepspeed` step 1)."""
-
-    def __init__(self, accelerator: ZeroAccelerator, args: tuple) -> None:
-        self.accelerator = accelerator
-        self.loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
-
-    def size(self, required: bool) -> int | None:
-        acc = self.accelerator
-        if self.loaders:
-            sizes = [loader.batch_size for loader in self.loaders]
-            if any(size is None for size in sizes):
-                if not required:
-                    return None
-                raise ValueError(
-                    "At least one of the dataloaders passed to `accelerate.prepare()` has `None` as batch size. "
-                    "Please set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
-                )
-            return min(size // acc.num_processes if acc.split_batches else size for size in sizes)
-        # A dataloader prepared in an earlier call (the Trainer prepares it before the model).
-        earlier = [d.total_batch_size // acc.num_processes for d in acc._dataloaders if hasattr(d, "total_batch_size")]
-        if earlier:
-            return min(earlier)
-        if required:
-            raise ValueError(
-                "When using ZeRO, `accelerate.prepare()` requires you to pass at least one of training or evaluation "
-                "dataloaders with `batch_size` attribute returning an integer value (in this or an earlier call) or "
-                "alternatively set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
-            )
-        return None
+def _micro_batch_size(acc: ZeroAccelerator, args: tuple, required: bool) -> int | None:
+    """`train_micro_batch_size_per_gpu` from the dataloaders (accelerate's `_prepare_deepspeed` step 1, messages
+    included); None when nothing says and the caller can do without (`required=False`)."""
+    sizes = [obj.batch_size for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
+    if any(size is None for size in sizes) and required:
+        raise ValueError(
+            "At least one of the dataloaders passed to `accelerate.prepare()` has `None` as batch size. "
+            "Please set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
+        )
+    if sizes and None not in sizes:
+        return min(size // acc.num_processes if acc.split_batches else size for size in sizes)
+    # A dataloader prepared in an earlier call (the Trainer prepares it before the model).
+    earlier = [d.total_batch_size // acc.num_processes for d in acc._dataloaders if hasattr(d, "total_batch_size")]
+    if earlier or not required:
+        return min(earlier, default=None)
+    raise ValueError(
+        "When using ZeRO, `accelerate.prepare()` requires you to pass at least one of training or evaluation "
+        "dataloaders with `batch_size` attribute returning an integer value (in this or an earlier call) or "
+        "alternatively set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
+    )
 
 
 def _without_optimizer_blocks(config: ZeroConfig) -> ZeroConfig:
@@ -757,7 +739,7 @@ def _hidden_size_values(model: nn.Module, config: ZeroConfig) -> dict[str, int]:
     autos = config.auto_keys()
     wanted = [key for key in _HIDDEN_SIZE_KEYS if key in autos]
     if config.zero_optimization.stage != 3:
-        wanted = [key for key in wanted if "stage3_" not in key]  # resolve_config gives them their defaults
+        wanted = [key for key in wanted if "stage3_" not in key]
     if not wanted:
         return {}
     reasoning = (
@@ -774,7 +756,8 @@ def _hidden_size_values(model: nn.Module, config: ZeroConfig) -> dict[str, int]:
         hidden = max(model_config.hidden_sizes)
     else:
         raise ValueError("Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`, " + reasoning)
-    return dict(zip(_HIDDEN_SIZE_KEYS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden), strict=True))
+    values = dict(zip(_HIDDEN_SIZE_KEYS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden), strict=True))
+    return {key: values[key] for key in wanted}
 
 
 def _is_zero_wrapper(obj: Any) -> bool:

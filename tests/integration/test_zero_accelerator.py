@@ -1,0 +1,150 @@
+"""ZeroAccelerator: accelerate training loops on the ZeRO engine, against a single-process reference.
+
+One spawned group of 2 ranks (tests/integration/zero_accelerator_checks.py) runs every distributed check in a
+torchrun-style environment without accelerate's variables: training with `accumulate()` at stages 1, 2 and 3 plus a
+frozen model prepared in the same call, save_state/load_state with fp16 at stage 3, save_model -> from_pretrained,
+and bf16. One real `accelerate-zero launch` runs recipes/accelerate_hello.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.integration import zero_accelerator_checks as checks
+
+
+WORLD_SIZE = 2
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    paths = run_distributed(checks.all_checks, WORLD_SIZE, str(tmp_path_factory.mktemp("zero_accelerator")))
+    return [torch.load(path, weights_only=True) for path in paths]
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[torch.nn.Module, list[float]]:
+    return checks.reference(WORLD_SIZE)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_training_matches_single_process_reference(ranks: Any, reference: Any, stage: int) -> None:
+    model, norms = reference
+    expected = model.state_dict()
+    rank0 = ranks[0][f"stage{stage}"]
+    assert list(rank0["state"]) == list(expected)
+    diff = max((rank0["state"][k] - expected[k]).abs().max().item() for k in expected)
+    assert diff < 1e-6, diff
+    for run in (r[f"stage{stage}"] for r in ranks):
+        assert run["engine_steps"] == checks.STEPS
+        assert run["norms"] == pytest.approx(norms, rel=1e-5)  # clip_grad_norm_ returns the engine's global norm
+        assert run["norms_match"]  # also with max_norm=inf
+    assert ranks[1][f"stage{stage}"]["state"] is None  # get_state_dict: the main process only
+
+
+def test_plain_torchrun_environment_forms_the_gloo_group(ranks: Any) -> None:
+    for rank in ranks:
+        assert rank["stage2"]["setup"] == {
+            "distributed_type": True,
+            "num_processes": WORLD_SIZE,
+            "engine_world_size": WORLD_SIZE,
+            "timeout_s": 60.0,  # ACCELERATE_ZERO_PG_TIMEOUT set by run_distributed
+            "same_objects": True,
+            "unwrap": True,
+            "wrapper": "ZeroOptimizerWrapper",
+            "config": [checks.MICRO * checks.GRAD_ACCUM * WORLD_SIZE, checks.GRAD_ACCUM, 32 * 32],  # "auto" filled
+        }
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_without_optimizer_is_prepared_for_inference(ranks: Any, stage: int) -> None:
+    with torch.no_grad():
+        expected = checks.tiny_llama(seed=1)(input_ids=checks.PROBE).logits
+    for rank in ranks:
+        run = rank[f"stage{stage}"]
+        assert torch.equal(run["frozen_logits"], expected)
+        assert run["frozen_trainable"] == 0 and run["frozen_stage"] == stage
+        memory = run["frozen_memory"]
+        assert memory["gradients"] == memory["master_weights"] == memory["optimizer_states"] == 0
+    numel = sum(p.numel() for p in checks.tiny_llama().parameters())
+    sharded = ranks[0]["stage3"]["frozen_memory"]["parameters"]
+    assert sharded < 0.7 * 4 * numel  # stage 3 shards it (parameters under the persistence threshold stay whole)
+    assert ranks[0]["stage2"]["frozen_memory"]["parameters"] == 4 * numel
+
+
+def test_save_state_load_state_continues_bit_identically(ranks: Any) -> None:
+    for rank in ranks:
+        first, second = rank["resume"]["first"], rank["resume"]["second"]
+        assert first["fp16"] and second["fp16"]
+        for key in ("params", "masters", "adam"):
+            assert len(first[key]) == len(second[key]) > 0
+            assert all(torch.equal(a, b) for a, b in zip(first[key], second[key], strict=True)), key
+        assert torch.equal(first["rng"], second["rng"])
+        for key in ("loss_scale", "skipped", "steps", "lr", "accelerator_step"):
+            assert first[key] == second[key], key
+        # fp16 overflows were skipped, and the scheduler did not step on them (2 scheduler steps per real step:
+        # accelerate's AcceleratedScheduler steps once per process)
+        assert 0 < first["skipped_at_save"] < first["steps"] == 4
+        assert first["lr"] == pytest.approx(1e-2 * 0.9 ** (WORLD_SIZE * (first["steps"] - first["skipped"])))
+    first = ranks[0]["resume"]["first"]
+    assert {"zero_model", "random_states_0.pkl", "scheduler.bin"} <= set(first["files"])
+    assert "Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save`" in first["error"]
+
+
+def test_save_model_loads_with_from_pretrained(ranks: Any) -> None:
+    rank0 = ranks[0]["save_model"]
+    assert "model.safetensors.index.json" in rank0["files"] and "config.json" in rank0["files"]
+    assert rank0["max_diff"] < 1e-6, rank0["max_diff"]
+    assert all(rank["save_model"]["main_only"] for rank in ranks)
+
+
+def test_bf16_is_the_engines_not_accelerates(ranks: Any) -> None:
+    for rank in ranks:
+        assert rank["bf16"] == {
+            "accelerate_mixed_precision": "no",
+            "native_amp": False,
+            "scaler": True,
+            "bf16_enabled": True,
+            "micro_batch": checks.MICRO,
+            "param_dtypes": ["torch.bfloat16"],
+            "master_dtypes": ["torch.float32"],
+            "loss_finite": True,
+            "autocast": False,
+            "dtype": torch.bfloat16,
+        }
+
+
+def test_recipe_runs_under_accelerate_zero_launch(monkeypatch: pytest.MonkeyPatch, capfd: Any) -> None:
+    from accelerate_zero.cli.main import main
+
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_USE_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", "30")
+    monkeypatch.chdir(REPO)
+    config = str(REPO / "accelerate_configs" / "zero2.yaml")
+    script = str(REPO / "recipes" / "accelerate_hello.py")
+    assert main(["launch", "--main_process_port", "0", "--config_file", config, script, "--steps", "4"]) == 0
+    out = capfd.readouterr().out
+    assert "ZeRO stage 2 on 2 processes (DistributedType.MULTI_CPU)" in out, out
+    assert "step   4  loss" in out and "done" in out, out
+
+
+def test_errors_before_any_process_group_work() -> None:
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.config import ZeroConfigError
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+
+    with pytest.raises(ZeroConfigError, match="cannot be set to `fp16` when `bf16` is set"):
+        ZeroAccelerator(
+            ZeroPlugin(config={"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}), mixed_precision="fp16"
+        )
+    with pytest.raises(ValueError, match="remove \\['fsdp_plugin'\\]"):
+        ZeroAccelerator(fsdp_plugin=object())
