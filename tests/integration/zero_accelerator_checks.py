@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers.models import tiny_llama_config
+
 
 STEPS, GRAD_ACCUM, MICRO, SEQ, VOCAB = 3, 2, 2, 10, 61
 PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
@@ -21,20 +23,10 @@ PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
 
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
     """Uneven shapes (vocab 61, intermediate 45), so shards and buckets never divide evenly."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=45,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB, intermediate_size=45))
 
 
 def tokens(world_size: int) -> torch.Tensor:

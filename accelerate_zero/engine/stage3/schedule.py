@@ -18,7 +18,6 @@ during backward (activation checkpointing) is kept until its gradients are done.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Sequence
 
@@ -31,12 +30,6 @@ from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
 
 logger = logging.getLogger(__name__)
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
 
 
 def in_backward() -> bool:
@@ -63,7 +56,6 @@ class UnitScheduler:
         self.units, self.root, self.dp, self.stats = list(units), root, dp, stats
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.max_reuse_distance, self.use_all_reduce = max_reuse_distance, use_all_reduce
-        self.phase = Phase.IDLE
         self.trace: list[int] | None = None
         self._observed: list[int] = []
         self._on_trace = False
@@ -100,7 +92,6 @@ class UnitScheduler:
                 done.reshard()
 
     def _begin_forward(self) -> None:
-        self.phase = Phase.FORWARD
         self._observed = []
         self._on_trace = self.trace is not None
         self.active.clear()
@@ -146,7 +137,6 @@ class UnitScheduler:
 
     # ----------------------------------------------------------------- backward
     def pre_backward(self, unit: ParamUnit) -> None:
-        self.phase = Phase.BACKWARD
         for needed in (unit, *unit.external):
             self._gather_now(needed)
         if self.trace is not None and unit.index in self.trace:
@@ -158,7 +148,6 @@ class UnitScheduler:
 
     def end_backward(self) -> None:
         self.release_all()
-        self.phase = Phase.IDLE
 
     def release_all(self) -> None:
         for unit in self.units:
