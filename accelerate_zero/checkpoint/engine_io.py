@@ -218,9 +218,10 @@ def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, st
 
 
 def _refuse_nvme(engine: ZeroEngine) -> None:
-    if engine.sharded_optimizer.swapper is not None:
+    if engine.sharded_optimizer.swapper is not None or engine.param_store is not None:
         raise NotImplementedError(
-            "engine checkpoints with offload_optimizer.device='nvme' are not available yet: use device 'cpu'"
+            "engine checkpoints with offload_optimizer.device='nvme' or offload_param.device='nvme' are not "
+            "available yet: use device 'cpu'"
         )
 
 

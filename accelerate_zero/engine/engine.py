@@ -50,6 +50,7 @@ from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_log import StepLog
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
+from accelerate_zero.offload.nvme_params import build_param_store, choose_swapped
 from accelerate_zero.offload.policy import offload_masters, offload_policy, use_fused_cpu_step
 
 
@@ -193,9 +194,13 @@ class ZeroEngine:
                 bucket.host_grad = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
             slices = offload_masters(slices, self.offload)
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
+        self.param_store = None
+        if self.offload.param_nvme_path is not None:
+            slices = self._init_param_store(slices)
         self.reducer = self._build_reducer(buckets, locations, on_complete)
         self.reducer.register_hooks()
         self.sharded_optimizer = self._build_sharded_optimizer(slices)
+        self.sharded_optimizer.param_store = self.param_store
         self.sharded_optimizer.switch_param_groups()
         if self.offload.nvme_path is not None:
             numel = sum(s.end - s.start for group in slices for s in group)
@@ -203,6 +208,34 @@ class ZeroEngine:
             self.sharded_optimizer.swapper = NvmeSwapper(
                 folder, slices, zero.sub_group_size, self.offload.buffer_count
             )
+
+    def _init_param_store(self, slices: list[list[ShardSlice]]) -> list[list[ShardSlice]]:
+        """offload_param nvme: moves unit shards into files; returns the slices, none stepping a swapped shard."""
+        config = self.config.zero_optimization.offload_param
+        swapped = choose_swapped(self.units, config.max_in_cpu)
+        in_files = {id(unit.bucket) for unit, flat in swapped if flat is unit.trainable}
+
+        def own_master(s: ShardSlice) -> ShardSlice:
+            # An fp32 master that is the shard itself would vanish with the shard: the optimizer gets a copy.
+            if s.aliased and id(s.bucket) in in_files:
+                return ShardSlice(s.bucket, s.start, s.end, s.master.detach().clone(), s.params)
+            return s
+
+        slices = [[own_master(s) for s in group] for group in slices]
+        self.param_store = build_param_store(
+            config.nvme_path,
+            self.dp.rank,
+            swapped,
+            buffer_count=config.buffer_count,
+            buffer_size=config.buffer_size,
+            # page-locked buffers only help (and only exist) when an accelerator copies from them
+            pin_memory=config.pin_memory and self.device.type != "cpu",
+        )
+        for unit in self.units:
+            unit.store = self.param_store
+        assert self.scheduler is not None
+        self.scheduler.param_store = self.param_store
+        return slices
 
     def _init_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
         leaf = zero.leaf_module
@@ -562,6 +595,8 @@ class ZeroEngine:
         out.update(host_bytes)
         swapper = self.sharded_optimizer.swapper
         out["nvme_bytes"] = swapper.file_bytes() if swapper is not None else 0
+        if self.param_store is not None:
+            out["nvme_bytes"] += self.param_store.file_bytes()
         out["communication_buffers_peak"] = self.reducer.peak_transient_bytes
         return out
 
@@ -577,6 +612,8 @@ class ZeroEngine:
         self.reducer.remove_hooks()
         if self.sharded_optimizer.swapper is not None:
             self.sharded_optimizer.swapper.close()
+        if self.param_store is not None:
+            self.param_store.close()
         for handle in getattr(self, "_unit_hooks", []):
             handle.remove()
         unregister_engine_params(self)

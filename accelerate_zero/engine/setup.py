@@ -52,11 +52,6 @@ def check_implemented(config: ZeroConfig) -> None:
         )
     if zero.pipeline_loading_checkpoint:
         problems.append("zero_optimization.pipeline_loading_checkpoint=true: partitioned loading is not available yet")
-    if zero.offload_param is not None and zero.offload_param.device == "nvme":
-        problems.append(
-            "zero_optimization.offload_param.device='nvme': NVMe parameter offload is not available yet; use 'cpu' "
-            "(offload_optimizer.device='nvme' works)"
-        )
     if zero.offload_optimizer is not None and zero.offload_optimizer.ratio < 1.0:
         problems.append(
             f"zero_optimization.offload_optimizer.ratio={zero.offload_optimizer.ratio}: partial offload is not "

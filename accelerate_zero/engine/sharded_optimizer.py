@@ -76,6 +76,8 @@ class ShardedOptimizer:
         """Where the norm is all-reduced (gradients may live in host memory under offload)."""
         self.swapper: Any = None
         """NVMe offload (offload/nvme.py): steps the slices sub-group by sub-group from files."""
+        self.param_store: Any = None
+        """NVMe parameter offload (offload/nvme_params.py): the stage-3 shards of some slices live in files."""
         self.slices = [s for group in slices_by_group for s in group]
         self.buckets = list({id(s.bucket): s.bucket for s in self.slices}.values())
 
@@ -107,6 +109,8 @@ class ShardedOptimizer:
             self.step_slices(self.slices, coefficient)
         else:
             self.swapper.step(self, coefficient)
+        if self.param_store is not None:
+            self.param_store.flush()
         self.publish()
         return StepOutcome(grad_norm=norm, overflow=False)
 
@@ -116,7 +120,14 @@ class ShardedOptimizer:
         self.optimizer.step()
         for shard_slice in slices:
             shard_slice.master.grad = None
-            if not shard_slice.aliased:
+        self.write_params(slices)
+
+    def write_params(self, slices: list[ShardSlice]) -> None:
+        """Copies the masters of `slices` into the parameter shards (into their files under NVMe offload)."""
+        for shard_slice in slices:
+            if self.param_store is not None and self.param_store.holds(shard_slice):
+                self.param_store.write_slice(shard_slice)
+            elif not shard_slice.aliased:
                 shard_slice.params.copy_(shard_slice.master)
 
     def _global_norm(self) -> float:
@@ -148,7 +159,9 @@ class ShardedOptimizer:
                 "offload_optimizer.device='nvme' yet"
             )
         for shard_slice in self.slices:
-            if not shard_slice.aliased:
+            if self.param_store is not None and self.param_store.holds(shard_slice):
+                shard_slice.master.copy_(self.param_store.read_slice(shard_slice))
+            elif not shard_slice.aliased:
                 shard_slice.master.copy_(shard_slice.params)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:

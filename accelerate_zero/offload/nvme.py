@@ -36,12 +36,28 @@ def rank_folder(nvme_path: str, rank: int) -> Path:
 
 
 def check_nvme_path(nvme_path: str, rank: int, numel: int) -> Path:
-    """Creates this rank's folder (removing stale files) and checks it is writable and has room.
+    """Creates this rank's optimizer folder (removing stale files) and checks it is writable and has room.
 
     Raises:
         OSError: naming the host, the path, the bytes needed and the bytes free.
     """
-    folder = rank_folder(nvme_path, rank)
+    needed = 4 * numel * (1 + _STATES_PER_ELEMENT)
+    return check_folder(
+        "offload_optimizer.nvme_path",
+        nvme_path,
+        rank_folder(nvme_path, rank),
+        rank,
+        needed,
+        "its fp32 master weights and optimizer state",
+    )
+
+
+def check_folder(key: str, nvme_path: str, folder: Path, rank: int, needed: int, what: str) -> Path:
+    """Creates `folder` under `nvme_path` (removing stale files) and checks it is writable and has `needed` bytes.
+
+    Raises:
+        OSError: naming the host, the key and path, the bytes needed and the bytes free.
+    """
     host = socket.gethostname()
     try:
         shutil.rmtree(folder, ignore_errors=True)  # files of an earlier job that did not end cleanly
@@ -51,15 +67,14 @@ def check_nvme_path(nvme_path: str, rank: int, numel: int) -> Path:
         probe.unlink()
     except OSError as error:
         raise OSError(
-            f"{host}: offload_optimizer.nvme_path={nvme_path!r} is not a writable folder ({error}); create it on "
+            f"{host}: {key}={nvme_path!r} is not a writable folder ({error}); create it on "
             "every node or point nvme_path at a local disk"
         ) from None
-    needed = 4 * numel * (1 + _STATES_PER_ELEMENT)
     free = shutil.disk_usage(folder).free
     if free < needed:
         raise OSError(
-            f"{host}: offload_optimizer.nvme_path={nvme_path!r} has {free:,} bytes free but rank {rank} needs "
-            f"{needed:,} bytes for its fp32 master weights and optimizer state; free space or use another path"
+            f"{host}: {key}={nvme_path!r} has {free:,} bytes free but rank {rank} needs "
+            f"{needed:,} bytes for {what}; free space or use another path"
         )
     return folder
 

@@ -5,7 +5,8 @@ when the compute device is a GPU, so copies can overlap), each gradient bucket a
 into a host fp32 buffer as soon as its reduction finishes, the optimizer steps on the CPU with torch's fused
 kernel when the optimizer class has one, and the updated slices are copied back into the parameters. With
 `offload_param.device: cpu` (stage 3) each unit's shard lives in host memory and is copied to the device right
-before its all-gather. On a CPU-only machine the same code runs; the copies are host-to-host.
+before its all-gather; with `nvme` it lives in a file and is read into host memory for that (offload/nvme_params.py).
+On a CPU-only machine the same code runs; the copies are host-to-host.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class OffloadPolicy:
     nvme_path: str | None = None
     """With offload_optimizer.device=nvme: masters and optimizer state live in files there (offload/nvme.py)."""
     buffer_count: int = 4
+    param_nvme_path: str | None = None
+    """With offload_param.device=nvme: stage-3 parameter shards live in files there (offload/nvme_params.py)."""
 
     def host_zeros(self, numel: int, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
         pin = self.pin_memory and compute_device.type == "cuda"
@@ -43,7 +46,7 @@ def offload_policy(config: ZeroConfig) -> OffloadPolicy:
     zero = config.zero_optimization
     opt = zero.offload_optimizer
     optimizer = opt is not None and opt.device in ("cpu", "nvme")
-    params = zero.offload_param is not None and zero.offload_param.device == "cpu"
+    params = zero.offload_param is not None and zero.offload_param.device in ("cpu", "nvme")
     pins = [b.pin_memory for b in (opt, zero.offload_param) if b is not None and b.device != "none"]
     nvme = opt.nvme_path if opt is not None and opt.device == "nvme" else None
     return OffloadPolicy(
@@ -52,6 +55,7 @@ def offload_policy(config: ZeroConfig) -> OffloadPolicy:
         pin_memory=all(pins) if pins else False,
         nvme_path=nvme,
         buffer_count=opt.buffer_count if opt is not None else 4,
+        param_nvme_path=zero.offload_param.nvme_path if params and zero.offload_param.device == "nvme" else None,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,6 +90,7 @@ class ParamUnit:
     trainable: FlatUnitBuffer | None
     bucket: GradBucket | None
     state: UnitState
+    store: Any  # offload/nvme_params.NvmeParamStore when offload_param.device is nvme, else None
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class ParamUnit:
         self.external: list[ParamUnit] = []
         """Units whose parameters this unit's forward uses (gathered with it; see stage3/external.py)."""
         self._pending: list[Pending] = []
+        self.store = None
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, {self.name or '<root>'!r}, numel={self.numel}, {self.state.value})"
@@ -124,15 +127,22 @@ class ParamUnit:
             return
         for flat in self.flats:
             flat.allocate()
+            swapped = self.store is not None and self.store.swapped(flat)
+            source = self.store.acquire(flat) if swapped else flat.shard
             # offload_param keeps the shard in host memory: bring it to the device first (no-op when it is there).
-            shard = flat.shard.to(flat.full.device, non_blocking=True)
+            shard = source.to(flat.full.device, non_blocking=not swapped)
             if use_all_reduce:
                 flat.full.zero_()
                 flat.full[slice(*flat.plan.shard_range(flat.rank))].copy_(shard)
                 pending = collectives.all_reduce(flat.full, dp, stats, async_op=True, kind="all_reduce_fetch")
             else:
                 pending = collectives.all_gather(flat.full, shard, dp, stats, async_op=True)
-            self._pending.append(pending)
+            if swapped:
+                # [Note: when a swapped shard is in memory] (offload/nvme_params.py): only until its gather is done.
+                pending.wait()
+                self.store.release(flat)
+            else:
+                self._pending.append(pending)
         self.state = UnitState.GATHERING
 
     def wait_for_unshard(self) -> None:
@@ -157,7 +167,10 @@ class ParamUnit:
         """After the full parameters were written (GatheredParameters with a modifier rank): keep our slice."""
         for flat in self.flats:
             lo, hi = flat.plan.shard_range(flat.rank)
-            flat.shard.copy_(flat.full[lo:hi])
+            if self.store is not None and self.store.swapped(flat):
+                self.store.overwrite(flat, flat.full[lo:hi])
+            else:
+                flat.shard.copy_(flat.full[lo:hi])
 
     def resident_tensors(self) -> list[torch.Tensor]:
         return [t for flat in self.flats for t in (flat.shard, flat.full)]

@@ -19,7 +19,8 @@ during backward (activation checkpointing) is kept until its gradients are done.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -64,6 +65,8 @@ class UnitScheduler:
         self.active: list[ParamUnit] = []
         """Units whose forward is running, innermost last."""
         self._detector: ExternalUseDetector | None = None
+        self.param_store: Any = None
+        """offload_param nvme (offload/nvme_params.py): shards of the units gathered next are read ahead."""
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ParamUnit) -> None:
@@ -162,10 +165,13 @@ class UnitScheduler:
         unit.wait_for_unshard()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
 
-    def _prefetch(self, upcoming: Sequence[int] | object) -> None:
+    def _prefetch(self, upcoming: Iterable[int]) -> None:
         budget, live = self.prefetch_numel, self.live_numel()
         by_index = {u.index: u for u in self.units}
-        for index in upcoming:  # type: ignore[attr-defined]
+        upcoming = list(upcoming)
+        if self.param_store is not None:
+            self.param_store.read_ahead([by_index[i] for i in upcoming])
+        for index in upcoming:
             unit = by_index[index]
             if unit.state is not UnitState.SHARDED:
                 continue
