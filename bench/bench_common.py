@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import resource
 import time
 import warnings
@@ -41,25 +42,33 @@ import torch.distributed as dist
 from torch import nn
 
 
-HIDDEN, LAYERS, MICRO_BATCH, LR = 1024, 16, 8, 1e-4
+# The model's size: 16 x Linear(1024, 1024) unless the launcher sets these variables (bench/report runs a smaller
+# stack to fit its time budget); the workers of every system read them, DeepSpeed's included.
+SIZE_ENV = {"hidden": "AZ_BENCH_HIDDEN", "layers": "AZ_BENCH_LAYERS"}
+HIDDEN = int(os.environ.get(SIZE_ENV["hidden"], "1024"))
+LAYERS = int(os.environ.get(SIZE_ENV["layers"], "16"))
+MICRO_BATCH, LR = 8, 1e-4
 MODEL_SEED, DATA_SEED = 0, 1000
 
 
-def build_model() -> nn.Sequential:
-    """16 x `nn.Linear(1024, 1024)` with a ReLU between them (16.8M fp32 parameters), the same on every rank."""
+def build_model(hidden: int = HIDDEN, layers: int = LAYERS) -> nn.Sequential:
+    """`layers` x `nn.Linear(hidden, hidden)` with a ReLU between them, the same on every rank.
+
+    The default, 16 x Linear(1024, 1024), has 16.8M fp32 parameters.
+    """
     torch.manual_seed(MODEL_SEED)
-    layers: list[nn.Module] = []
-    for index in range(LAYERS):
-        layers.append(nn.Linear(HIDDEN, HIDDEN))
-        if index < LAYERS - 1:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    modules: list[nn.Module] = []
+    for index in range(layers):
+        modules.append(nn.Linear(hidden, hidden))
+        if index < layers - 1:
+            modules.append(nn.ReLU())
+    return nn.Sequential(*modules)
 
 
-def make_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(rank: int, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed random micro-batch (input, target) per rank, reused at every step."""
     gen = torch.Generator().manual_seed(DATA_SEED + rank)
-    return torch.randn(MICRO_BATCH, HIDDEN, generator=gen), torch.randn(MICRO_BATCH, HIDDEN, generator=gen)
+    return torch.randn(MICRO_BATCH, hidden, generator=gen), torch.randn(MICRO_BATCH, hidden, generator=gen)
 
 
 def ring_factor(kind: str, world_size: int) -> float:

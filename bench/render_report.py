@@ -1,0 +1,212 @@
+"""Writes bench/RESULTS.md and its PNG plots from the readings run_report.py collected (its report.json).
+
+The estimate beside each measured memory number is `accelerate_zero.debug.estimate.estimate_stage` for the same
+model (bench_common.build_model at the run's size), the same config (bench_worker.engine_config), world size and
+rank: the engine's own layout code, not a formula.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import report
+import report_plots
+import report_sections as sections
+import stage3_bench
+from bench_common import build_model
+from bench_worker import engine_config
+
+
+DEVICE_KIND_ORDER = ("parameters", "gradients", "master_weights", "optimizer_states", "communication_buffers")
+
+
+def estimates_for(
+    sweep: dict[int, list[dict[str, Any]]], hidden: int, layers: int
+) -> dict[tuple[int, int, int], dict[str, int]]:
+    """`estimate_stage(...).device` for every (stage, world size, rank) the sweep measured."""
+    from accelerate_zero.config import ZeroConfig
+    from accelerate_zero.debug.estimate import TrainingSetup, estimate_stage, shapes_from_module
+
+    out = {}
+    for world_size, ranks in sweep.items():
+        for stage_key in ranks[0]["stages"]:
+            stage = int(stage_key)
+            zero = ZeroConfig.from_any(engine_config(stage, None)).zero_optimization
+            shapes = shapes_from_module(build_model(hidden, layers), zero)
+            if shapes.numel != ranks[0]["params"]:
+                raise ValueError(f"the estimate's model has {shapes.numel=} parameters, the run {ranks[0]['params']}")
+            setup = TrainingSetup(world_size, "no", "adamw", zero=zero)
+            for rank in range(world_size):
+                out[(stage, world_size, rank)] = dict(estimate_stage(shapes, setup, stage, rank=rank).device)
+    return out
+
+
+def _offload_section(offload: dict[str, Any]) -> str:
+    status = offload["status"]
+    if status == "absent":
+        return "Not run: `bench/offload_bench.py` did not exist when this report ran."
+    if status == "no_json":
+        return "Not run: `--skip_offload_run` was given and `bench/out/offload.json` does not exist."
+    if status == "json":
+        data = offload["json"]
+        if isinstance(data, dict) and isinstance(data.get("markdown") or data.get("table"), str):
+            body = data.get("markdown") or data.get("table")
+        elif isinstance(data, list) and all(isinstance(r, dict) for r in data):
+            body = sections.json_records_table(data)
+        else:
+            records = next((v for v in data.values() if isinstance(v, list)), None) if isinstance(data, dict) else None
+            body = sections.json_records_table(records) if records else "```json\n" + json.dumps(data)[:3000] + "\n```"
+        return "Read from `bench/out/offload.json` (written by an earlier `bench/offload_bench.py` run):\n\n" + body
+    command = " ".join(
+        Path(part).name if part.endswith(".py") or "python" in part else part for part in offload["command"]
+    )
+    tables = sections.markdown_tables(offload.get("stdout", ""))
+    head = f"`{command}` (run by the report, {offload.get('seconds', 0):.0f} s): {status}."
+    if status != "ran":
+        tail = "\n".join(offload.get("stderr_tail", []))
+        head += f" The log is in `bench/out/report/offload.log`.\n\n```\n{tail}\n```"
+    return head + ("\n\n" + tables if tables else "\n\nIt printed no markdown table.")
+
+
+def _memory_notes(summaries: list[report.Summary]) -> str:
+    """Says why a system's live tensors exceed its RSS by far (allocated pages never touched)."""
+    notes = []
+    for s in summaries:
+        if s.live_tensor_mb > 2 * s.rss_mb:
+            notes.append(
+                f"{report.LABELS[s.system]}: its live tensors ({s.live_tensor_mb:,.0f} MB) exceed its RSS "
+                f"({s.rss_mb:,.0f} MB): it holds tensors whose pages were allocated but never written, which RSS does "
+                "not count (for DeepSpeed stage 3 about reduce_bucket_size = 5e8 elements x 4 bytes = 2,000 MB)."
+            )
+    return "".join(f"\n\n{note}" for note in notes)
+
+
+def _machine_lines(payload: dict[str, Any], world_size: int) -> str:
+    m = payload["machine"]
+    v = m["versions"]
+    ds = payload.get("deepspeed_version")
+    dirty = m["uncommitted_engine_files"]
+    lines = [
+        f"- Date: {m['date']}; the runs took {payload['seconds']['total'] / 60:.1f} minutes "
+        f"(memory sweep {payload['seconds']['sweep'] / 60:.1f}, systems {payload['seconds']['systems'] / 60:.1f}, "
+        f"offload {payload['seconds']['offload'] / 60:.1f}).",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, CPU only, gloo. "
+        f"Python {m['python']}, torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}"
+        + (f", DeepSpeed {ds} (its own virtualenv)" if ds else "")
+        + ".",
+        f"- Code: commit {m['commit']}"
+        + (
+            f", with uncommitted changes by other engineers in {len(dirty)} engine file(s) ({', '.join(dirty)})"
+            if dirty
+            else ""
+        )
+        + ".",
+        f"- **Timing is on a shared {m['cores']}-core machine**: other engineers were running their own jobs during this run "
+        f"(1-minute load average {payload['load_start']['loadavg'][0]:.1f} at the start, "
+        f"{payload['load_end']['loadavg'][0]:.1f} at the end), and {world_size} ranks share the {m['cores']} cores. Step times are "
+        "only meaningful as ratios to DDP in the same run; absolute milliseconds are not.",
+    ]
+    return "\n".join(lines)
+
+
+def write(payload: dict[str, Any], results: Path, plots_dir: Path) -> None:
+    """Renders RESULTS.md at `results` and the PNGs into `plots_dir`."""
+    args = payload["args"]
+    hidden, layers = int(args["hidden"]), int(args["layers"])
+    sweep = {int(w): ranks for w, ranks in payload["sweep"].items() if ranks}
+    summaries = [report.summarize(system, rounds) for system, rounds in payload["main"].items() if rounds]
+    by_name = {s.system: s for s in summaries}
+    ddp = by_name.get("ddp")
+    for s in summaries:
+        if s.system.startswith("ds"):
+            rank0 = payload["main"][s.system][0][0]
+            payload["deepspeed_version"] = rank0["extra"].get("deepspeed_version")
+    rows = sections.sweep_rows(sweep, estimates_for(sweep, hidden, layers))
+    honesty, honest = sections.honesty_table(rows)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    world = summaries[0].world_size if summaries else 0
+    memory_png, comparison_png = plots_dir / "memory_vs_world_size.png", plots_dir / f"systems_w{world}.png"
+    params = rows[0].params if rows else (summaries[0].params if summaries else 0)
+    model = f"{layers} x Linear({hidden}, {hidden}), Ψ = {params:,} fp32 parameters, AdamW"
+    report_plots.memory_vs_world_size(sections.plot_series(rows), memory_png, model)
+    if summaries:
+        report_plots.comparison(summaries, comparison_png, f"W = {world} processes on 2 shared cores; {model}")
+    link = lambda path: os.path.relpath(path, results.parent)  # noqa: E731
+    checks = [c.line() for c in report.checks(by_name)] + stage3_bench.training_checks(by_name)
+    spread = sections.step_ratio_spread(summaries)
+    first = summaries[0] if summaries else None
+    notes = payload.get("notes", []) + [
+        f"{s} failed: see its log in bench/out/report/." for s in payload.get("failed", [])
+    ]
+    text = f"""# Benchmark results
+
+Written by `bench/report` (see [README.md](README.md#benchmark-report)); regenerate with the same command. MB =
+10^6 bytes. Model: {model}, one fixed random batch of 8 per rank, MSE loss, gradient clipping off; every system
+trains the same model on the same data (the final losses agree).
+
+{_machine_lines(payload, world)}
+{"".join(f"{chr(10)}- {note}" for note in notes)}
+
+## Memory per rank, W = {first.world_size if first else "—"}
+
+Max over ranks at the end of the run. Engine-held is `engine.memory_breakdown()["total"]` (accelerate_zero only);
+live tensors are every tensor the garbage collector sees, each storage once (DDP's C++ gradient buckets are
+invisible to it); RSS is the process's resident memory above its reading before the model existed (it includes
+allocator slack and, for DDP, its buckets). ZeRO formula for fp32 Adam: DDP 16Ψ, stage 1 8Ψ+8Ψ/W, stage 2
+4Ψ+12Ψ/W, stage 3 16Ψ/W bytes.
+
+{sections.memory_table(summaries)}{_memory_notes(summaries)}
+
+![memory per rank and step time of every system]({link(comparison_png)})
+
+## Bytes moved and step time, W = {first.world_size if first else "—"}
+
+Bytes per step per rank are each system's own count with the ring convention (all-reduce 2N(W−1)/W,
+reduce-scatter and all-gather N(W−1)/W, broadcast N); wire bytes are what each process wrote to its sockets
+(`wchar`). Step time: `dist.barrier()`, then forward + backward + optimizer step; a step counts as its slowest
+rank; median over {first.steps if first else "—"} timed steps after {args["warmup"]} warm-up steps, one thread per
+rank. DDP ran first and again last (its two medians are "by round"; the table's DDP median pools both){
+        f": they are {100 * (spread - 1):.0f}% apart, the noise floor of every ratio below" if spread else ""
+    }.
+
+{sections.traffic_time_table(summaries, ddp)}
+
+Targets of the engine (issue 2) and stage 3 (issue 3) benchmarks, on this run:
+
+{chr(10).join(f"- {line}" for line in checks)}
+
+## Memory per rank against world size: measured and estimated
+
+`sweep_worker.py` runs stages 0-3 at W = {", ".join(str(w) for w in sorted(sweep))} and reads, after 2 optimizer
+steps, `engine.memory_breakdown()` and the live tensors of each rank; the estimate is
+`accelerate_zero.debug.estimate.estimate_stage` (what `accelerate-zero estimate` prints) for the same model, config,
+world size and rank. The estimated total adds the transient buffers the estimate bounds (stage 2 reduce bucket,
+stage 3 gathered units and gradient buffers); `memory_breakdown()` total counts the buffers alive when it is read.
+
+![memory per rank against world size]({link(memory_png)})
+
+{sections.sweep_table(rows)}
+
+## Is the estimate honest?
+
+For the model the benchmarks train: the estimate of model-state bytes per rank (parameters, gradients, master
+weights, optimizer states) against `memory_breakdown()`, every rank, every stage and world size above.
+**{"PASS" if honest else "FAIL"}: {"every" if honest else "not every"} estimate is within
+{sections.HONESTY_TOLERANCE:.0%} of what the engine holds.**
+
+{honesty}
+
+## Offload
+
+{_offload_section(payload["offload"])}
+
+## How each number is measured
+
+See [README.md](README.md) ("How each number is measured") and `bench_common.py`, [Note: how the benchmark
+measures]. Raw readings of this run: `bench/out/report/report.json` (not committed); `bench/report --from_json
+bench/out/report/report.json` renders this page again from them.
+"""
+    results.write_text(text)

@@ -1,0 +1,230 @@
+"""The benchmark report: runs the engine, stage 3 and offload benchmarks at a size that fits this machine and writes
+bench/RESULTS.md with its plots in bench/results/. `bench/report` runs this file.
+
+Usage:
+    bench/report                                            # everything, about 10 minutes on 2 shared cores
+    bench/report --skip_offload_run                         # offload: read bench/out/offload.json, do not run it
+    bench/report --offload_args "--steps 3"                 # arguments for bench/offload_bench.py
+    bench/report --from_json bench/out/report/report.json   # re-render RESULTS.md and the plots; run nothing
+    bench/report --results /tmp/RESULTS.md --plots_dir /tmp/plots --sweep_world_sizes 1 2   # a quick try
+
+Phases, each system in its own fresh `torchrun --standalone` group (gloo, one thread per rank, as engine_bench.py):
+1. memory against world size: sweep_worker.py at W = 1, 2, 3, 4 reads `memory_breakdown()`, live tensors and RSS of
+   stages 0-3; `accelerate_zero.debug.estimate` computes the same rank's bytes for the same model and config;
+2. the systems compared at W = 4 (engine_bench.run_system): DDP, DDP + ZeroRedundancyOptimizer, our stages 0-3,
+   FSDP2, and DeepSpeed stages 1-3 from --ds_venv when it exists; DDP runs first and again last, so its two
+   medians show how much the machine's load moved during the run;
+3. offload: bench/offload_bench.py when it exists (its printed markdown tables are copied).
+Every raw reading goes to --out_dir/report.json, from which --from_json renders the same report again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import engine_bench
+from bench_common import SIZE_ENV
+
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+SYSTEMS = ["ddp", "ddp_zero_r", "az0", "az1", "az2", "az3", "fsdp2", "ds1", "ds2", "ds3"]
+DS_SYSTEMS = ("ds1", "ds2", "ds3")
+OFFLOAD_SCRIPT, OFFLOAD_JSON = BENCH_DIR / "offload_bench.py", BENCH_DIR / "out" / "offload.json"
+SWEEP_TIMEOUT_SECONDS = 600
+BUDGET_MINUTES = 15
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024, help="Linear width of the benchmark model (1024)")
+    parser.add_argument("--layers", type=int, default=8, help="Linear layers (8: Ψ = 8.4M, half the engine bench)")
+    parser.add_argument("--world_size", type=int, default=4, help="processes for the systems compared (4)")
+    parser.add_argument("--sweep_world_sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per system, at least 10 (15)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"), help="DeepSpeed's own virtualenv")
+    parser.add_argument("--skip_offload_run", action="store_true", help=f"read {OFFLOAD_JSON} instead of running")
+    parser.add_argument("--offload_args", default="", help="arguments for bench/offload_bench.py (one string)")
+    parser.add_argument("--offload_timeout", type=int, default=300, help="seconds before the offload run is cut")
+    parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out" / "report", help="logs and raw JSON")
+    parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md")
+    parser.add_argument("--plots_dir", type=Path, default=BENCH_DIR / "results")
+    parser.add_argument("--from_json", type=Path, default=None, help="render a saved run again; run nothing")
+    args = parser.parse_args()
+    if args.steps < 10:
+        parser.error(f"--steps {args.steps}: medians need at least 10 timed steps")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------- machine
+def machine_facts() -> dict[str, Any]:
+    """What the report says about where it ran: CPU, cores, RAM, versions, load, the commit."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    versions = {}
+    for package in ("torch", "transformers", "accelerate", "matplotlib"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "accelerate_zero"], capture_output=True, text=True
+    ).stdout.splitlines()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": mem_kib / 2**20,
+        "python": platform.python_version(),
+        "versions": versions,
+        "commit": head,
+        "uncommitted_engine_files": [line[3:] for line in dirty],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def load_average() -> dict[str, Any]:
+    """The 1, 5 and 15-minute load averages (other users' jobs show here)."""
+    return {"loadavg": list(os.getloadavg())}
+
+
+# -------------------------------------------------------------------------------------------------- runs
+def run_sweep(world_size: int, args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    out, log = args.out_dir / f"sweep_w{world_size}.json", args.out_dir / f"sweep_w{world_size}.log"
+    out.unlink(missing_ok=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(world_size),
+        str(BENCH_DIR / "sweep_worker.py"),
+        "--out",
+        str(out),
+    ]
+    start = time.perf_counter()
+    with open(log, "w") as log_file:
+        try:
+            code = subprocess.run(
+                command, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=SWEEP_TIMEOUT_SECONDS
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0 or not out.exists():
+        print(f"  sweep W={world_size}: FAILED ({code}); see {log}")
+        return None
+    print(f"  sweep W={world_size}: done in {time.perf_counter() - start:.0f}s", flush=True)
+    return json.loads(out.read_text())
+
+
+def run_systems(args: argparse.Namespace) -> tuple[dict[str, list[list[dict[str, Any]]]], list[str]]:
+    """Every system once at --world_size, then DDP again; returns {system: rounds} and the systems that failed."""
+    run_args = argparse.Namespace(
+        world_size=args.world_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        reduce_bucket_size=None,
+        ds_venv=args.ds_venv,
+        out_dir=args.out_dir / f"w{args.world_size}",
+    )
+    run_args.out_dir.mkdir(parents=True, exist_ok=True)
+    order = [(system, 0) for system in args.systems] + ([("ddp", 1)] if "ddp" in args.systems else [])
+    raw: dict[str, list[list[dict[str, Any]]]] = {system: [] for system in args.systems}
+    failed = []
+    for system, round_index in order:
+        ranks = engine_bench.run_system(system, run_args, round_index)
+        if ranks is None:
+            failed.append(system)
+        else:
+            raw[system].append(ranks)
+    return raw, failed
+
+
+def run_offload(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/offload_bench.py's tables: printed by a run now, or read from its JSON (--skip_offload_run)."""
+    if not OFFLOAD_SCRIPT.exists():
+        return {"status": "absent"}
+    if args.skip_offload_run:
+        if not OFFLOAD_JSON.exists():
+            return {"status": "no_json"}
+        return {"status": "json", "json": json.loads(OFFLOAD_JSON.read_text())}
+    command = [sys.executable, str(OFFLOAD_SCRIPT), *shlex.split(args.offload_args)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.offload_timeout)
+    except subprocess.TimeoutExpired as error:
+        stdout = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+        return {"status": "timeout", "command": command, "stdout": stdout, "seconds": args.offload_timeout}
+    (args.out_dir / "offload.log").write_text(done.stdout + done.stderr)
+    return {
+        "status": "ran" if done.returncode == 0 else f"failed ({done.returncode})",
+        "command": command,
+        "stdout": done.stdout,
+        "stderr_tail": done.stderr.splitlines()[-10:],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[SIZE_ENV["hidden"]], os.environ[SIZE_ENV["layers"]] = str(args.hidden), str(args.layers)
+    payload: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine_facts(),
+        "load_start": load_average(),
+        "seconds": {},
+        "notes": [],
+    }
+    start = time.perf_counter()
+    print(f"memory against world size: W = {args.sweep_world_sizes}", flush=True)
+    payload["sweep"] = {w: run_sweep(w, args) for w in args.sweep_world_sizes}
+    payload["seconds"]["sweep"] = time.perf_counter() - start
+    if not (args.ds_venv / "bin" / "torchrun").exists():
+        skipped = [s for s in args.systems if s in DS_SYSTEMS]
+        args.systems = [s for s in args.systems if s not in DS_SYSTEMS]
+        payload["notes"].append(f"DeepSpeed skipped ({', '.join(skipped)}): no virtualenv at {args.ds_venv}.")
+    print(f"systems at W = {args.world_size}: {', '.join(args.systems)}, then ddp again", flush=True)
+    mark = time.perf_counter()
+    payload["main"], payload["failed"] = run_systems(args)
+    payload["seconds"]["systems"] = time.perf_counter() - mark
+    print("offload", flush=True)
+    mark = time.perf_counter()
+    payload["offload"] = run_offload(args)
+    payload["seconds"]["offload"] = time.perf_counter() - mark
+    payload["seconds"]["total"] = time.perf_counter() - start
+    payload["load_end"] = load_average()
+    (args.out_dir / "report.json").write_text(json.dumps(payload, indent=1, default=str))
+    return payload
+
+
+def main() -> None:
+    args = parse_args()
+    payload = json.loads(args.from_json.read_text()) if args.from_json else run_all(args)
+    import render_report  # after the runs: it imports torch and accelerate_zero for the estimate
+
+    render_report.write(payload, args.results, args.plots_dir)
+    total = payload["seconds"]["total"]
+    print(f"wrote {args.results} and {args.plots_dir}/*.png; the runs took {total / 60:.1f} minutes")
+    if payload.get("failed"):
+        sys.exit(f"these systems failed (logs in {args.out_dir}): {', '.join(payload['failed'])}")
+
+
+if __name__ == "__main__":
+    main()
