@@ -7,7 +7,9 @@ Layout of `<save_dir>/<tag>/`:
                               `.../<state>` their optimizer state, `.../param` stage-3 frozen shards; rank 0 also
                               `<name>/full` for parameters no rank shards and `<name>/buffer` for module buffers
     scheduler.pt, client_state.pt   (rank 0) read back with torch.load(weights_only=True)
-Nothing is ever unpickled beyond tensors and plain containers.
+Nothing is ever unpickled beyond tensors and plain containers. Under NVMe offload the file format is the same:
+the masters and optimizer state are read from (and on load written back to) the swap files one sub-group at a
+time, and swapped parameter shards through the parameter store, so a checkpoint never needs them all in memory.
 """
 
 from __future__ import annotations
@@ -60,7 +62,6 @@ def _covered(engine: ZeroEngine) -> set[int]:
 # --------------------------------------------------------------------------- save
 def save_engine(engine: ZeroEngine, save_dir: str | Path, tag: str | None, client_state: dict | None) -> Path:
     """Writes every rank's shard and the rank-independent state; returns the checkpoint folder."""
-    _refuse_nvme(engine)
     save_dir = Path(save_dir)
     tag = tag or f"global_step{engine.global_steps}"
     _validate_tag(engine, tag)
@@ -82,19 +83,14 @@ def save_engine(engine: ZeroEngine, save_dir: str | Path, tag: str | None, clien
 
 def _rank_tensors(engine: ZeroEngine, is_main: bool) -> dict[str, torch.Tensor]:
     names, out = _names(engine), {}
-    for shard_slice in engine.sharded_optimizer.slices:
-        state = engine.optimizer.state.get(shard_slice.master, {})
-        for frag in _slice_fragments(shard_slice, names):
-            piece = slice(frag.offset, frag.offset + frag.numel)
-            out[frag.key("master")] = shard_slice.master.detach()[piece].float().clone()
-            for kind, value in state.items():
-                if torch.is_tensor(value) and value.numel() == shard_slice.master.numel() and value.ndim > 0:
-                    out[frag.key(kind)] = value.detach()[piece].clone()
-                elif torch.is_tensor(value) and value.numel() == 1:
-                    out[frag.key(kind)] = value.detach().reshape(()).clone()
+    # Under NVMe optimizer offload the masters and their state are in memory one sub-group at a time.
+    for slices in engine.sharded_optimizer.resident_slices(write_back=False):
+        for shard_slice in slices:
+            out.update(_slice_tensors(engine, shard_slice, names))
     for flat in _frozen_flats(engine):
+        shard = _shard_values(engine, flat)
         for frag in _flat_fragments(flat, names):
-            out[frag.key("param")] = flat.shard[frag.offset : frag.offset + frag.numel].clone()
+            out[frag.key("param")] = shard[frag.offset : frag.offset + frag.numel].clone()
     if is_main:
         covered = _covered(engine)
         for name, param in engine.module.named_parameters():
@@ -103,6 +99,20 @@ def _rank_tensors(engine: ZeroEngine, is_main: bool) -> dict[str, torch.Tensor]:
         for name, buffer in engine.module.named_buffers():
             out[whole_key(name, "buffer")] = buffer.detach().clone()
     return {key: value.contiguous() for key, value in out.items()}
+
+
+def _slice_tensors(engine: ZeroEngine, shard_slice: ShardSlice, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    out = {}
+    state = engine.optimizer.state.get(shard_slice.master, {})
+    for frag in _slice_fragments(shard_slice, names):
+        piece = slice(frag.offset, frag.offset + frag.numel)
+        out[frag.key("master")] = shard_slice.master.detach()[piece].float().clone()
+        for kind, value in state.items():
+            if torch.is_tensor(value) and value.numel() == shard_slice.master.numel() and value.ndim > 0:
+                out[frag.key(kind)] = value.detach()[piece].clone()
+            elif torch.is_tensor(value) and value.numel() == 1:
+                out[frag.key(kind)] = value.detach().reshape(()).clone()
+    return out
 
 
 def _meta(engine: ZeroEngine) -> dict[str, Any]:
@@ -134,7 +144,6 @@ def load_engine(
     load_lr_scheduler_states: bool,
 ) -> dict:
     """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage."""
-    _refuse_nvme(engine)
     folder = resolve_tag(Path(load_dir), tag)
     meta = json.loads((folder / "meta.json").read_text())
     if meta.get("format") != FORMAT:
@@ -171,15 +180,18 @@ def _values(reader: FragmentReader, frag: Fragment) -> torch.Tensor:
 
 
 def _load_slices(engine: ZeroEngine, reader: FragmentReader, names: dict[int, str], with_state: bool) -> None:
-    for shard_slice in engine.sharded_optimizer.slices:
-        master = shard_slice.master
-        fragments = _slice_fragments(shard_slice, names)
-        for frag in fragments:
-            master[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
-        if not shard_slice.aliased:
-            shard_slice.params.copy_(master)
-        if with_state and fragments:
-            engine.optimizer.state[master] = _slice_state(reader, fragments, master)
+    sharded = engine.sharded_optimizer
+    for slices in sharded.resident_slices(write_back=True):
+        for shard_slice in slices:
+            master = shard_slice.master
+            fragments = _slice_fragments(shard_slice, names)
+            for frag in fragments:
+                master[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
+            sharded.write_params([shard_slice])
+            if with_state and fragments:
+                engine.optimizer.state[master] = _slice_state(reader, fragments, master)
+    if engine.param_store is not None:
+        engine.param_store.flush()
 
 
 def _slice_state(reader: FragmentReader, fragments: list[Fragment], master: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -200,9 +212,15 @@ def _slice_state(reader: FragmentReader, fragments: list[Fragment], master: torc
 
 
 def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, str]) -> None:
+    store = engine.param_store
     for flat in _frozen_flats(engine):
+        shard = _shard_values(engine, flat)
         for frag in _flat_fragments(flat, names):
-            flat.shard[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
+            shard[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
+        if shard is not flat.shard:
+            store.overwrite(flat, shard)
+    if store is not None:
+        store.flush()
     covered = _covered(engine)
     for name, param in engine.module.named_parameters():
         if id(param) in covered:
@@ -217,12 +235,10 @@ def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, st
             buffer.copy_(saved)
 
 
-def _refuse_nvme(engine: ZeroEngine) -> None:
-    if engine.sharded_optimizer.swapper is not None or engine.param_store is not None:
-        raise NotImplementedError(
-            "engine checkpoints with offload_optimizer.device='nvme' or offload_param.device='nvme' are not "
-            "available yet: use device 'cpu'"
-        )
+def _shard_values(engine: ZeroEngine, flat: FlatUnitBuffer) -> torch.Tensor:
+    """A stage-3 flat's shard, read from its file under NVMe parameter offload."""
+    store = engine.param_store
+    return store.read(flat) if store is not None and store.swapped(flat) else flat.shard
 
 
 def _validate_tag(engine: ZeroEngine, tag: str) -> None:

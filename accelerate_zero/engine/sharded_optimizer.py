@@ -7,7 +7,7 @@ accelerate does for FSDP2), so its class, hyperparameters, groups, and any LR sc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,16 +153,20 @@ class ShardedOptimizer:
 
     def refresh_masters(self) -> None:
         """Copies the parameter shards into the fp32 master weights (after parameters were overwritten)."""
-        if self.swapper is not None:
-            raise NotImplementedError(
-                "writing parameters (GatheredParameters with modifier_rank) is not available with "
-                "offload_optimizer.device='nvme' yet"
-            )
-        for shard_slice in self.slices:
-            if self.param_store is not None and self.param_store.holds(shard_slice):
-                shard_slice.master.copy_(self.param_store.read_slice(shard_slice))
-            elif not shard_slice.aliased:
-                shard_slice.master.copy_(shard_slice.params)
+        for slices in self.resident_slices(write_back=True):
+            for shard_slice in slices:
+                if self.param_store is not None and self.param_store.holds(shard_slice):
+                    shard_slice.master.copy_(self.param_store.read_slice(shard_slice))
+                elif not shard_slice.aliased:
+                    shard_slice.master.copy_(shard_slice.params)
+
+    def resident_slices(self, write_back: bool) -> Iterator[list[ShardSlice]]:
+        """Every slice, in batches whose masters and optimizer state are in memory while the batch is used (all
+        at once, or one NVMe sub-group at a time: with `write_back` changes go back to its file)."""
+        if self.swapper is None:
+            yield self.slices
+        else:
+            yield from self.swapper.each_resident(self.optimizer, write_back)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Master weights and optimizer state tensors (for memory accounting)."""

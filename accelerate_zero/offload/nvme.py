@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -136,6 +137,18 @@ class NvmeSwapper:
                 group["params"] = params
             for write in writes:
                 write.result()
+
+    def each_resident(self, optimizer: torch.optim.Optimizer, write_back: bool) -> Iterator[list[ShardSlice]]:
+        """Brings one sub-group at a time into memory (masters and optimizer state) and yields its slices;
+        with `write_back` what the caller changed is written to the file before the next (checkpoints)."""
+        for index, subgroup in enumerate(self.subgroups):
+            _restore(subgroup, load_file(str(self._file(index))), optimizer)
+            try:
+                yield [shard_slice for _, shard_slice in subgroup]
+                if write_back:
+                    self._write(index, _tensors(subgroup, optimizer.state))
+            finally:
+                _release(subgroup, optimizer.state)
 
     def file_bytes(self) -> int:
         return sum(path.stat().st_size for path in self.folder.glob("subgroup*.safetensors"))

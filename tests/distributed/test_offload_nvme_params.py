@@ -68,7 +68,7 @@ def _train_case(rank: int, world_size: int, nvme_path: str, name: str) -> dict[s
     return result
 
 
-def _modify_through_gathered(rank: int, world_size: int, nvme_path: str) -> float:
+def _modify_through_gathered(rank: int, world_size: int, nvme_path: str, optimizer_device: str) -> float:
     """GatheredParameters(modifier_rank=0) writes reach the shard files and the masters."""
     import accelerate_zero
 
@@ -77,8 +77,9 @@ def _modify_through_gathered(rank: int, world_size: int, nvme_path: str) -> floa
     zero = {
         "stage": 3,
         "offload_param": params,
-        "offload_optimizer": {"device": "cpu"},
+        "offload_optimizer": {"device": optimizer_device, "nvme_path": nvme_path},
         "stage3_param_persistence_threshold": 0,
+        "sub_group_size": 64,
     }
     engine = accelerate_zero.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.0), config={"zero_optimization": zero}
@@ -99,7 +100,9 @@ def _modify_through_gathered(rank: int, world_size: int, nvme_path: str) -> floa
 def _run_all(rank: int, world_size: int, nvme_path: str) -> dict[str, Any]:
     out: dict[str, Any] = {name: _train_case(rank, world_size, nvme_path, name) for name in CASES}
     if world_size == 2:
-        out["modifier_error"] = _modify_through_gathered(rank, world_size, str(Path(nvme_path) / "modify"))
+        for device in ("cpu", "nvme"):
+            path = str(Path(nvme_path) / f"modify_{device}")
+            out[f"modifier_error_{device}"] = _modify_through_gathered(rank, world_size, path, device)
     return out
 
 
@@ -125,7 +128,7 @@ def test_nvme_param_offload_matches_reference_with_shards_on_disk(tmp_path: Path
         partial = result["params nvme beyond max_in_cpu=120"]
         assert 0 < partial["all_numel"] - partial["swapped_numel"] <= 120
         if world_size == 2:
-            assert result["modifier_error"] == 0.0
+            assert result["modifier_error_cpu"] == result["modifier_error_nvme"] == 0.0
 
 
 def _too_small_buffer(rank: int, world_size: int, nvme_path: str) -> str:
