@@ -9,9 +9,34 @@ from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
 
 __version__ = "0.1.0"
 
+# The Trainer integration imports transformers' Trainer (seconds): loaded on first use.
+_TRAINER_NAMES = {
+    "Trainer": "ZeroTrainer",
+    "TrainingArguments": "ZeroTrainingArguments",
+    "ZeroArgumentsMixin": "ZeroArgumentsMixin",
+    "ZeroTrainer": "ZeroTrainer",
+    "ZeroTrainerMixin": "ZeroTrainerMixin",
+    "ZeroTrainingArguments": "ZeroTrainingArguments",
+}
+
+
+def __getattr__(name: str):
+    if name in _TRAINER_NAMES:
+        from accelerate_zero.integrations import transformers as integration
+
+        return getattr(integration, _TRAINER_NAMES[name])
+    raise AttributeError(f"module 'accelerate_zero' has no attribute {name!r}")
+
+
 __all__ = [
     "AUTO",
     "GatheredParameters",
+    "Trainer",
+    "TrainingArguments",
+    "ZeroArgumentsMixin",
+    "ZeroTrainer",
+    "ZeroTrainerMixin",
+    "ZeroTrainingArguments",
     "ZeroAccelerator",
     "ZeroConfig",
     "ZeroConfigError",

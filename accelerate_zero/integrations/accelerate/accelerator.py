@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
 from accelerate_zero.config.schema import is_auto
 from accelerate_zero.engine.engine import ZeroEngine, initialize
+from accelerate_zero.engine.gathered import GatheredParameters
 from accelerate_zero.engine.groups import process_group_timeout
 from accelerate_zero.engine.setup import cast_floating_inputs
 from accelerate_zero.integrations.accelerate.launch_config import build_deepspeed_config
@@ -105,11 +106,30 @@ class _ZeroModel:
     """None: prepared for inference (frozen, no optimizer state; sharded at stage 3)."""
     hooks: list[RemovableHandle]
     """Hooks this accelerator added to the model (fp16 `auto_cast`)."""
+    requires_grad: list[bool]
+    """Each parameter's `requires_grad` before prepare (a model prepared for inference is frozen)."""
 
     def close(self) -> None:
         for handle in self.hooks:
             handle.remove()
         self.engine.destroy()
+
+    def release(self) -> None:
+        """Gives the model back as it was before prepare: full parameters (gathered at stage 3, in the compute
+        dtype), the original `requires_grad` flags, no hooks."""
+        engine = self.engine
+        full: dict[int, torch.Tensor] = {}
+        for unit in engine.units:  # stage 3: each parameter gets its own full tensor again
+            params = [p for flat in unit.flats for p in flat.params]
+            with GatheredParameters(params):
+                full.update({id(p): p.data.clone() for p in params})
+        self.close()
+        for param, flag in zip(self.model.parameters(), self.requires_grad, strict=True):
+            if id(param) in full:
+                param.data = full[id(param)]
+            param.requires_grad_(flag)
+        if getattr(self.model, "_is_fsdp_managed_module", False):
+            del self.model._is_fsdp_managed_module
 
 
 class ZeroAccelerator(Accelerator):
@@ -147,13 +167,26 @@ class ZeroAccelerator(Accelerator):
         mixed_precision = accelerate_kwargs.pop("mixed_precision", None)
         if mixed_precision is None:
             mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-        self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
-        self._base_config = _config_with_precision(self.zero_plugin, str(mixed_precision).lower())
+        self._zero_mixed_precision = str(mixed_precision).lower()
+        self.set_zero_plugin(zero_plugin if zero_plugin is not None else ZeroPlugin())
         super().__init__(mixed_precision="no", **_with_process_group_setup(accelerate_kwargs))
         self._check_distributed_state()
         self._zero_models: list[_ZeroModel] = []
         self._held_engines: set[int] = set()  # ids of engines inside `no_sync`
         self._warned_max_norm = False
+        self.caller_owns_accumulation = False
+        """True when the training loop divides the loss by the accumulation steps itself and marks the boundary
+        through `gradient_state` (the transformers Trainer): `backward` then does not divide again, and the config's
+        gradient_accumulation_steps leaves accelerate's own setting alone."""
+
+    def set_zero_plugin(self, zero_plugin: ZeroPlugin) -> None:
+        """Uses `zero_plugin`'s config for the models prepared from now on (the engines built already keep theirs).
+
+        Raises:
+            ZeroConfigError: the config with this accelerator's mixed precision is invalid.
+        """
+        self.zero_plugin = zero_plugin
+        self._base_config = _config_with_precision(zero_plugin, self._zero_mixed_precision)
 
     # ------------------------------------------------------------------ state
     @property
@@ -301,10 +334,12 @@ class ZeroAccelerator(Accelerator):
             # parameters: at stage 3 the engine shards the frozen weights (gathered unit by unit in forward); below
             # it, it only moves them to the device in the compute dtype and broadcasts rank 0's values. No gradient,
             # master weight or optimizer state is allocated.
+            requires_grad = [p.requires_grad for p in model.parameters()]
             model.requires_grad_(False)
             engine = initialize(model, torch.optim.SGD([{"params": []}], lr=0.0), config, device=self.device)
             wrapper = None
         else:
+            requires_grad = [p.requires_grad for p in model.parameters()]
             torch_optimizer = None if isinstance(optimizer, DummyOptim) else optimizer
             callable_scheduler = scheduler.lr_scheduler_callable if scheduler is not None else None
             engine = initialize(model, torch_optimizer, config, callable_scheduler, device=self.device)
@@ -316,7 +351,7 @@ class ZeroAccelerator(Accelerator):
             # DeepSpeed's engine forward casts floating inputs to fp16 (`fp16.auto_cast`); the model is returned
             # unwrapped, so a forward pre-hook does it.
             hooks.append(model.register_forward_pre_hook(_cast_inputs_to_fp16, with_kwargs=True))
-        entry = _ZeroModel(model, engine, wrapper, hooks)
+        entry = _ZeroModel(model, engine, wrapper, hooks, requires_grad)
         self._zero_models.append(entry)
         self._models.append(model)
         model._is_accelerate_prepared = True
@@ -366,7 +401,10 @@ class ZeroAccelerator(Accelerator):
         if isinstance(optimizer, torch.optim.Optimizer):
             filled.zero_allow_untested_optimizer = True  # accelerate sets it for any client optimizer
         resolved = resolve_config(filled, world_size=self.num_processes)
-        if resolved.gradient_accumulation_steps != self.gradient_accumulation_steps:
+        if (
+            resolved.gradient_accumulation_steps != self.gradient_accumulation_steps
+            and not self.caller_owns_accumulation
+        ):
             logger.warning(
                 "Gradient accumulation steps mismatch: GradientAccumulationPlugin has %s, the ZeRO config has %s. "
                 "Using the ZeRO config's value.",
@@ -433,7 +471,8 @@ class ZeroAccelerator(Accelerator):
         if entry is None:
             super().backward(loss, **kwargs)
             return
-        retain_graph, scale_wrt_gas = kwargs.pop("retain_graph", False), kwargs.pop("scale_wrt_gas", True)
+        retain_graph = kwargs.pop("retain_graph", False)
+        scale_wrt_gas = kwargs.pop("scale_wrt_gas", not self.caller_owns_accumulation)
         if kwargs:
             raise TypeError(f"ZeroAccelerator.backward() got unexpected keyword arguments {sorted(kwargs)}")
         engine, optimizer = entry.engine, entry.optimizer
@@ -623,10 +662,30 @@ class ZeroAccelerator(Accelerator):
             self._models, self._optimizers, self._schedulers = saved[:3]
             setattr(self, hooks_attr, saved[3])
 
+    def release_model(self, model: nn.Module) -> None:
+        """Undoes `prepare` of `model` (e.g. to train a model prepared for inference): its engine is destroyed, its
+        full parameters (the compute dtype's values; fp32 masters and optimizer state are dropped) and
+        `requires_grad` flags are restored.
+
+        Raises:
+            ValueError: `model` was not prepared by this accelerator.
+        """
+        entry = self._entry_of(model)
+        if entry is None:
+            raise ValueError("release_model() takes a model this accelerator prepared")
+        entry.release()
+        self._zero_models.remove(entry)
+        self._models = [m for m in self._models if m is not model]
+        if entry.optimizer is not None:
+            self._optimizers = [o for o in self._optimizers if o is not entry.optimizer]
+        model._is_accelerate_prepared = False
+
     def free_memory(self, *objects: Any) -> Any:
-        """Destroys the engines (their hooks come off the models), then releases accelerate's references."""
+        """Destroys the engines and gives each model back whole (`release_model`), then releases accelerate's
+        references. The transformers Trainer calls it when `train()` starts, so a model evaluated (or trained)
+        before is prepared again from its full weights."""
         for entry in self._zero_models:
-            entry.close()
+            entry.release()
         self._zero_models, self._held_engines = [], set()
         return super().free_memory(*objects)
 

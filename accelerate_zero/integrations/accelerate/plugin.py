@@ -105,6 +105,14 @@ class ZeroPlugin:
         """
         return build_deepspeed_config(self._settings()).zero_config
 
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The same config as a DeepSpeed JSON dict as written: only the keys given, "auto" values kept.
+
+        Raises:
+            ZeroConfigError: listing every problem, each naming the setting.
+        """
+        return build_deepspeed_config(self._settings()).deepspeed_config
+
     def _settings(self) -> ZeroSettings:
         sources = {
             name: env_name(name) if name in self._env_fields else f"ZeroPlugin({name}=...)"

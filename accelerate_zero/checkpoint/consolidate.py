@@ -1,0 +1,162 @@
+"""Offline consolidation: a sharded engine checkpoint -> full weights `from_pretrained` loads (DeepSpeed's
+`zero_to_fp32.py`).
+
+Runs in one process without a process group, on any machine: every parameter is assembled from whichever rank
+files hold its pieces (fp32 master values for trained parameters, saved shards for frozen ones, whole tensors for
+the rest). Nothing but safetensors, JSON and the model's config is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from accelerate_zero.checkpoint.engine_io import FORMAT
+from accelerate_zero.checkpoint.fragments import whole_key
+from accelerate_zero.checkpoint.io import FragmentReader, resolve_tag
+
+
+logger = logging.getLogger(__name__)
+
+ENGINE_TAG = "zero_model"
+"""Where `ZeroAccelerator.save_state` and the Trainer put the engine state inside a checkpoint folder."""
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "adapter_config.json",
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def engine_folder(checkpoint: str | Path) -> Path:
+    """The folder holding meta.json and the rank files, from a Trainer/accelerate checkpoint folder, an engine
+    `save_dir` (with `latest`), or the engine folder itself.
+
+    Raises:
+        FileNotFoundError: nothing there looks like an accelerate_zero checkpoint.
+    """
+    path = Path(checkpoint)
+    for candidate in (path, path / ENGINE_TAG):
+        if (candidate / "meta.json").is_file():
+            return candidate
+        if (candidate / "latest").is_file():
+            return resolve_tag(candidate, None)
+    raise FileNotFoundError(
+        f"{path} is not an accelerate_zero checkpoint: expected meta.json, a `latest` file, or a {ENGINE_TAG}/ folder "
+        "(written by engine.save_checkpoint, ZeroAccelerator.save_state or the Trainer's checkpoints)"
+    )
+
+
+def consolidated_state_dict(checkpoint: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every parameter (fp32 master values where the checkpoint has them) and buffer, full, on CPU, cast to `dtype`.
+
+    Shapes come from the checkpoint; at stage 3 (whose parameters were placeholders when saved) from the model
+    config next to it (`config.json`, built on the meta device).
+
+    Raises:
+        FileNotFoundError: not a checkpoint.
+        ValueError: a rank file is missing, or stage-3 shapes are needed and there is no config.json.
+    """
+    folder = engine_folder(checkpoint)
+    meta = json.loads((folder / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{folder} is not an accelerate_zero checkpoint (format={meta.get('format')!r})")
+    files = sorted(folder.glob("rank*.safetensors"))
+    if len(files) != meta["world_size"]:
+        raise ValueError(f"{folder} holds {len(files)} rank files, the job had {meta['world_size']} ranks")
+    shapes: dict[str, list[int] | None] = meta["param_shapes"]
+    skeleton = _meta_model(Path(checkpoint)) if any(s is None for s in shapes.values()) else None
+    if skeleton is not None:
+        real = {n: list(p.shape) for n, p in skeleton.named_parameters()}
+        shapes = {n: s if s is not None else real.get(n) for n, s in shapes.items()}
+    missing = sorted(n for n, s in shapes.items() if s is None)
+    if missing:
+        raise ValueError(
+            f"the shapes of {len(missing)} parameters (e.g. {missing[0]!r}) are not in {folder}/meta.json (a stage-3 "
+            f"checkpoint) and there is no config.json next to it: copy the model's config.json into {checkpoint}"
+        )
+    reader = FragmentReader(files)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        numel = int(torch.Size(shape).numel())
+        values = _read(reader, name, numel)
+        state[name] = values.reshape(shape).to(dtype if values.is_floating_point() else values.dtype)
+    for key in reader.whole:
+        if key.endswith("/buffer"):
+            name = key[: -len("/buffer")]
+            tensor = reader.read_whole(key)
+            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    if skeleton is not None:  # only what the model's state_dict holds (no non-persistent buffers)
+        keys = set(skeleton.state_dict())
+        state = {k: v for k, v in state.items() if k in keys}
+    return state
+
+
+def consolidate(checkpoint: str | Path, output_dir: str | Path, dtype: str = "fp32") -> Path:
+    """Writes `output_dir` with the consolidated weights (`model.safetensors`, sharded with an index when large)
+    plus the config and tokenizer files found next to the checkpoint.
+
+    Returns:
+        The output folder.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    state = consolidated_state_dict(checkpoint, DTYPES[dtype])
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    skeleton = _meta_model(Path(checkpoint))
+    if skeleton is not None:
+        skeleton.load_state_dict(state, assign=True, strict=False)
+        skeleton.save_pretrained(out, state_dict=state)
+    else:
+        from huggingface_hub import save_torch_state_dict
+
+        save_torch_state_dict(state, out)
+    for name in _COPIED:
+        source = Path(checkpoint) / name
+        if source.is_file() and not (out / name).exists():
+            shutil.copy2(source, out / name)
+    return out
+
+
+def _read(reader: FragmentReader, name: str, numel: int) -> torch.Tensor:
+    whole = reader.read_whole(whole_key(name, "full"))
+    if whole is not None:
+        return whole.reshape(-1)
+    for kind in ("master", "param"):
+        found = reader.read_range(name, kind, 0, numel)
+        if found is not None:
+            return found
+    raise ValueError(f"the checkpoint has no values for parameter {name!r}")
+
+
+def _meta_model(checkpoint: Path) -> torch.nn.Module | None:
+    """The model `config.json` describes, with meta tensors (no memory), or None without a config."""
+    if not (checkpoint / "config.json").is_file():
+        return None
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    architectures = getattr(config, "architectures", None) or []
+    with torch.device("meta"):
+        for architecture in architectures:
+            import transformers
+
+            cls = getattr(transformers, architecture, None)
+            if cls is not None:
+                return cls._from_config(config)
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return AutoModel.from_config(config)

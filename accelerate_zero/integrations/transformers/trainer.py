@@ -1,0 +1,303 @@
+"""`ZeroTrainerMixin` / `ZeroTrainer`: the transformers `Trainer` training with accelerate_zero's ZeRO engine.
+
+The Trainer keeps its loop; what it does with DeepSpeed (INTEGRATION_NOTES §2.1, §2.6) is done here with a
+`ZeroAccelerator`, overriding only the methods that touch the model's training state:
+
+* `create_accelerator_and_postprocess`: a `ZeroAccelerator` replaces the plain `Accelerator`. The Trainer keeps
+  owning gradient accumulation (it divides the loss and marks the boundary; the engine steps on it).
+* `_prepare_for_training`: the second "auto" pass (hidden size, step counts) and its mismatch error, the config's
+  `optimizer`/`scheduler` blocks (built by the engine) or the Trainer's own optimizer and scheduler, one `prepare`
+  of model and optimizer, then resuming from an engine checkpoint (any world size, any stage).
+* Saving: `save_model` gathers the 16-bit weights (adapters only for a PEFT model); a checkpoint folder holds every
+  rank's shards (`zero_model/`) next to Trainer's own files, and counts as complete only once `trainer_state.json`
+  is written, so `resume_from_checkpoint=True` never picks a half-written one.
+* Evaluation/prediction before training prepares the model for inference (sharded at stage 3); `train()` undoes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without deepspeed
+from transformers import Trainer
+
+from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
+from accelerate_zero.integrations.accelerate.accelerator import CHECKPOINT_TAG, ZeroAccelerator, ZeroSchedulerWrapper
+from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
+from accelerate_zero.integrations.transformers.auto_values import fill_from_model
+from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
+
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE_NAME = "trainer_state.json"
+SCHEDULER_NAME = "scheduler.pt"
+_CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+
+
+class ZeroTrainerMixin:
+    """Makes a `transformers.Trainer` subclass train with the ZeRO engine: `class MyTrainer(ZeroTrainerMixin, SFTTrainer)`.
+
+    The arguments must carry a ZeRO config: `accelerate_zero.TrainingArguments` (or any `TrainingArguments`
+    subclass with `ZeroArgumentsMixin`). Stages 0-3 and every offload mode; the config's `optimizer`/`scheduler`
+    blocks are built by the engine, otherwise the Trainer's own optimizer and scheduler are used.
+    """
+
+    accelerator: ZeroAccelerator
+
+    # ------------------------------------------------------------- accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        if not isinstance(self.args, ZeroArgumentsMixin):
+            raise TypeError(
+                f"{type(self).__name__} trains with ZeRO and needs accelerate_zero.TrainingArguments (or a "
+                f"TrainingArguments subclass with accelerate_zero.ZeroArgumentsMixin); got {type(self.args).__name__}"
+            )
+        # [Note: the Trainer's accelerator] Trainer builds a plain `Accelerator` from arguments it computes in
+        # several steps (accumulation plugin, dataloader config, kwargs handlers). We let it, with mixed precision
+        # "no" (the engine owns precision, and accelerate's state keeps the first value it is given), and then
+        # build the ZeroAccelerator from the same arguments: both share accelerate's process state, so the first
+        # one costs nothing but the object.
+        super().create_accelerator_and_postprocess()
+        kwargs = dict(self._zero_accelerator_kwargs)
+        self.accelerator = ZeroAccelerator(
+            zero_plugin=self.args.zero_plugin, mixed_precision=self.args.mixed_precision, **kwargs
+        )
+        self.accelerator.caller_owns_accumulation = True
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=self.args.eval_use_gather_object
+            )
+        if self.args.zero_stage == 3 and self.args.auto_find_batch_size:
+            raise ValueError(
+                "`auto_find_batch_size` isn't supported with ZeRO stage 3 (as with DeepSpeed ZeRO-3). Please use "
+                "stage 2 or 1, or set the batch size"
+            )
+        if self.args.save_only_model and self.args.load_best_model_at_end:
+            raise ValueError("ZeRO can't be used with `save_only_model` along with `load_best_model_at_end`.")
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        args["mixed_precision"] = "no"
+        args.pop("deepspeed_plugin", None)
+        self._zero_accelerator_kwargs = {k: v for k, v in args.items() if k != "mixed_precision"}
+        return args
+
+    @property
+    def zero_engine(self) -> Any:
+        """The engine training `self.model` (None before training starts)."""
+        entry = self.accelerator._entry_of(self.model) if hasattr(self, "accelerator") else None
+        return entry.engine if entry is not None and entry.optimizer is not None else None
+
+    # ---------------------------------------------------------------- training
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None) -> Any:
+        entry = self.accelerator._entry_of(self.model)
+        if entry is not None:  # prepared for evaluation before training: train it from its full weights now
+            self.accelerator.release_model(self.model)
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        fill = copy.deepcopy(self.args.zero_fill)
+        fill_from_model(fill, self.args, self.model, max_steps)
+        self.accelerator.set_zero_plugin(ZeroPlugin(config=fill.config))
+        config = self.accelerator.zero_config
+
+        self.create_optimizer()
+        if config.scheduler is not None:
+            self.lr_scheduler = DummyScheduler(self.optimizer)
+        elif isinstance(self.optimizer, DummyOptim) and self.lr_scheduler is None:
+            # The engine builds the config's optimizer; the Trainer's scheduler is built over it (transformers does
+            # the same with DeepSpeed).
+            self.lr_scheduler = DummyScheduler(
+                self.optimizer, lr_scheduler_callable=functools.partial(self._scheduler_for, max_steps)
+            )
+        model = self._wrap_model(self.model_wrapped)
+        if isinstance(self.lr_scheduler, DummyScheduler):
+            model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
+                self.model, self.optimizer, self.lr_scheduler
+            )
+        else:
+            model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = model
+
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        """The config's `optimizer` block is built by the engine (a `DummyOptim` stands for it until `prepare`);
+        without one, the Trainer's optimizer."""
+        if self.optimizer is None and self.accelerator.zero_config.optimizer is not None:
+            params = [p for p in (model or self.model).parameters() if p.requires_grad]
+            self.optimizer = DummyOptim(params, lr=self.args.learning_rate, weight_decay=self.args.weight_decay)
+            return self.optimizer
+        return super().create_optimizer(model) if model is not None else super().create_optimizer()
+
+    def _scheduler_for(self, max_steps: int, optimizer: torch.optim.Optimizer) -> Any:
+        trainer = copy.copy(self)  # create_scheduler stores what it builds; keep this trainer's slot empty
+        trainer.lr_scheduler = None
+        return trainer.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
+
+    def _prepare_input(self, data: Any) -> Any:
+        prepared = super()._prepare_input(data)
+        engine = self.zero_engine
+        if (
+            engine is not None
+            and isinstance(prepared, torch.Tensor)
+            and torch.is_floating_point(prepared)
+            and engine.compute_dtype != torch.float32
+        ):
+            return prepared.to(engine.compute_dtype)  # the weights are 16-bit (transformers does this for DeepSpeed)
+        return prepared
+
+    def _update_auto_batch_size(self, batch_size: int) -> None:
+        entry = self.accelerator._entry_of(self.model)
+        if entry is not None and entry.optimizer is not None:
+            raise RuntimeError(
+                "auto_find_batch_size: the ZeRO engine cannot be rebuilt for a new batch size once training started"
+            )
+        super()._update_auto_batch_size(batch_size)
+
+    # ------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Writes the full 16-bit weights (`model.safetensors`, sharded with an index when large) and the config
+        and tokenizer, loadable with `from_pretrained`; for a PEFT model, the adapter. Every rank must call it.
+
+        At stage 3 without `stage3_gather_16bit_weights_on_model_save`, as with DeepSpeed, the sharded engine state
+        is written instead (`accelerate-zero consolidate` turns it into weights); a Trainer checkpoint holds that
+        state anyway, so there only the config is written.
+        """
+        engine = self.zero_engine
+        if engine is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        try:
+            state_dict = self.accelerator.get_state_dict(self.model)
+        except ValueError:
+            logger.warning(
+                "stage3_gather_16bit_weights_on_model_save=false: saving the sharded engine state to %s instead of "
+                "16-bit weights; `accelerate-zero consolidate` turns it into weights",
+                output_dir,
+            )
+            self._save(output_dir, state_dict={})
+            _remove_weight_files(self.args.should_save, output_dir)
+            if not _internal_call:
+                engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG)
+            return
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank writes its shards (model, optimizer, engine scheduler, loss scale) to `<output_dir>/zero_model/`;
+        a Trainer-built scheduler goes to scheduler.pt as usual."""
+        engine = self.zero_engine
+        if engine is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG)
+        if (
+            self.args.should_save
+            and self.lr_scheduler is not None
+            and not isinstance(self.lr_scheduler, ZeroSchedulerWrapper)
+        ):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Resuming loads the engine state after `prepare` (`_load_optimizer_and_scheduler`); only checks here."""
+        _check_complete(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        engine = self.zero_engine
+        if checkpoint is None or engine is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        _check_complete(checkpoint)
+        engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not isinstance(self.lr_scheduler, ZeroSchedulerWrapper) and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        engine = self.zero_engine
+        if engine is None:
+            super()._load_best_model()
+            return
+        best = self.state.best_model_checkpoint
+        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
+        engine.load_checkpoint(best, tag=CHECKPOINT_TAG, load_optimizer_states=False, load_lr_scheduler_states=False)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            # The newest checkpoint a save finished (a killed save leaves a folder without trainer_state.json).
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """`transformers.Trainer` training with ZeRO; exported as `accelerate_zero.Trainer`. See `ZeroTrainerMixin`."""
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The `checkpoint-N` folder with the largest N whose save completed, or None."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    steps = sorted(
+        ((int(m.group(1)), child) for child in folder.iterdir() if (m := _CHECKPOINT_FOLDER.match(child.name))),
+        reverse=True,
+    )
+    for _, child in steps:
+        if _is_complete(child):
+            return str(child)
+        logger.warning("skipping %s: its save did not finish (no readable %s)", child, TRAINER_STATE_NAME)
+    return None
+
+
+def _is_complete(checkpoint: Path) -> bool:
+    try:
+        json.loads((checkpoint / TRAINER_STATE_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    if partial_dir(checkpoint, CHECKPOINT_TAG).exists():
+        return False  # the engine state was being written
+    if not (checkpoint / CHECKPOINT_TAG).exists():
+        return True  # saved before the engine existed, or with save_only_model
+    try:
+        resolve_tag(checkpoint, CHECKPOINT_TAG)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _check_complete(checkpoint: str) -> None:
+    if not _is_complete(Path(checkpoint)):
+        raise ValueError(
+            f"Can't resume from {checkpoint}: its save did not finish (no readable {TRAINER_STATE_NAME} or engine "
+            f"state under {CHECKPOINT_TAG}/). Resume from an earlier checkpoint, or pass resume_from_checkpoint=True "
+            "to take the newest complete one."
+        )
+
+
+def _remove_weight_files(should_save: bool, output_dir: str) -> None:
+    if should_save:
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            path = Path(output_dir) / name
+            if path.exists():
+                path.unlink()

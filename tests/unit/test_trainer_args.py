@@ -1,0 +1,125 @@
+"""`TrainingArguments(zero_config=...)`: the "auto" table transformers applies to DeepSpeed configs, its mismatch
+error, the command line, the launcher's config, and which checkpoints count as complete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from accelerate_zero import TrainingArguments
+from accelerate_zero.integrations.transformers.auto_values import fill_from_model, fill_from_training_args
+from accelerate_zero.integrations.transformers.trainer import last_complete_checkpoint
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def _args(tmp_path: Path, **kwargs: object) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+
+
+def _model(hidden: int = 64) -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
+
+
+def test_transformers_zero2_config_is_filled_from_the_arguments(tmp_path: Path) -> None:
+    args = _args(
+        tmp_path,
+        zero_config=str(FIXTURES / "ds_config_zero2.json"),
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=4,
+        learning_rate=2e-4,
+        adam_beta1=0.85,
+        weight_decay=0.01,
+        max_grad_norm=0.7,
+        bf16=True,
+        warmup_steps=5,
+    )
+    config = args.zero_fill.config
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 4
+    assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 0.7
+    assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.85, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+    assert config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-4, "warmup_num_steps": "auto"}
+    assert config["fp16"]["enabled"] is False and config["bf16"]["enabled"] is True
+    fill_from_model(args.zero_fill, args, _model(64), num_training_steps=100)
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 5
+    assert config["zero_optimization"]["reduce_bucket_size"] == 2e8  # written, not "auto": kept
+
+
+def test_hidden_size_autos_and_step_counts(tmp_path: Path) -> None:
+    raw = {
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}},
+    }
+    args = _args(tmp_path, zero_config=raw, warmup_steps=0)
+    fill_from_model(args.zero_fill, args, _model(48), num_training_steps=30)
+    zero = args.zero_fill.config["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (48 * 48, int(0.9 * 48 * 48))
+    assert zero["stage3_param_persistence_threshold"] == 480
+    assert args.zero_fill.config["scheduler"]["params"] == {"total_num_steps": 30, "warmup_num_steps": 1}
+    with pytest.raises(ValueError, match=r"neither `hidden_size` nor `hidden_sizes`.*'zero_optimization.reduce"):
+        fill_from_model(fill_from_training_args(raw, args), args, SimpleNamespace(config=SimpleNamespace()), 30)
+
+
+def test_every_mismatch_in_one_error_worded_as_transformers(tmp_path: Path) -> None:
+    raw = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": "8",  # a numeric string equal to the argument is not a mismatch
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 2},
+    }
+    args = _args(tmp_path, zero_config=raw, per_device_train_batch_size=2, gradient_accumulation_steps=8)
+    with pytest.raises(ValueError) as error:
+        fill_from_model(args.zero_fill, args, _model(), num_training_steps=260)
+    assert str(error.value) == (
+        "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+        "- ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=2\n"
+        "- ds optimizer.params.lr=0.001 vs hf learning_rate=5e-05\n"
+        "- ds scheduler.params.total_num_steps=10 vs hf num_training_steps (calculated)=260\n"
+        "The easiest method is to set these DeepSpeed config values to 'auto'."
+    )
+
+
+def test_command_line_and_refused_deepspeed_argument(tmp_path: Path) -> None:
+    from transformers import HfArgumentParser
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--zero_config", str(path), "--use_cpu", "--report_to", "none"]
+    )
+    assert args.zero_stage == 3 and args.place_model_on_device is False
+    with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*pass the same DeepSpeed config as zero_config"):
+        _args(tmp_path, deepspeed="ds.json")
+
+
+def test_launcher_config_is_used_when_the_script_gives_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    launched = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 1}}
+    monkeypatch.setenv("ACCELERATE_ZERO_CONFIG", json.dumps(launched))
+    args = _args(tmp_path, per_device_train_batch_size=5)
+    assert args.zero_stage == 1 and args.zero_fill.config["train_micro_batch_size_per_gpu"] == 5
+    assert _args(tmp_path, zero_config={"zero_optimization": {"stage": 3}}).zero_stage == 3  # the script's wins
+
+
+def test_bad_config_fails_when_the_arguments_are_made(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="zero_optimization.stage"):
+        _args(tmp_path, zero_config={"zero_optimization": {"stage": 5}})
+
+
+def test_last_complete_checkpoint_skips_a_save_that_did_not_finish(tmp_path: Path) -> None:
+    for step, state in ((2, "{}"), (4, "{}"), (6, '{"truncat')):
+        folder = tmp_path / f"checkpoint-{step}"
+        (folder / "zero_model").mkdir(parents=True)
+        (folder / "trainer_state.json").write_text(state)
+    (tmp_path / "checkpoint-8" / "zero_model").mkdir(parents=True)  # killed before trainer_state.json
+    (tmp_path / "checkpoint-4" / ".zero_model.partial").mkdir()  # killed while re-writing the engine state
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
