@@ -20,7 +20,7 @@ from bench_common import build_model
 from bench_worker import engine_config
 
 
-DEVICE_KIND_ORDER = ("parameters", "gradients", "master_weights", "optimizer_states", "communication_buffers")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def estimates_for(
@@ -44,6 +44,21 @@ def estimates_for(
     return out
 
 
+def _short(part: str) -> str:
+    """A path inside the repository as relative to it (command lines in RESULTS.md), anything else as it is."""
+    return os.path.relpath(part, REPO) if part.startswith(str(REPO)) else part
+
+
+def _offload_json_tables(data: Any) -> str:
+    """offload_bench.py's JSON keeps its tables under "markdown"; anything else is shown as well as it can be."""
+    if isinstance(data, dict) and isinstance(data.get("markdown"), str):
+        return data["markdown"].strip()
+    if isinstance(data, list) and all(isinstance(r, dict) for r in data):
+        return sections.json_records_table(data)
+    records = next((v for v in data.values() if isinstance(v, list)), None) if isinstance(data, dict) else None
+    return sections.json_records_table(records) if records else "```json\n" + json.dumps(data)[:3000] + "\n```"
+
+
 def _offload_section(offload: dict[str, Any]) -> str:
     status = offload["status"]
     if status == "absent":
@@ -51,24 +66,32 @@ def _offload_section(offload: dict[str, Any]) -> str:
     if status == "no_json":
         return "Not run: `--skip_offload_run` was given and `bench/out/offload.json` does not exist."
     if status == "json":
-        data = offload["json"]
-        if isinstance(data, dict) and isinstance(data.get("markdown") or data.get("table"), str):
-            body = data.get("markdown") or data.get("table")
-        elif isinstance(data, list) and all(isinstance(r, dict) for r in data):
-            body = sections.json_records_table(data)
-        else:
-            records = next((v for v in data.values() if isinstance(v, list)), None) if isinstance(data, dict) else None
-            body = sections.json_records_table(records) if records else "```json\n" + json.dumps(data)[:3000] + "\n```"
-        return "Read from `bench/out/offload.json` (written by an earlier `bench/offload_bench.py` run):\n\n" + body
-    command = " ".join(
-        Path(part).name if part.endswith(".py") or "python" in part else part for part in offload["command"]
-    )
-    tables = sections.markdown_tables(offload.get("stdout", ""))
-    head = f"`{command}` (run by the report, {offload.get('seconds', 0):.0f} s): {status}."
-    if status != "ran":
-        tail = "\n".join(offload.get("stderr_tail", []))
-        head += f" The log is in `bench/out/report/offload.log`.\n\n```\n{tail}\n```"
-    return head + ("\n\n" + tables if tables else "\n\nIt printed no markdown table.")
+        head = "Read from `bench/out/offload.json` (an earlier `bench/offload_bench.py` run; `--skip_offload_run`):"
+        return head + "\n\n" + _offload_json_tables(offload["json"])
+    command = " ".join(["python", *(_short(part) for part in offload["command"][1:])])
+    if offload.get("json"):
+        tables = _offload_json_tables(offload["json"])
+    else:
+        tables = sections.markdown_tables(offload.get("stdout", ""))
+    out = f"`{command}`, run by the report in {offload.get('seconds', 0):.0f} s: {status}."
+    tail = "\n".join(offload.get("stderr_tail", []))
+    if status != "ran" and tail.strip():
+        out += f" The end of its log (`bench/out/report/offload.log`):\n\n```\n{tail}\n```"
+    out += "\n\n" + tables if tables else "\n\nIt printed no markdown table."
+    saved = offload.get("saved_full_run")
+    if saved:
+        out += (
+            "\n\nThe largest-model part takes longer than this report's budget. The last full run of "
+            f"`python bench/offload_bench.py` (`bench/out/offload.json`, written {saved['written']}, not by this "
+            "report) found:\n\n" + _offload_json_tables(saved["json"])
+        )
+    else:
+        out += (
+            "\n\nThe largest-model part (the largest model DDP, stage 3 and stage 3 + offload train within the RAM) "
+            "takes longer than this report's budget, and no saved full run (`bench/out/offload.json`) exists to "
+            "show: `python bench/offload_bench.py --part largest` runs it."
+        )
+    return out
 
 
 def _memory_notes(summaries: list[report.Summary]) -> str:
@@ -84,13 +107,16 @@ def _memory_notes(summaries: list[report.Summary]) -> str:
     return "".join(f"\n\n{note}" for note in notes)
 
 
-def _machine_lines(payload: dict[str, Any], world_size: int) -> str:
+def _machine_lines(payload: dict[str, Any], summaries: list[report.Summary]) -> str:
     m = payload["machine"]
+    world_size = summaries[0].world_size if summaries else 0
+    readings = [value for s in summaries for pair in s.loadavg_1min if pair for value in pair]
+    peak = f", {max(readings):.1f} at its highest between systems" if readings else ""
     v = m["versions"]
     ds = payload.get("deepspeed_version")
     dirty = m["uncommitted_engine_files"]
     lines = [
-        f"- Date: {m['date']}; the runs took {payload['seconds']['total'] / 60:.1f} minutes "
+        f"- Started {m['date']}; the runs took {payload['seconds']['total'] / 60:.1f} minutes "
         f"(memory sweep {payload['seconds']['sweep'] / 60:.1f}, systems {payload['seconds']['systems'] / 60:.1f}, "
         f"offload {payload['seconds']['offload'] / 60:.1f}).",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, CPU only, gloo. "
@@ -106,7 +132,7 @@ def _machine_lines(payload: dict[str, Any], world_size: int) -> str:
         + ".",
         f"- **Timing is on a shared {m['cores']}-core machine**: other engineers were running their own jobs during this run "
         f"(1-minute load average {payload['load_start']['loadavg'][0]:.1f} at the start, "
-        f"{payload['load_end']['loadavg'][0]:.1f} at the end), and {world_size} ranks share the {m['cores']} cores. Step times are "
+        f"{payload['load_end']['loadavg'][0]:.1f} at the end{peak}), and {world_size} ranks share the {m['cores']} cores. Step times are "
         "only meaningful as ratios to DDP in the same run; absolute milliseconds are not.",
     ]
     return "\n".join(lines)
@@ -117,6 +143,9 @@ def write(payload: dict[str, Any], results: Path, plots_dir: Path) -> None:
     args = payload["args"]
     hidden, layers = int(args["hidden"]), int(args["layers"])
     sweep = {int(w): ranks for w, ranks in payload["sweep"].items() if ranks}
+    from_systems = sections.sweep_from_systems(payload["main"])
+    if from_systems and from_systems[0]["world_size"] not in sweep:
+        sweep[from_systems[0]["world_size"]] = from_systems
     summaries = [report.summarize(system, rounds) for system, rounds in payload["main"].items() if rounds]
     by_name = {s.system: s for s in summaries}
     ddp = by_name.get("ddp")
@@ -147,7 +176,7 @@ Written by `bench/report` (see [README.md](README.md#benchmark-report)); regener
 10^6 bytes. Model: {model}, one fixed random batch of 8 per rank, MSE loss, gradient clipping off; every system
 trains the same model on the same data (the final losses agree).
 
-{_machine_lines(payload, world)}
+{_machine_lines(payload, summaries)}
 {"".join(f"{chr(10)}- {note}" for note in notes)}
 
 ## Memory per rank, W = {first.world_size if first else "—"}
@@ -180,8 +209,12 @@ Targets of the engine (issue 2) and stage 3 (issue 3) benchmarks, on this run:
 
 ## Memory per rank against world size: measured and estimated
 
-`sweep_worker.py` runs stages 0-3 at W = {", ".join(str(w) for w in sorted(sweep))} and reads, after 2 optimizer
-steps, `engine.memory_breakdown()` and the live tensors of each rank; the estimate is
+`sweep_worker.py` runs stages 0-3 at W = {", ".join(str(w) for w in sorted(sweep))} and reads, after one optimizer
+step, `engine.memory_breakdown()` and the live tensors of each rank{
+        f" (the W = {world} point is the comparison's own stage 0-3 runs above, read after their timed steps)"
+        if from_systems and world in sweep and sweep[world] is from_systems
+        else ""
+    }; the estimate is
 `accelerate_zero.debug.estimate.estimate_stage` (what `accelerate-zero estimate` prints) for the same model, config,
 world size and rank. The estimated total adds the transient buffers the estimate bounds (stage 2 reduce bucket,
 stage 3 gathered units and gradient buffers); `memory_breakdown()` total counts the buffers alive when it is read.

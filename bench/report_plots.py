@@ -52,7 +52,7 @@ def comparison(summaries: list[report.Summary], path: Path, subtitle: str) -> No
     names = [report.LABELS[s.system] for s in summaries]
     ddp = next((s for s in summaries if s.system == "ddp"), None)
     ys = range(len(summaries))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(summaries) + 1.8), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(summaries) + 2.2), sharey=True)
     height = 0.38
     left.barh([y - height / 2 for y in ys], [s.rss_mb for s in summaries], height, label="RSS", color="tab:gray")
     left.barh(
@@ -74,7 +74,7 @@ def comparison(summaries: list[report.Summary], path: Path, subtitle: str) -> No
     left.set_xlabel("MB per rank (max over ranks)")
     left.set_yticks(list(ys), names, fontsize=8)
     left.invert_yaxis()
-    left.legend(fontsize=8, loc="lower right")
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False)
     left.grid(axis="x", alpha=0.3)
     ratios = [s.step_ms / ddp.step_ms if ddp else 0.0 for s in summaries]
     right.barh(list(ys), ratios, 0.6, color="tab:orange")

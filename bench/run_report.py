@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -52,12 +53,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="Linear layers (8: Ψ = 8.4M, half the engine bench)")
     parser.add_argument("--world_size", type=int, default=4, help="processes for the systems compared (4)")
     parser.add_argument("--sweep_world_sizes", type=int, nargs="+", default=[1, 2, 3, 4])
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per system, at least 10 (15)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per system, at least 10 (12)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"), help="DeepSpeed's own virtualenv")
     parser.add_argument("--skip_offload_run", action="store_true", help=f"read {OFFLOAD_JSON} instead of running")
-    parser.add_argument("--offload_args", default="", help="arguments for bench/offload_bench.py (one string)")
+    parser.add_argument(
+        "--offload_args",
+        default=None,
+        help="arguments for bench/offload_bench.py, one string (default: its step-time part at this run's model "
+        "size, 10 steps, stages 3 and 2, JSON into --out_dir)",
+    )
     parser.add_argument("--offload_timeout", type=int, default=300, help="seconds before the offload run is cut")
     parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out" / "report", help="logs and raw JSON")
     parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md")
@@ -164,22 +170,45 @@ def run_offload(args: argparse.Namespace) -> dict[str, Any]:
         if not OFFLOAD_JSON.exists():
             return {"status": "no_json"}
         return {"status": "json", "json": json.loads(OFFLOAD_JSON.read_text())}
-    command = [sys.executable, str(OFFLOAD_SCRIPT), *shlex.split(args.offload_args)]
+    json_path = args.out_dir / "offload.json"
+    if args.offload_args is None:
+        size = ["--hidden", str(args.hidden), "--layers", str(args.layers)]
+        offload_args = ["--part", "step_time", "--steps", "10", *size, "--json", str(json_path)]
+    else:
+        offload_args = shlex.split(args.offload_args)
+    json_path.unlink(missing_ok=True)
+    command = [sys.executable, str(OFFLOAD_SCRIPT), *offload_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.offload_timeout)
-    except subprocess.TimeoutExpired as error:
-        stdout = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
-        return {"status": "timeout", "command": command, "stdout": stdout, "seconds": args.offload_timeout}
-    (args.out_dir / "offload.log").write_text(done.stdout + done.stderr)
+    # Its own session, so that a timeout ends the torchrun groups it started too (by this group's id).
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=args.offload_timeout)
+            status = "ran" if process.returncode == 0 else f"failed (exit code {process.returncode})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            status = f"cut after {args.offload_timeout} s (--offload_timeout)"
+    (args.out_dir / "offload.log").write_text(stdout + stderr)
     return {
-        "status": "ran" if done.returncode == 0 else f"failed ({done.returncode})",
+        "status": status,
         "command": command,
-        "stdout": done.stdout,
-        "stderr_tail": done.stderr.splitlines()[-10:],
+        "stdout": stdout,
+        "stderr_tail": stderr.splitlines()[-10:],
         "seconds": time.perf_counter() - start,
+        "json": json.loads(json_path.read_text()) if json_path.exists() else None,
+        "saved_full_run": _saved_offload_run(),
     }
+
+
+def _saved_offload_run() -> dict[str, Any] | None:
+    """The last full offload_bench.py run (its default JSON), whose largest-model part the report has no time for."""
+    if not OFFLOAD_JSON.exists():
+        return None
+    written = datetime.datetime.fromtimestamp(OFFLOAD_JSON.stat().st_mtime, datetime.timezone.utc)
+    return {"written": written.strftime("%Y-%m-%d %H:%M UTC"), "json": json.loads(OFFLOAD_JSON.read_text())}
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,7 +223,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     }
     start = time.perf_counter()
     print(f"memory against world size: W = {args.sweep_world_sizes}", flush=True)
-    payload["sweep"] = {w: run_sweep(w, args) for w in args.sweep_world_sizes}
+    # The comparison's own stage runs give the sweep's point at its world size (report_sections.sweep_from_systems).
+    in_comparison = args.world_size if all(f"az{stage}" in args.systems for stage in range(4)) else None
+    payload["sweep"] = {w: run_sweep(w, args) for w in args.sweep_world_sizes if w != in_comparison}
     payload["seconds"]["sweep"] = time.perf_counter() - start
     if not (args.ds_venv / "bin" / "torchrun").exists():
         skipped = [s for s in args.systems if s in DS_SYSTEMS]

@@ -1,7 +1,7 @@
 """Memory per rank of accelerate_zero stages 0-3 at one world size; started by run_report.py under torchrun.
 
 Usage (what run_report.py runs, once per world size 1..4):
-    torchrun --standalone --nproc_per_node 2 bench/sweep_worker.py --stages 0 1 2 3 --steps 2 --out sweep_w2.json
+    torchrun --standalone --nproc_per_node 2 bench/sweep_worker.py --stages 0 1 2 3 --steps 1 --out sweep_w2.json
 
 In one process group, for each stage in turn: build the benchmark model (bench_common.build_model, its size from
 AZ_BENCH_HIDDEN / AZ_BENCH_LAYERS), wrap it with `accelerate_zero.initialize` and the config bench_worker.py uses,
@@ -61,7 +61,7 @@ def measure_stage(stage: int, steps: int, hidden: int = HIDDEN, layers: int = LA
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps before reading (default 2)")
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps before reading (default 1)")
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes every rank's readings to")
     args = parser.parse_args()
     torch.set_num_threads(1)

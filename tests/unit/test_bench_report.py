@@ -137,3 +137,19 @@ def test_markdown_tables_are_cut_out_of_printed_output(sections: ModuleType) -> 
     assert sections.json_records_table([{"mode": "cpu", "ms": 1.5}, {"mode": "nvme", "x": None}]) == (
         "| mode | ms | x |\n|---|---|---|\n| cpu | 1.5 | — |\n| nvme | — | — |"
     )
+
+
+def test_the_comparisons_stage_runs_give_the_sweeps_point_at_their_world_size(sections: ModuleType) -> None:
+    main = {f"az{stage}": [_raw_ranks(0.1, world_size=2)] for stage in range(4)}
+    for stage in range(4):
+        for rank, record in enumerate(main[f"az{stage}"][0]):
+            record["rank"] = rank
+            record["extra"]["memory_breakdown"] = _breakdown(stage, 2)
+    readings = sections.sweep_from_systems(main)
+    assert [r["rank"] for r in readings] == [0, 1] and readings[0]["world_size"] == 2
+    assert readings[1]["stages"]["3"]["memory_breakdown"] == _breakdown(3, 2)
+    assert readings[0]["stages"]["0"]["rss_bytes"] == 100_000_000
+    rows = sections.sweep_rows({2: readings}, _estimates([2]))
+    assert sections.honesty_table(rows)[1]
+    del main["az1"]
+    assert sections.sweep_from_systems(main) is None
