@@ -16,6 +16,7 @@ prompts, before and after training.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,9 @@ def main() -> None:
         print_rank0(f"held-out exact match ({after['n']} prompts, greedy):")
         for key in (k for k in after if k.startswith("accuracy")):
             print_rank0(f"  {key:<20} untrained {before[key]:6.1%}   trained {after[key]:6.1%}")
+        if trainer.is_world_process_zero():
+            results = {"untrained": before, "trained": after}
+            Path(training_args.output_dir, "eval_results.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
