@@ -190,24 +190,25 @@ class ZeroEngine:
             buckets, locations = self._order_group_buckets()
             slices, on_complete = [group_slices(shard) for shard in self.groups], None
         if self.offload.optimizer:
-            for bucket in buckets:
-                bucket.host_grad = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
             slices = offload_masters(slices, self.offload)
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
+        swapper = None
+        if self.offload.nvme_path is not None:  # before the parameter store: the masters start from the shards
+            numel = sum(s.end - s.start for group in slices for s in group)
+            folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel)
+            swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count)
         self.param_store = None
         if self.offload.param_nvme_path is not None:
             slices = self._init_param_store(slices)
+        if self.offload.optimizer:
+            # Allocated once the shards and masters went to their files, so the start-up peak is not both.
+            for bucket in buckets:
+                bucket.host_grad = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
         self.reducer = self._build_reducer(buckets, locations, on_complete)
         self.reducer.register_hooks()
         self.sharded_optimizer = self._build_sharded_optimizer(slices)
-        self.sharded_optimizer.param_store = self.param_store
+        self.sharded_optimizer.param_store, self.sharded_optimizer.swapper = self.param_store, swapper
         self.sharded_optimizer.switch_param_groups()
-        if self.offload.nvme_path is not None:
-            numel = sum(s.end - s.start for group in slices for s in group)
-            folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel)
-            self.sharded_optimizer.swapper = NvmeSwapper(
-                folder, slices, zero.sub_group_size, self.offload.buffer_count
-            )
 
     def _init_param_store(self, slices: list[list[ShardSlice]]) -> list[list[ShardSlice]]:
         """offload_param nvme: moves unit shards into files; returns the slices, none stepping a swapped shard."""

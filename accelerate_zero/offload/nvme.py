@@ -99,6 +99,8 @@ class NvmeSwapper:
         self.peak_resident = 0
         """Most sub-groups in memory at once during a step (the current, the one read ahead, writes in flight)."""
         for index, subgroup in enumerate(self.subgroups):
+            for _, shard_slice in subgroup:  # the masters start as placeholders (offload_masters)
+                shard_slice.master.data = shard_slice.params.detach().to(device="cpu", dtype=torch.float32, copy=True)
             save_file(_tensors(subgroup, {}), str(self._file(index)))
             _release(subgroup)
         self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)

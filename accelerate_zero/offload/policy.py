@@ -60,11 +60,13 @@ def offload_policy(config: ZeroConfig) -> OffloadPolicy:
 
 
 def offload_masters(slices_by_group: list[list[ShardSlice]], policy: OffloadPolicy) -> list[list[ShardSlice]]:
-    """The same slices with their fp32 master in host memory (one contiguous host buffer per param group; one
-    tensor per slice under NVMe offload, so a swapped-out slice frees its memory)."""
+    """The same slices with their fp32 master in host memory (one contiguous host buffer per param group; under
+    NVMe offload one placeholder tensor per slice, so a swapped-out slice frees its memory)."""
     if policy.nvme_path is not None:
+        # Placeholders: NvmeSwapper fills them from the parameters one sub-group at a time and writes them out,
+        # so the whole fp32 shard is never in memory at once.
         return [
-            [ShardSlice(s.bucket, s.start, s.end, s.params.detach().float().cpu().clone(), s.params) for s in slices]
+            [ShardSlice(s.bucket, s.start, s.end, torch.empty(0), s.params) for s in slices]
             for slices in slices_by_group
         ]
     out = []
