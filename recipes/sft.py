@@ -36,12 +36,8 @@ from common import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
-
-# The one switch between our Trainer integration and transformers' own Trainer (plain DDP, no ZeRO).
-try:
-    from accelerate_zero import Trainer, TrainingArguments
-except ImportError:
-    from transformers import Trainer, TrainingArguments
+# transformers' Trainer and TrainingArguments (plus `zero_config`), training with the ZeRO engine
+from accelerate_zero import Trainer, TrainingArguments
 
 
 @dataclasses.dataclass
