@@ -18,30 +18,47 @@ import report_sections as sections
 import stage3_bench
 from bench_common import build_model
 from bench_worker import engine_config
+from sweep_worker import LLAMA, build_llama
 
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def estimates_for(
-    sweep: dict[int, list[dict[str, Any]]], hidden: int, layers: int
+    sweep: dict[int, list[dict[str, Any]]], hidden: int, layers: int, model: str = "linear"
 ) -> dict[tuple[int, int, int], dict[str, int]]:
-    """`estimate_stage(...).device` for every (stage, world size, rank) the sweep measured."""
+    """`estimate_stage(...).device` for every (stage, world size, rank) the sweep measured on `model`."""
     from accelerate_zero.config import ZeroConfig
     from accelerate_zero.debug.estimate import TrainingSetup, estimate_stage, shapes_from_module
 
+    key, params_key = ("llama_stages", "llama_params") if model == "llama" else ("stages", "params")
     out = {}
     for world_size, ranks in sweep.items():
-        for stage_key in ranks[0]["stages"]:
+        for stage_key in ranks[0].get(key, {}):
             stage = int(stage_key)
             zero = ZeroConfig.from_any(engine_config(stage, None)).zero_optimization
-            shapes = shapes_from_module(build_model(hidden, layers), zero)
-            if shapes.numel != ranks[0]["params"]:
-                raise ValueError(f"the estimate's model has {shapes.numel=} parameters, the run {ranks[0]['params']}")
+            module = build_llama("meta") if model == "llama" else build_model(hidden, layers)
+            shapes = shapes_from_module(module, zero)
+            if shapes.numel != ranks[0][params_key]:
+                raise ValueError(
+                    f"the estimate's {model} has {shapes.numel=} parameters, the run {ranks[0][params_key]}"
+                )
             setup = TrainingSetup(world_size, "no", "adamw", zero=zero)
             for rank in range(world_size):
                 out[(stage, world_size, rank)] = dict(estimate_stage(shapes, setup, stage, rank=rank).device)
     return out
+
+
+def _llama_text(rows: list[sections.SweepRow]) -> str:
+    if not rows:
+        return " (the Llama was not measured in this run)"
+    worlds = ", ".join(str(w) for w in sorted({r.world_size for r in rows}))
+    return (
+        f", and for a LlamaForCausalLM shaped like `offload_bench.py`'s largest-model ladder "
+        f"({LLAMA['num_hidden_layers']} decoder layers, hidden {LLAMA['hidden_size']}, intermediate "
+        f"{LLAMA['intermediate_size']}, vocabulary {LLAMA['vocab_size']}: Ψ = {rows[0].params:,}; at stage 3 its "
+        f"decoder layers are the gather units) at W = {worlds}, measured by `sweep_worker.py --llama`"
+    )
 
 
 def _short(part: str) -> str:
@@ -167,7 +184,8 @@ def write(payload: dict[str, Any], results: Path, plots_dir: Path) -> None:
             rank0 = payload["main"][s.system][0][0]
             payload["deepspeed_version"] = rank0["extra"].get("deepspeed_version")
     rows = sections.sweep_rows(sweep, estimates_for(sweep, hidden, layers))
-    honesty, honest = sections.honesty_table(rows)
+    llama_rows = sections.sweep_rows(sweep, estimates_for(sweep, hidden, layers, "llama"), "llama")
+    honesty, honest = sections.honesty_table(rows + llama_rows)
     plots_dir.mkdir(parents=True, exist_ok=True)
     world = summaries[0].world_size if summaries else 0
     memory_png, comparison_png = plots_dir / "memory_vs_world_size.png", plots_dir / f"systems_w{world}.png"
@@ -240,9 +258,11 @@ stage 3 gathered units and gradient buffers); `memory_breakdown()` total counts 
 
 ## Is the estimate honest?
 
-For the model the benchmarks train: the estimate of model-state bytes per rank (parameters, gradients, master
-weights, optimizer states) against `memory_breakdown()`, every rank, every stage and world size above.
-**{"PASS" if honest else "FAIL"}: {"every" if honest else "not every"} estimate is within
+For the models the benchmarks train: the estimate of model-state bytes per rank (parameters, gradients, master
+weights, optimizer states) against `memory_breakdown()`, every rank, for the Linear stack at every stage and world
+size above{_llama_text(llama_rows)}. **{"PASS" if honest else "FAIL"}: {
+        "every" if honest else "not every"
+    } estimate is within
 {sections.HONESTY_TOLERANCE:.0%} of what the engine holds.**
 
 {honesty}

@@ -93,6 +93,8 @@ class SweepRow:
     """`estimate_stage(...).device` for the same model, config, world size and rank."""
     live_tensor_bytes: int
     rss_bytes: int
+    model: str = "linear"
+    """"linear" (bench_common's stack) or "llama" (sweep_worker.LLAMA)."""
 
     @property
     def measured_model_states(self) -> int:
@@ -137,27 +139,35 @@ def sweep_from_systems(main: dict[str, list[list[dict[str, Any]]]]) -> list[dict
 
 
 def sweep_rows(
-    readings: dict[int, list[dict[str, Any]]], estimates: dict[tuple[int, int, int], dict[str, int]]
+    readings: dict[int, list[dict[str, Any]]],
+    estimates: dict[tuple[int, int, int], dict[str, int]],
+    model: str = "linear",
 ) -> list[SweepRow]:
-    """Joins sweep_worker.py's per-rank readings (by world size) with the estimates keyed (stage, W, rank)."""
+    """Joins sweep_worker.py's per-rank readings (by world size) with the estimates keyed (stage, W, rank).
+
+    `model` "llama" takes the readings sweep_worker.py --llama added (where there are some) instead of the stack's.
+    """
+    key, params_key = ("llama_stages", "llama_params") if model == "llama" else ("stages", "params")
     rows = []
     for world_size, ranks in sorted(readings.items()):
         for rank in ranks:
-            for stage_key, reading in rank["stages"].items():
+            for stage_key, reading in rank.get(key, {}).items():
                 stage = int(stage_key)
                 rows.append(
                     SweepRow(
                         stage=stage,
                         world_size=world_size,
                         rank=rank["rank"],
-                        params=rank["params"],
+                        params=rank[params_key],
                         measured=reading["memory_breakdown"],
                         estimated=estimates[(stage, world_size, rank["rank"])],
                         live_tensor_bytes=reading["live_tensor_bytes"],
                         rss_bytes=reading["rss_bytes"],
+                        model=model,
                     )
                 )
     return sorted(rows, key=lambda r: (r.stage, r.world_size, r.rank))
+
 
 
 def _by_point(rows: list[SweepRow]) -> dict[tuple[int, int], list[SweepRow]]:
@@ -188,20 +198,25 @@ def sweep_table(rows: list[SweepRow]) -> str:
 def honesty_table(rows: list[SweepRow]) -> tuple[str, bool]:
     """The estimate of model-state bytes per rank against `memory_breakdown()`; True when every rank is within 10%.
 
-    One line per stage and world size, with the rank whose ratio is farthest from 1.
+    One line per model, stage and world size, with the rank whose ratio is farthest from 1.
     """
     out = [
-        "| stage | W | estimated model states per rank (MB) | memory_breakdown() model states (MB) | "
+        "| model | stage | W | estimated model states per rank (MB) | memory_breakdown() model states (MB) | "
         "estimate / measured (worst rank) | within 10% |",
-        "|--:|--:|--:|--:|--:|---|",
+        "|---|--:|--:|--:|--:|--:|---|",
     ]
+    points: dict[tuple[str, int, int], list[SweepRow]] = {}
+    for row in rows:
+        points.setdefault((row.model, row.stage, row.world_size), []).append(row)
     all_pass = bool(rows)
-    for (stage, world_size), point in sorted(_by_point(rows).items()):
+    for (model, stage, world_size), point in sorted(
+        points.items(), key=lambda item: (item[0][0] != "linear", item[0])
+    ):
         worst = max(point, key=lambda r: abs(r.ratio - 1))
         passed = abs(worst.ratio - 1) <= HONESTY_TOLERANCE
         all_pass &= passed
         out.append(
-            f"| {stage} | {world_size} | {_mb(worst.estimated_model_states, 3)} | "
+            f"| {model} | {stage} | {world_size} | {_mb(worst.estimated_model_states, 3)} | "
             f"{_mb(worst.measured_model_states, 3)} | {worst.ratio:.4f} (rank {worst.rank}) | "
             f"{'PASS' if passed else 'FAIL'} |"
         )

@@ -53,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="Linear layers (8: Ψ = 8.4M, half the engine bench)")
     parser.add_argument("--world_size", type=int, default=4, help="processes for the systems compared (4)")
     parser.add_argument("--sweep_world_sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument(
+        "--llama_world_size", type=int, default=2, help="the sweep run that also measures the Llama (2; 0: none)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="timed steps per system, at least 10 (12)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
@@ -123,6 +126,7 @@ def run_sweep(world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]
         str(BENCH_DIR / "sweep_worker.py"),
         "--out",
         str(out),
+        *(["--llama"] if world_size == args.llama_world_size else []),
     ]
     start = time.perf_counter()
     with open(log, "w") as log_file:

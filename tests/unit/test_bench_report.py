@@ -153,3 +153,15 @@ def test_the_comparisons_stage_runs_give_the_sweeps_point_at_their_world_size(se
     assert sections.honesty_table(rows)[1]
     del main["az1"]
     assert sections.sweep_from_systems(main) is None
+
+
+def test_llama_readings_join_the_honesty_table_under_their_own_model(sections: ModuleType) -> None:
+    sweep = _sweep([1, 2])
+    for rank in sweep[2]:
+        rank["llama_params"] = PARAMS
+        rank["llama_stages"] = {"3": rank["stages"]["3"]}
+    llama = sections.sweep_rows(sweep, _estimates([2], off=(3, 2, 0)), "llama")
+    assert [(r.model, r.stage, r.world_size) for r in llama] == [("llama", 3, 2)] * 2
+    table, honest = sections.honesty_table(sections.sweep_rows(sweep, _estimates([1, 2])) + llama)
+    assert not honest
+    assert table.splitlines()[-1] == "| llama | 3 | 2 | 0.009 | 0.008 | 1.1200 (rank 0) | FAIL |"
