@@ -91,6 +91,8 @@ def _offload_section(offload: dict[str, Any]) -> str:
     else:
         tables = sections.markdown_tables(offload.get("stdout", ""))
     out = f"`{command}`, run by the report in {offload.get('seconds', 0):.0f} s: {status}."
+    if offload.get("tracked") is False:
+        out += " (`bench/offload_bench.py` was not committed yet: the report ran the working tree's version.)"
     tail = "\n".join(offload.get("stderr_tail", []))
     if status != "ran" and tail.strip():
         out += f" The end of its log (`bench/out/report/offload.log`):\n\n```\n{tail}\n```"
@@ -129,10 +131,15 @@ def _memory_notes(summaries: list[report.Summary]) -> str:
     notes = []
     for s in summaries:
         if s.live_tensor_mb > 2 * s.rss_mb:
+            why = (
+                " DeepSpeed stage 3 allocates its contiguous-gradients bucket up front as `torch.empty` of "
+                "reduce_bucket_size (5e8) fp32 elements = 2,000 MB; only the pages it writes become resident."
+                if s.system == "ds3"
+                else ""
+            )
             notes.append(
                 f"{report.LABELS[s.system]}: its live tensors ({s.live_tensor_mb:,.0f} MB) exceed its RSS "
-                f"({s.rss_mb:,.0f} MB): it holds tensors whose pages were allocated but never written, which RSS does "
-                "not count (for DeepSpeed stage 3 about reduce_bucket_size = 5e8 elements x 4 bytes = 2,000 MB)."
+                f"({s.rss_mb:,.0f} MB): RSS does not count allocated pages that were never written.{why}"
             )
     return "".join(f"\n\n{note}" for note in notes)
 

@@ -203,8 +203,15 @@ def run_offload(args: argparse.Namespace) -> dict[str, Any]:
         "stderr_tail": stderr.splitlines()[-10:],
         "seconds": time.perf_counter() - start,
         "json": json.loads(json_path.read_text()) if json_path.exists() else None,
+        "tracked": _tracked(OFFLOAD_SCRIPT),
         "saved_full_run": _saved_offload_run(),
     }
+
+
+def _tracked(path: Path) -> bool:
+    """Whether git knows `path` (another engineer's benchmark may still be uncommitted)."""
+    done = subprocess.run(["git", "-C", str(REPO), "ls-files", "--error-unmatch", str(path)], capture_output=True)
+    return done.returncode == 0
 
 
 def _saved_offload_run() -> dict[str, Any] | None:
