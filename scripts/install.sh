@@ -9,7 +9,7 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import accelerate_zero, pytest, bitsandbytes" >/dev/null 2>&1; then
+if ! "$VENV/bin/python" -c "import accelerate_zero, pytest, bitsandbytes, trl" >/dev/null 2>&1; then
     "$VENV/bin/pip" install --quiet --upgrade pip
     "$VENV/bin/pip" install --quiet "$TORCH_SPEC"
     "$VENV/bin/pip" install --quiet -e ".[test,qlora]"
