@@ -125,7 +125,7 @@ def _meta(engine: ZeroEngine) -> dict[str, Any]:
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "param_shapes": {n: list(p.shape) if p.numel() else None for n, p in engine.module.named_parameters()},
+        "param_shapes": _param_shapes(engine),
         "optimizer": type(engine.optimizer).__name__,
         "param_groups": [
             {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, str, bool, list, tuple))}
@@ -133,6 +133,18 @@ def _meta(engine: ZeroEngine) -> dict[str, Any]:
         ],
         "config": engine.config.to_dict(),
     }
+
+
+def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
+    """Every parameter's real shape; at stage 3 from the unit plans (the parameters hold empty placeholders), so a
+    checkpoint can be consolidated without the model."""
+    planned = {
+        id(flat.params[slot.param_index]): list(slot.shape)
+        for unit in engine.units
+        for flat in unit.flats
+        for slot in flat.plan.slots
+    }
+    return {n: planned.get(id(p), list(p.shape)) for n, p in engine.module.named_parameters()}
 
 
 # --------------------------------------------------------------------------- load

@@ -10,6 +10,7 @@ A group of 3 ranks then resumes the 2-rank checkpoint; `accelerate-zero consolid
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,13 @@ def test_consolidate_equals_the_gathered_weights(ranks: Any, folder: Path, tmp_p
     gathered = load_file(checkpoint / "model.safetensors")  # save_model's gathered weights at that step
     consolidated = LlamaForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert _max_diff({k: consolidated[k] for k in gathered}, gathered) == 0.0
+    # The engine state alone (no config.json next to it): the shapes come from the checkpoint itself.
+    shutil.copytree(checkpoint / "zero_model", tmp_path / "bare" / "zero_model")
+    from accelerate_zero.checkpoint.consolidate import consolidated_state_dict
+
+    bare = consolidated_state_dict(tmp_path / "bare")
+    assert _max_diff(bare, {k: v for k, v in gathered.items() if k in bare}) == 0.0
+    assert set(gathered) - set(bare) <= {"lm_head.weight"}  # tied to the embedding: saved once
 
 
 @pytest.mark.parametrize("stage", [2, 3])
