@@ -29,21 +29,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without deepspeed
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
 from accelerate_zero.config.schema import is_auto
 from accelerate_zero.engine.engine import ZeroEngine, initialize
-from accelerate_zero.engine.gathered import GatheredParameters
 from accelerate_zero.engine.groups import process_group_timeout
-from accelerate_zero.engine.setup import cast_floating_inputs
+from accelerate_zero.integrations.accelerate.auto_fill import (
+    hidden_size_values,
+    micro_batch_size,
+    pair_optimizers,
+    without_optimizer_blocks,
+)
 from accelerate_zero.integrations.accelerate.launch_config import build_deepspeed_config
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
+from accelerate_zero.integrations.accelerate.prepared import (
+    PreparedModel,
+    ZeroOptimizerWrapper,
+    ZeroSchedulerWrapper,
+    cast_inputs_to_fp16,
+    is_zero_wrapper,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -51,85 +59,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_TAG = "zero_model"
 """`save_state` writes the i-th trained model's engine checkpoint to `<output_dir>/zero_model[_i]/`."""
 
-_HIDDEN_SIZE_KEYS = (
-    "zero_optimization.reduce_bucket_size",
-    "zero_optimization.stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold",
-)
 _REFUSED_KWARGS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin")
-
-
-class ZeroOptimizerWrapper(AcceleratedOptimizer):
-    """The optimizer `ZeroAccelerator.prepare` returns: `step()` and `zero_grad()` do nothing.
-
-    The engine steps the optimizer inside `accelerator.backward` on the accumulation boundary and zeroes the
-    gradients after it (as accelerate's `DeepSpeedOptimizerWrapper`), so a loop written for accelerate runs as is.
-    `param_groups`, `state_dict()` and `load_state_dict()` are those of the user's optimizer, which the engine keeps
-    and re-points at this rank's fp32 shard.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
-        super().__init__(optimizer, device_placement=False, scaler=None)
-        self.engine = engine
-        self._step_was_skipped = False
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        pass  # the engine zeroes its gradient buffers after each optimizer step
-
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
-        pass  # accelerator.backward steps the engine on the accumulation boundary
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped because of an fp16 (or bf16) gradient overflow."""
-        return self._step_was_skipped
-
-
-class ZeroSchedulerWrapper(AcceleratedScheduler):
-    """A scheduler the engine built (config `scheduler` block, or `DummyScheduler(lr_scheduler_callable=...)`).
-
-    The engine steps it after each optimizer step that was not skipped, so `step()` does nothing here (as
-    accelerate's `DeepSpeedSchedulerWrapper`); its state is saved with the engine checkpoint.
-    """
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-@dataclasses.dataclass
-class _ZeroModel:
-    """A model `prepare` handed to an engine."""
-
-    model: nn.Module
-    engine: ZeroEngine
-    optimizer: ZeroOptimizerWrapper | None
-    """None: prepared for inference (frozen, no optimizer state; sharded at stage 3)."""
-    hooks: list[RemovableHandle]
-    """Hooks this accelerator added to the model (fp16 `auto_cast`)."""
-    requires_grad: list[bool]
-    """Each parameter's `requires_grad` before prepare (a model prepared for inference is frozen)."""
-
-    def close(self) -> None:
-        for handle in self.hooks:
-            handle.remove()
-        self.engine.destroy()
-
-    def release(self) -> None:
-        """Gives the model back as it was before prepare: full parameters (gathered at stage 3, in the compute
-        dtype), the original `requires_grad` flags, no hooks."""
-        engine = self.engine
-        full: dict[int, torch.Tensor] = {}
-        for unit in engine.units:  # stage 3: each parameter gets its own full tensor again
-            params = [p for flat in unit.flats for p in flat.params]
-            with GatheredParameters(params):
-                full.update({id(p): p.data.clone() for p in params})
-        self.close()
-        for param, flag in zip(self.model.parameters(), self.requires_grad, strict=True):
-            if id(param) in full:
-                param.data = full[id(param)]
-            param.requires_grad_(flag)
-        if getattr(self.model, "_is_fsdp_managed_module", False):
-            del self.model._is_fsdp_managed_module
 
 
 class ZeroAccelerator(Accelerator):
@@ -171,7 +101,7 @@ class ZeroAccelerator(Accelerator):
         self.set_zero_plugin(zero_plugin if zero_plugin is not None else ZeroPlugin())
         super().__init__(mixed_precision="no", **_with_process_group_setup(accelerate_kwargs))
         self._check_distributed_state()
-        self._zero_models: list[_ZeroModel] = []
+        self._zero_models: list[PreparedModel] = []
         self._held_engines: set[int] = set()  # ids of engines inside `no_sync`
         self._warned_max_norm = False
         self.caller_owns_accumulation = False
@@ -212,10 +142,10 @@ class ZeroAccelerator(Accelerator):
                 "`accelerate-zero launch`"
             )
 
-    def _entry_of(self, model: Any) -> _ZeroModel | None:
+    def _entry_of(self, model: Any) -> PreparedModel | None:
         return next((entry for entry in self._zero_models if entry.model is model), None)
 
-    def _entry_of_param(self, param: torch.Tensor) -> _ZeroModel | None:
+    def _entry_of_param(self, param: torch.Tensor) -> PreparedModel | None:
         return next((e for e in self._zero_models if any(p is param for p in e.model.parameters())), None)
 
     # --------------------------------------------------------------- prepare
@@ -259,7 +189,7 @@ class ZeroAccelerator(Accelerator):
 
     def _prepare_zero_objects(self, args: tuple, result: list) -> set[int]:
         """Builds the engines of the models in `args`; writes the returned objects into `result`."""
-        owned = {i for i, obj in enumerate(args) if self._entry_of(obj) is not None or _is_zero_wrapper(obj)}
+        owned = {i for i, obj in enumerate(args) if self._entry_of(obj) is not None or is_zero_wrapper(obj)}
         for i, obj in enumerate(args):
             wrapper = next(
                 (e.optimizer for e in self._zero_models if e.optimizer and e.optimizer.optimizer is obj), None
@@ -272,7 +202,7 @@ class ZeroAccelerator(Accelerator):
             i for i, obj in enumerate(args) if isinstance(obj, (torch.optim.Optimizer, DummyOptim)) and i not in owned
         ]
         dummy_schedulers = [i for i, obj in enumerate(args) if isinstance(obj, DummyScheduler)]
-        pairs = _pair_optimizers(args, models, optimizers, self._zero_models)
+        pairs = pair_optimizers(args, models, optimizers, self._zero_models)
         for model_index in models:
             opt_index = pairs.get(model_index)
             optimizer = args[opt_index] if opt_index is not None else None
@@ -327,7 +257,7 @@ class ZeroAccelerator(Accelerator):
 
     def _build_engine(
         self, model: nn.Module, optimizer: Any, scheduler: DummyScheduler | None, args: tuple
-    ) -> _ZeroModel:
+    ) -> PreparedModel:
         config = self._engine_config(model, optimizer, scheduler, args)
         if optimizer is None:
             # [Note: models prepared for inference] The model is frozen and gets an engine whose optimizer has no
@@ -350,14 +280,14 @@ class ZeroAccelerator(Accelerator):
         if engine.config.fp16.enabled and engine.config.fp16.auto_cast:
             # DeepSpeed's engine forward casts floating inputs to fp16 (`fp16.auto_cast`); the model is returned
             # unwrapped, so a forward pre-hook does it.
-            hooks.append(model.register_forward_pre_hook(_cast_inputs_to_fp16, with_kwargs=True))
-        entry = _ZeroModel(model, engine, wrapper, hooks, requires_grad)
+            hooks.append(model.register_forward_pre_hook(cast_inputs_to_fp16, with_kwargs=True))
+        entry = PreparedModel(model, engine, wrapper, hooks, requires_grad)
         self._zero_models.append(entry)
         self._models.append(model)
         model._is_accelerate_prepared = True
         return entry
 
-    def _wrap_engine_scheduler(self, entry: _ZeroModel) -> ZeroSchedulerWrapper:
+    def _wrap_engine_scheduler(self, entry: PreparedModel) -> ZeroSchedulerWrapper:
         if entry.engine.lr_scheduler is None:
             raise ValueError("the DummyScheduler's model got no scheduler from its engine")
         wrapper = ZeroSchedulerWrapper(entry.engine.lr_scheduler, entry.optimizer)
@@ -370,7 +300,7 @@ class ZeroAccelerator(Accelerator):
     ) -> ZeroConfig:
         """The config with every "auto" filled as accelerate's `_prepare_deepspeed` does (steps 1-6, INTEGRATION_NOTES
         §3.3), resolved for this world size."""
-        config = self._base_config if optimizer is not None else _without_optimizer_blocks(self._base_config)
+        config = self._base_config if optimizer is not None else without_optimizer_blocks(self._base_config)
         values: dict[str, Any] = {
             "gradient_clipping": 1.0,
             "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
@@ -379,13 +309,13 @@ class ZeroAccelerator(Accelerator):
         micro = config.train_micro_batch_size_per_gpu
         if is_auto(micro):
             # A model prepared for inference needs no batch size (accelerate's `set_deepspeed_weakref` uses 1).
-            micro = _micro_batch_size(self, args, required=optimizer is not None) or 1
+            micro = micro_batch_size(self, args, required=optimizer is not None) or 1
             values["train_micro_batch_size_per_gpu"] = micro
         ga = config.gradient_accumulation_steps
         ga = self.gradient_accumulation_steps if is_auto(ga) else ga
         if isinstance(micro, int) and isinstance(ga, int):
             values["train_batch_size"] = micro * ga * self.num_processes
-        values.update(_hidden_size_values(model, config))
+        values.update(hidden_size_values(model, config))
         values.update(self._optimizer_values(optimizer, scheduler))
         filled = config.fill_auto(values)
         below_3 = filled.zero_optimization.stage != 3  # resolve_config gives stage3_* "auto" values their defaults
@@ -443,7 +373,7 @@ class ZeroAccelerator(Accelerator):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """Returns an optimizer already prepared with its model; any other is an error (see `prepare`)."""
-        if _is_zero_wrapper(optimizer):
+        if is_zero_wrapper(optimizer):
             return optimizer
         raise ValueError(
             "With ZeroAccelerator a model and its optimizer must be passed together to `prepare()`: the engine "
@@ -483,7 +413,7 @@ class ZeroAccelerator(Accelerator):
         engine.step()
         optimizer._step_was_skipped = boundary and engine.skipped_steps > skipped_before
 
-    def _training_entry(self, model: nn.Module | None) -> _ZeroModel | None:
+    def _training_entry(self, model: nn.Module | None) -> PreparedModel | None:
         training = [entry for entry in self._zero_models if entry.optimizer is not None]
         if model is not None:
             entry = self._entry_of(model)
@@ -635,7 +565,7 @@ class ZeroAccelerator(Accelerator):
         with self._accelerate_state_only("_load_model_state_pre_hook", load_engines):
             super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
-    def _checkpointed(self) -> list[tuple[str, _ZeroModel]]:
+    def _checkpointed(self) -> list[tuple[str, PreparedModel]]:
         trained = [entry for entry in self._zero_models if entry.optimizer is not None]
         return [(CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", entry) for i, entry in enumerate(trained)]
 
@@ -691,35 +621,6 @@ class ZeroAccelerator(Accelerator):
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
-def _micro_batch_size(acc: ZeroAccelerator, args: tuple, required: bool) -> int | None:
-    """`train_micro_batch_size_per_gpu` from the dataloaders (accelerate's `_prepare_deepspeed` step 1, messages
-    included); None when nothing says and the caller can do without (`required=False`)."""
-    sizes = [obj.batch_size for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
-    if any(size is None for size in sizes) and required:
-        raise ValueError(
-            "At least one of the dataloaders passed to `accelerate.prepare()` has `None` as batch size. "
-            "Please set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
-        )
-    if sizes and None not in sizes:
-        return min(size // acc.num_processes if acc.split_batches else size for size in sizes)
-    # A dataloader prepared in an earlier call (the Trainer prepares it before the model).
-    earlier = [d.total_batch_size // acc.num_processes for d in acc._dataloaders if hasattr(d, "total_batch_size")]
-    if earlier or not required:
-        return min(earlier, default=None)
-    raise ValueError(
-        "When using ZeRO, `accelerate.prepare()` requires you to pass at least one of training or evaluation "
-        "dataloaders with `batch_size` attribute returning an integer value (in this or an earlier call) or "
-        "alternatively set an integer value in `train_micro_batch_size_per_gpu` in the DeepSpeed config."
-    )
-
-
-def _without_optimizer_blocks(config: ZeroConfig) -> ZeroConfig:
-    """The config of a model prepared for inference: no optimizer/scheduler block (as transformers'
-    `deepspeed_init(inference=True)`), so their "auto" values need no filling."""
-    raw = config.to_dict()
-    raw.pop("optimizer", None)
-    raw.pop("scheduler", None)
-    return ZeroConfig.from_any(raw)
 
 
 def _refuse_other_backends(kwargs: dict[str, Any]) -> None:
@@ -765,70 +666,8 @@ def _has_accelerator() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-def _pair_optimizers(args: tuple, models: list[int], optimizers: list[int], prepared: list[_ZeroModel]) -> dict:
-    """model index -> the index of the optimizer over its parameters (each optimizer belongs to exactly one model)."""
-    owner_of = {id(p): i for i in models for p in args[i].parameters()}
-    pairs: dict[int, int] = {}
-    for opt_index in optimizers:
-        params = _optimizer_params(args[opt_index])
-        owners = {owner_of.get(id(p)) for p in params}
-        if len(owners) != 1 or None in owners:
-            earlier = any(any(p is q for q in e.model.parameters()) for e in prepared for p in params[:1])
-            raise ValueError(
-                "an optimizer was passed to prepare() without the model owning all its parameters"
-                + (" (its model was prepared earlier without an optimizer, for inference)" if earlier else "")
-                + ": with ZeroAccelerator a model and its optimizer must be passed together to the same prepare() call"
-            )
-        model_index = owners.pop()
-        if model_index in pairs:
-            raise ValueError("several optimizers for one model: the ZeRO engine steps one optimizer per model")
-        pairs[model_index] = opt_index
-    return pairs
-
-
-def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    if isinstance(optimizer, DummyOptim):
-        groups = list(optimizer.params)
-        return [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _hidden_size_values(model: nn.Module, config: ZeroConfig) -> dict[str, int]:
-    """accelerate's hidden-size "auto" values (`_prepare_deepspeed` step 5), with its messages."""
-    autos = config.auto_keys()
-    wanted = [key for key in _HIDDEN_SIZE_KEYS if key in autos]
-    if config.zero_optimization.stage != 3:
-        wanted = [key for key in wanted if "stage3_" not in key]
-    if not wanted:
-        return {}
-    reasoning = (
-        "therefore it's not possible to automatically fill out the following `auto` entries in the DeepSpeed config "
-        f"file: {wanted}. You can fix that by replacing `auto` values for these keys with an integer value of your "
-        "choice."
-    )
-    model_config = getattr(model, "config", None)
-    if model_config is None:
-        raise ValueError("Can't find `model.config` entry, " + reasoning)
-    if hasattr(model_config, "hidden_size"):
-        hidden = model_config.hidden_size
-    elif hasattr(model_config, "hidden_sizes"):
-        hidden = max(model_config.hidden_sizes)
-    else:
-        raise ValueError("Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`, " + reasoning)
-    values = dict(zip(_HIDDEN_SIZE_KEYS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden), strict=True))
-    return {key: values[key] for key in wanted}
-
-
-def _is_zero_wrapper(obj: Any) -> bool:
-    return isinstance(obj, (ZeroOptimizerWrapper, ZeroSchedulerWrapper))
-
-
 def _with_models(hook: Callable[..., None], models: list) -> Callable[..., None]:
     def call(_hidden: list, *args: Any) -> None:
         hook(models, *args)
 
     return call
-
-
-def _cast_inputs_to_fp16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return cast_floating_inputs(args, torch.float16), cast_floating_inputs(kwargs, torch.float16)

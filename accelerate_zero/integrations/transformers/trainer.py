@@ -31,8 +31,9 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable 
 from transformers import Trainer
 
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
-from accelerate_zero.integrations.accelerate.accelerator import CHECKPOINT_TAG, ZeroAccelerator, ZeroSchedulerWrapper
+from accelerate_zero.integrations.accelerate.accelerator import CHECKPOINT_TAG, ZeroAccelerator
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
+from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
 
