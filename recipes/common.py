@@ -160,12 +160,20 @@ def exact_match(
             if tasks:
                 tally[1 + tasks.index(rows[index]["task"])] += torch.tensor([ok, 1.0], dtype=torch.float64)
     model.train(was_training)
-    if world()[1] > 1:
-        dist.all_reduce(tally)
+    tally = all_sum(tally, model.device)
     result = {"accuracy": (tally[0, 0] / tally[0, 1].clamp(min=1)).item(), "n": int(tally[0, 1].item())}
     for i, task in enumerate(tasks):
         result[f"accuracy_{task}"] = (tally[1 + i, 0] / tally[1 + i, 1].clamp(min=1)).item()
     return result
+
+
+def all_sum(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` summed over all ranks (sent from `device`: NCCL needs it on the GPU), back on the CPU."""
+    if world()[1] == 1:
+        return tensor
+    reduced = tensor.to(device)
+    dist.all_reduce(reduced)
+    return reduced.cpu()
 
 
 def print_rank0(*args: Any) -> None:

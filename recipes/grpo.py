@@ -29,6 +29,7 @@ from common import (
     EMBEDDED_EVAL,
     EMBEDDED_MODEL,
     EMBEDDED_TRAIN,
+    all_sum,
     exact_match,
     is_correct,
     is_well_formed,
@@ -109,6 +110,7 @@ def sample_group(
     text = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     text = [t for t in text for _ in range(config.num_generations)]
     enc = tokenizer(text, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    enc = enc.to(model.device)
     model.eval()
     out = model.generate(
         **enc,
@@ -125,7 +127,8 @@ def sample_group(
     is_eos = completion_ids == tokenizer.eos_token_id
     # the completion is every token up to and including its first end-of-turn token
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
-    completion_mask = (torch.arange(completion_ids.shape[1])[None, :] <= first_eos[:, None]).long()
+    positions = torch.arange(completion_ids.shape[1], device=out.device)
+    completion_mask = (positions[None, :] <= first_eos[:, None]).long()
     attention_mask = torch.cat([enc["attention_mask"], completion_mask], dim=1)
     decoded = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     ended = is_eos.any(1).tolist()
@@ -159,16 +162,15 @@ def probe_reward(model: torch.nn.Module, tokenizer: Any, rows: Any, config: GRPO
             for j, (value, _, _) in enumerate(scored):
                 if start + j // config.num_generations < real:
                     total += torch.tensor([value, 1.0], dtype=torch.float64)
-    if world()[1] > 1:
-        torch.distributed.all_reduce(total)
+    total = all_sum(total, model.device)
     return (total[0] / total[1].clamp(min=1)).item()
 
 
 def grpo_loss(
     logprobs: torch.Tensor, batch: dict[str, torch.Tensor], config: GRPOConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clipped surrogate minus beta * KL (k3 estimator), averaged over each completion's tokens, then over
-    completions. Returns the loss and the mean KL."""
+    """The loss: minus the clipped surrogate, plus beta * KL (k3 estimator), averaged over each completion's tokens,
+    then over completions. Returns the loss and the mean KL."""
     ratio = torch.exp(logprobs - batch["old_logprobs"])
     advantages = batch["advantages"].unsqueeze(1)
     clipped = torch.clamp(ratio, 1 - config.epsilon, 1 + config.epsilon)
@@ -259,7 +261,7 @@ def train(
             batches = iter(loader)
             rows = next(batches)
         batch, scored = sample_group(model, tokenizer, rows, config)
-        rewards = torch.tensor([r for r, _, _ in scored])
+        rewards = torch.tensor([r for r, _, _ in scored], device=accelerator.device)
         batch["advantages"] = group_advantages(rewards, config.num_generations)
         with torch.no_grad():
             batch["old_logprobs"] = completion_logprobs(model, batch, config.temperature)
@@ -279,7 +281,8 @@ def train(
                 kl.item(),
                 loss.item(),
                 batch["completion_mask"].sum(1).mean().item(),
-            ]
+            ],
+            device=accelerator.device,
         )
         stats = accelerator.reduce(stats, reduction="mean")
         history.append(stats[0].item())
