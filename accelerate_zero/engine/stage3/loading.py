@@ -92,7 +92,16 @@ def from_pretrained(
             if meta_params:
                 params = [real[id(p)] for p in meta_params]
                 flat = _load_flat(
-                    params, [shapes[id(p)] for p in meta_params], names, files, dp.rank, dp.world_size, dtype, device
+                    params,
+                    [shapes[id(p)] for p in meta_params],
+                    names,
+                    # A reader per unit: its files are unmapped after the unit, so the pages this rank read do not
+                    # stay resident until the whole model is loaded (they would double the loading peak).
+                    SafetensorsFolder(path),
+                    dp.rank,
+                    dp.world_size,
+                    dtype,
+                    device,
                 )
                 flats[tuple(id(p) for p in params)] = flat
     in_units = {id(p) for flat in flats.values() for p in flat.params}
