@@ -251,7 +251,8 @@ Targets of the engine (issue 2) and stage 3 (issue 3) benchmarks, on this run:
 
 `sweep_worker.py` runs stages 0-3 at W = {", ".join(str(w) for w in sorted(sweep))} and reads, after one optimizer
 step, `engine.memory_breakdown()` and the live tensors of each rank{
-        f" (the W = {world} point is the comparison's own stage 0-3 runs above, read after their timed steps)"
+        f" (the W = {world} point is the comparison's own stage 0-3 runs above, read after their timed steps; its RSS "
+        "includes the process's fixed non-tensor part, which the sweep's warm-up run absorbs at the other world sizes)"
         if from_systems and world in sweep and sweep[world] is from_systems
         else ""
     }; the estimate is
