@@ -169,7 +169,6 @@ def sweep_rows(
     return sorted(rows, key=lambda r: (r.stage, r.world_size, r.rank))
 
 
-
 def _by_point(rows: list[SweepRow]) -> dict[tuple[int, int], list[SweepRow]]:
     points: dict[tuple[int, int], list[SweepRow]] = {}
     for row in rows:
