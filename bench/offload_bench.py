@@ -208,8 +208,8 @@ def _env() -> dict[str, str]:
     return dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _tree_rss(root: int) -> int:
-    """RSS of `root` and all its descendants, in bytes."""
+def _tree_pids(root: int) -> list[int]:
+    """`root` and all its descendants (torchrun's ranks need not share its process group)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -220,10 +220,17 @@ def _tree_rss(root: int) -> int:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    total, stack = 0, [root]
+    pids, stack = [], [root]
     while stack:
         pid = stack.pop()
+        pids.append(pid)
         stack += children.get(pid, [])
+    return pids
+
+
+def _rss_of(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/statm") as statm:
                 total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -241,10 +248,13 @@ def run_watched(command: list[str], limit_bytes: float, timeout: float) -> tuple
     process = subprocess.Popen(command, env=_env(), start_new_session=True, stdout=subprocess.DEVNULL)
     seen, start = 0, time.monotonic()
     while process.poll() is None:
-        seen = max(seen, _tree_rss(process.pid))
+        pids = _tree_pids(process.pid)
+        seen = max(seen, _rss_of(pids))
         over, late = seen > limit_bytes, time.monotonic() - start > timeout
         if over or late:
-            os.killpg(process.pid, signal.SIGKILL)
+            for pid in reversed(pids):  # the ranks first, then torchrun: none keeps running
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.wait()
             return ("over budget" if over else "timeout"), seen
         time.sleep(0.1)
@@ -308,7 +318,9 @@ def write_checkpoint(folder: Path, max_layers: int) -> tuple[int, int]:
             ones = name.endswith("norm.weight")
             tensors[name] = torch.ones(shape) if ones else torch.randn(shape, generator=generator) * 0.02
         save_file(tensors, str(shards / file), metadata={"format": "pt"})
-    for layers in [n for n in LADDER if n <= max_layers]:
+    for layers in sorted(set(LADDER + [max_layers])):
+        if layers > max_layers:
+            continue
         point = folder / f"L{layers}"
         point.mkdir(exist_ok=True)
         LlamaConfig(**LLAMA, num_hidden_layers=layers).save_pretrained(point)
@@ -326,7 +338,7 @@ def write_checkpoint(folder: Path, max_layers: int) -> tuple[int, int]:
 
 def largest_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     budget = args.ram_budget_gb * GIB
-    ladder = [n for n in LADDER if n <= args.max_layers]
+    ladder = [n for n in (args.ladder or LADDER) if n <= args.max_layers]
     outer, per_layer = write_checkpoint(args.nvme_dir / "checkpoint", max(ladder))
     out: dict[str, Any] = {"ram_budget_gb": args.ram_budget_gb, "points": [], "largest": {}}
     for system in args.systems:
@@ -422,6 +434,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ram_budget_gb", type=float, default=24.0, help="largest model: RAM of the machine")
     parser.add_argument("--systems", nargs="+", default=LARGEST_SYSTEMS, choices=LARGEST_SYSTEMS)
     parser.add_argument("--max_layers", type=int, default=max(LADDER), help="largest model: top of the ladder")
+    parser.add_argument(
+        "--ladder",
+        type=int,
+        nargs="+",
+        help=f"largest model: decoder layer counts to try, ascending (default {LADDER})",
+    )
     parser.add_argument("--point_timeout", type=float, default=900, help="seconds before a ladder point is cut")
     parser.add_argument("--nvme_dir", type=Path, default=Path("/work/nvme_bench"), help="local disk folder")
     parser.add_argument("--json", type=Path, default=BENCH_DIR / "out" / "offload.json")
