@@ -92,7 +92,15 @@ def main() -> None:
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         return exact_match(model, tokenizer, held_out, script_args.eval_batch_size, script_args.eval_max_new_tokens)
 
-    before = evaluate(model) if held_out is not None else None
+    # [Note: bitsandbytes on the CPU] A forward without gradients repacks a 4-bit weight in place into the layout
+    # of bitsandbytes' CPU inference kernel, and gradients no longer flow back through that layer afterwards (the
+    # adapters below it stop learning; plain transformers + peft does the same). So the untrained baseline is
+    # measured on a second copy of the quantized base (new adapters start as a no-op: B = 0), never on `model`.
+    before = None
+    if held_out is not None:
+        baseline = load_quantized(path, script_args.bnb_4bit_quant_type)
+        before = evaluate(baseline)
+        del baseline
     callback = ThroughputMemoryCallback()
     trainer = Trainer(
         model=model,
