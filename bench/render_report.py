@@ -167,8 +167,13 @@ def _machine_lines(payload: dict[str, Any], summaries: list[report.Summary]) -> 
             else ""
         )
         + ".",
-        f"- **Timing is on a shared {m['cores']}-core machine**: other engineers were running their own jobs during this run "
-        f"(1-minute load average {payload['load_start']['loadavg'][0]:.1f} at the start, "
+        f"- **Timing is on a {m['cores']}-core machine**: "
+        + (
+            "other jobs were running during this run "
+            if payload["load_start"]["loadavg"][0] >= 1.0
+            else "the machine was otherwise idle when the run started "
+        )
+        + f"(1-minute load average {payload['load_start']['loadavg'][0]:.1f} at the start, "
         f"{payload['load_end']['loadavg'][0]:.1f} at the end{peak}), and {world_size} ranks share the {m['cores']} cores. Step times are "
         "only meaningful as ratios to DDP in the same run; absolute milliseconds are not.",
     ]
