@@ -21,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from common import EMBEDDED_MODEL, exact_match, load_rows, parse_config, print_rank0
-from sft import Collator, SFTScriptArguments, ThroughputMemoryCallback, tokenize_chats
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
+from common import EMBEDDED_MODEL, parse_config
+from sft import SFTScriptArguments, load_tokenizer, train_and_evaluate
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, set_seed
 
-from accelerate_zero import Trainer, TrainingArguments
+from accelerate_zero import TrainingArguments
 
 
 @dataclasses.dataclass
@@ -66,59 +66,23 @@ def main() -> None:
     script_args, training_args = parse_config((QLoRAScriptArguments, TrainingArguments))
     set_seed(training_args.seed)
     path = script_args.model_name_or_path or EMBEDDED_MODEL
-    tokenizer = AutoTokenizer.from_pretrained(script_args.tokenizer_name_or_path or path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(script_args, path)
     model = with_adapters(
         load_quantized(path, script_args.bnb_4bit_quant_type), script_args, training_args.gradient_checkpointing
     )
     if training_args.process_index == 0:
         model.print_trainable_parameters()
-
-    train = load_rows(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config)
-    with training_args.main_process_first(desc="tokenizing"):
-        train = train.map(
-            tokenize_chats,
-            batched=True,
-            fn_kwargs={"tokenizer": tokenizer, "max_length": script_args.max_length},
-            remove_columns=train.column_names,
-        )
-    held_out = None
-    if script_args.eval_dataset_name:
-        held_out = load_rows(script_args.eval_dataset_name, script_args.eval_dataset_split)
-        if script_args.eval_samples:
-            held_out = held_out.select(range(min(script_args.eval_samples, len(held_out))))
-
-    def evaluate(model: torch.nn.Module) -> dict[str, float]:
-        return exact_match(model, tokenizer, held_out, script_args.eval_batch_size, script_args.eval_max_new_tokens)
-
     # [Note: bitsandbytes on the CPU] A forward without gradients repacks a 4-bit weight in place into the layout
     # of bitsandbytes' CPU inference kernel, and gradients no longer flow back through that layer afterwards (the
     # adapters below it stop learning; plain transformers + peft does the same). So the untrained baseline is
     # measured on a second copy of the quantized base (new adapters start as a no-op: B = 0), never on `model`.
-    before = None
-    if held_out is not None:
-        baseline = load_quantized(path, script_args.bnb_4bit_quant_type)
-        before = evaluate(baseline)
-        del baseline
-    callback = ThroughputMemoryCallback()
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=train,
-        data_collator=Collator(tokenizer.pad_token_id),
-        processing_class=tokenizer,
-        callbacks=[callback],
+    train_and_evaluate(
+        model,
+        script_args,
+        training_args,
+        tokenizer,
+        baseline=lambda: load_quantized(path, script_args.bnb_4bit_quant_type),
     )
-    callback.trainer = trainer
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
-    print_rank0(f"saved the adapter to {training_args.output_dir}")
-    if held_out is not None:
-        after = evaluate(trainer.model)
-        print_rank0(f"held-out exact match ({after['n']} prompts, greedy, adapter on the 4-bit base):")
-        for key in (k for k in after if k.startswith("accuracy")):
-            print_rank0(f"  {key:<20} untrained {before[key]:6.1%}   trained {after[key]:6.1%}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,17 +155,19 @@ class ThroughputMemoryCallback(TrainerCallback):
             logs[f"mem_{kind}_rank{rank}_MB"] = round(value / 2**20, 2)
 
 
-def main() -> None:
-    script_args, training_args = parse_config((SFTScriptArguments, TrainingArguments))
-    set_seed(training_args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(script_args.tokenizer_name_or_path or script_args.model_name_or_path)
+def load_tokenizer(script_args: SFTScriptArguments, model_path: str) -> Any:
+    """The tokenizer (the model's unless named), with the chosen chat template and a pad token."""
+    tokenizer = AutoTokenizer.from_pretrained(script_args.tokenizer_name_or_path or model_path)
     if script_args.chat_template:
         template = Path(script_args.chat_template)
         tokenizer.chat_template = template.read_text() if template.is_file() else script_args.chat_template
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path, dtype=torch.float32)
+    return tokenizer
 
+
+def load_chat_data(script_args: SFTScriptArguments, training_args: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """The tokenized (optionally packed) training set, and the held-out rows (None without an eval dataset)."""
     train = load_rows(script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_config)
     with training_args.main_process_first(desc="tokenizing"):
         train = train.map(
@@ -180,11 +183,25 @@ def main() -> None:
         held_out = load_rows(script_args.eval_dataset_name, script_args.eval_dataset_split)
         if script_args.eval_samples:
             held_out = held_out.select(range(min(script_args.eval_samples, len(held_out))))
+    return train, held_out
+
+
+def train_and_evaluate(
+    model: torch.nn.Module,
+    script_args: SFTScriptArguments,
+    training_args: Any,
+    tokenizer: Any,
+    baseline: Callable[[], torch.nn.Module] | None = None,
+) -> None:
+    """Trains `model` with the Trainer, saves it, and prints held-out exact match before and after training
+    (written to `<output_dir>/eval_results.json`). The untrained score is measured on `baseline()` when given
+    (recipes/qlora.py: never run inference on a 4-bit model about to train), else on `model`."""
+    train, held_out = load_chat_data(script_args, training_args, tokenizer)
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         return exact_match(model, tokenizer, held_out, script_args.eval_batch_size, script_args.eval_max_new_tokens)
 
-    before = evaluate(model) if held_out is not None else None
+    before = evaluate(baseline() if baseline is not None else model) if held_out is not None else None
     callback = ThroughputMemoryCallback()
     trainer = Trainer(
         model=model,
@@ -197,7 +214,7 @@ def main() -> None:
     callback.trainer = trainer
     trainer.train()
     trainer.save_model(training_args.output_dir)
-    print_rank0(f"saved the model and tokenizer to {training_args.output_dir}")
+    print_rank0(f"saved the model (or adapter) and tokenizer to {training_args.output_dir}")
     if held_out is not None:
         after = evaluate(trainer.model)
         print_rank0(f"held-out exact match ({after['n']} prompts, greedy):")
@@ -206,6 +223,14 @@ def main() -> None:
         if trainer.is_world_process_zero():
             results = {"untrained": before, "trained": after}
             Path(training_args.output_dir, "eval_results.json").write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    script_args, training_args = parse_config((SFTScriptArguments, TrainingArguments))
+    set_seed(training_args.seed)
+    tokenizer = load_tokenizer(script_args, script_args.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path, dtype=torch.float32)
+    train_and_evaluate(model, script_args, training_args, tokenizer)
 
 
 if __name__ == "__main__":

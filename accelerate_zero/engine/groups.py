@@ -29,6 +29,12 @@ class DataParallelGroup:
         return dist.get_backend(self.group)
 
 
+def has_accelerator() -> bool:
+    """True when torch sees an accelerator (CUDA or another backend torch.accelerator knows)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def default_device() -> torch.device:
     """The local accelerator when there is one (`LOCAL_RANK` picks which), else the CPU."""
     if torch.cuda.is_available():

@@ -52,6 +52,13 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
             dist.destroy_process_group()
 
 
+def plain_torchrun_environment() -> None:
+    """Drops accelerate's variables (ACCELERATE_*, except the process-group timeout) from this rank's environment, so
+    the code under test sees what plain `torchrun` gives it."""
+    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n != "ACCELERATE_ZERO_PG_TIMEOUT"]:
+        del os.environ[name]
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Runs `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; returns the results by rank.
 

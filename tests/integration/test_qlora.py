@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import plain_torchrun_environment, run_distributed
 
 
 pytest.importorskip("bitsandbytes")
@@ -38,8 +38,7 @@ def _recipe_modules() -> tuple[Any, Any]:
 
 
 def _ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n != "ACCELERATE_ZERO_PG_TIMEOUT"]:
-        del os.environ[name]
+    plain_torchrun_environment()
     return {stage: _train(rank, stage, Path(folder) / f"stage{stage}") for stage in (2, 3)}
 
 

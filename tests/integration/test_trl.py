@@ -3,7 +3,6 @@ against TRL's own `SFTTrainer` in one process on the full batch."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import plain_torchrun_environment, run_distributed
 
 
 pytest.importorskip("trl")
@@ -79,8 +78,7 @@ def _train(output_dir: str, batch: int, zero: bool) -> dict[str, torch.Tensor]:
 
 
 def _ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n != "ACCELERATE_ZERO_PG_TIMEOUT"]:
-        del os.environ[name]
+    plain_torchrun_environment()
     return _train(folder, batch=4, zero=True)
 
 

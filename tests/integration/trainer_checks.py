@@ -9,13 +9,13 @@ Results are tensors and plain values.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tests.helpers.dist import plain_torchrun_environment
 from tests.helpers.models import tiny_llama_config
 
 
@@ -116,8 +116,7 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
 # --------------------------------------------------------------------------------------------------- in the ranks
 def all_checks(rank: int, world_size: int, folder: str) -> str:
     """Runs every check of the 2-rank group; writes this rank's results to `<folder>/rank<R>.pt`."""
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n != "ACCELERATE_ZERO_PG_TIMEOUT"]:
-        del os.environ[name]
+    plain_torchrun_environment()
     root = Path(folder)
     out: dict[str, Any] = {f"stage{stage}": _parity(rank, stage, root / f"stage{stage}") for stage in (1, 2, 3)}
     out["eval_first"] = _eval_then_train(root / "eval_first")
@@ -133,8 +132,7 @@ def all_checks(rank: int, world_size: int, folder: str) -> str:
 
 def resume_on_three(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """Resumes the 2-rank checkpoint `<folder>/resume/a/checkpoint-2` on 3 ranks (micro 2: the same 6 rows/step)."""
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n != "ACCELERATE_ZERO_PG_TIMEOUT"]:
-        del os.environ[name]
+    plain_torchrun_environment()
     root = Path(folder) / "resume"
     trainer = _resume_trainer(root / "c", micro=2)
     trainer.train(resume_from_checkpoint=str(root / "a" / "checkpoint-2"))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers.dist import plain_torchrun_environment
 from tests.helpers.models import tiny_llama_config
 
 
@@ -58,8 +59,7 @@ def reference(world_size: int) -> tuple[torch.nn.Module, list[float]]:
 def all_checks(rank: int, world_size: int, folder: str) -> str:
     """Runs every check; writes this rank's results to `<folder>/rank<R>.pt` and returns that path (the results
     are too big for run_distributed's result queue, whose pipe is only read once every rank has exited)."""
-    for name in [n for n in os.environ if n.startswith("ACCELERATE_") and n != "ACCELERATE_ZERO_PG_TIMEOUT"]:
-        del os.environ[name]  # a plain torchrun environment
+    plain_torchrun_environment()
     out: dict[str, Any] = {f"stage{stage}": _parity(rank, world_size, stage) for stage in (1, 2, 3)}
     out["resume"] = _resume(rank, world_size, Path(folder) / "state")
     out["save_model"] = _save_model(rank, world_size, Path(folder) / "model")

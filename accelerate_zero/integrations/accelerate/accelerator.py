@@ -36,7 +36,7 @@ from torch import nn
 from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
 from accelerate_zero.config.schema import is_auto
 from accelerate_zero.engine.engine import ZeroEngine, initialize
-from accelerate_zero.engine.groups import process_group_timeout
+from accelerate_zero.engine.groups import has_accelerator, process_group_timeout
 from accelerate_zero.integrations.accelerate.auto_fill import (
     hidden_size_values,
     micro_batch_size,
@@ -652,18 +652,13 @@ def _with_process_group_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
     engine's timeout (ACCELERATE_ZERO_PG_TIMEOUT) unless the caller passed its own InitProcessGroupKwargs."""
     kwargs = dict(kwargs)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not _has_accelerator() and PartialState._shared_state == {} and not dist.is_initialized():
+    if world_size > 1 and not has_accelerator() and PartialState._shared_state == {} and not dist.is_initialized():
         kwargs["cpu"] = True
     handlers = list(kwargs.get("kwargs_handlers") or [])
     if not any(isinstance(handler, InitProcessGroupKwargs) for handler in handlers):
         handlers.append(InitProcessGroupKwargs(timeout=process_group_timeout()))
     kwargs["kwargs_handlers"] = handlers
     return kwargs
-
-
-def _has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def _with_models(hook: Callable[..., None], models: list) -> Callable[..., None]:

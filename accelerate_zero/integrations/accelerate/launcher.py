@@ -39,6 +39,7 @@ from accelerate.utils import ComputeEnvironment, DistributedType, patch_environm
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.launch_config import (
     MOE_ENV,
     BuiltConfig,
@@ -108,7 +109,7 @@ def prepare_launch(args: argparse.Namespace) -> PreparedLaunch:
     moe_names = args.deepspeed_moe_layer_cls_names or block.get("deepspeed_moe_layer_cls_names")
     if moe_names:
         env[MOE_ENV] = str(moe_names)
-    if args.cpu or (cluster is not None and cluster.use_cpu) or not _has_accelerator():
+    if args.cpu or (cluster is not None and cluster.use_cpu) or not has_accelerator():
         env["ACCELERATE_USE_CPU"] = "true"
     translated = _translate(cluster, num_processes, num_machines)
     return PreparedLaunch(built, env, translated, num_processes, num_machines)
@@ -224,11 +225,6 @@ def _check_multinode_launcher(args: argparse.Namespace, block: dict[str, Any], n
             "(accelerate's 'standard' launcher); set deepspeed_multinode_launcher: standard and run "
             "accelerate-zero launch on every machine with its --machine_rank"
         )
-
-
-def _has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def _translate(cluster: ClusterConfig | None, num_processes: int, num_machines: int) -> ClusterConfig:

@@ -10,6 +10,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.launch_config import CONFIG_ENV, read_deepspeed_config
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.transformers.auto_values import AutoFill, fill_from_training_args
@@ -47,7 +48,7 @@ class ZeroArgumentsMixin:
             )
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # arguments are serialised to JSON (logging, hub)
-        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not has_accelerator():
             # [Note: process group under plain torchrun] (integrations/accelerate/accelerator.py): without a GPU,
             # accelerate forms the gloo group only when told the run is on the CPU.
             self.use_cpu = True
@@ -85,10 +86,3 @@ class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
     Use with `accelerate_zero.Trainer`. On the command line (`HfArgumentParser`) the config is `--zero_config PATH`.
     The `deepspeed` argument is refused (it needs the deepspeed package): give the same config as `zero_config`.
     """
-
-
-def _has_accelerator() -> bool:
-    import torch
-
-    accelerator = getattr(torch, "accelerator", None)
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
