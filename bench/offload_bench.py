@@ -289,7 +289,7 @@ def step_time_part(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]
     return rows
 
 
-def write_checkpoint(folder: Path, max_layers: int) -> tuple[int, int]:
+def write_checkpoint(folder: Path, ladder: list[int]) -> tuple[int, int]:
     """Writes a LlamaForCausalLM checkpoint one tensor at a time (one safetensors file per layer), then per
     ladder point a folder `L<n>` whose index names only the files of its first n layers.
 
@@ -300,6 +300,7 @@ def write_checkpoint(folder: Path, max_layers: int) -> tuple[int, int]:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    max_layers = max(ladder)
     shards = folder / "shards"
     shards.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
@@ -318,9 +319,7 @@ def write_checkpoint(folder: Path, max_layers: int) -> tuple[int, int]:
             ones = name.endswith("norm.weight")
             tensors[name] = torch.ones(shape) if ones else torch.randn(shape, generator=generator) * 0.02
         save_file(tensors, str(shards / file), metadata={"format": "pt"})
-    for layers in sorted(set(LADDER + [max_layers])):
-        if layers > max_layers:
-            continue
+    for layers in sorted(set(ladder)):
         point = folder / f"L{layers}"
         point.mkdir(exist_ok=True)
         LlamaConfig(**LLAMA, num_hidden_layers=layers).save_pretrained(point)
@@ -339,7 +338,7 @@ def write_checkpoint(folder: Path, max_layers: int) -> tuple[int, int]:
 def largest_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     budget = args.ram_budget_gb * GIB
     ladder = [n for n in (args.ladder or LADDER) if n <= args.max_layers]
-    outer, per_layer = write_checkpoint(args.nvme_dir / "checkpoint", max(ladder))
+    outer, per_layer = write_checkpoint(args.nvme_dir / "checkpoint", ladder)
     out: dict[str, Any] = {"ram_budget_gb": args.ram_budget_gb, "points": [], "largest": {}}
     for system in args.systems:
         largest = None

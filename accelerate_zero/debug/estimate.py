@@ -24,16 +24,18 @@ scalar per tensor for Adam and Adagrad. At stages 0-2 an optimizer tensor is a b
 included); at stage 3 the run of a unit's slice that holds parameters (padding excluded), as the engine does.
 
 [Note: what offload would do]
-The engine does not offload yet; the estimate says what DeepSpeed's offload would move, per rank:
+What the engine's offload (and DeepSpeed's) moves, per rank:
 - "cpu" (`offload_optimizer.device=cpu`, stages 1-3): master weights (fp32, also when training in fp32: the host
   copy is then a second one) and optimizer states go to CPU RAM, with the fp32 gradient slice the CPU optimizer
   steps. Stages 2 and 3 then keep no gradient shard on the GPU (each reduced bucket is copied out); stage 1 keeps
   its full gradient buffer (the reduce-scatter is in place).
 - "cpu+param" (stage 3, as `accelerate_configs/zero3_offload.yaml`): "cpu", and the units' parameter shards in CPU
   RAM; persistent parameters stay on the GPU, gathered units are still gathered on the GPU.
-- "nvme" (stage 3, ZeRO-Infinity, as `accelerate_configs/zero3_nvme.yaml`): master weights, optimizer states and
-  the units' parameter shards on NVMe; the fp32 gradient slice stays in CPU RAM. DeepSpeed's swap buffers
-  (`aio`, `buffer_count` x `buffer_size`) are not counted. At stages 1 and 2 DeepSpeed treats NVMe optimizer
+- "nvme" (stage 3, ZeRO-Infinity, as `accelerate_configs/zero3_nvme.yaml`): master weights, optimizer states,
+  the fp32 gradient slice and the units' parameter shards on NVMe. CPU RAM holds the sub-groups in flight
+  during the step: at most `NVME_RESIDENT_SUBGROUPS` (offload_optimizer.buffer_count's default) of
+  `sub_group_size` elements, counted as host master weights, optimizer states and gradients. The parameter
+  swap buffers (`offload_param.buffer_count` unit shards) are not counted. At stages 1 and 2 DeepSpeed treats NVMe optimizer
   offload as "cpu", and at stage 0 it ignores offload: those combinations are not estimated.
 
 [Note: stage 3 gathered parameters]
@@ -71,6 +73,7 @@ Shape = tuple[int, ...]
 
 STAGES = (0, 1, 2, 3)
 OFFLOAD_MODES = ("none", "cpu", "cpu+param", "nvme")
+NVME_RESIDENT_SUBGROUPS = 4
 MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
 """The kinds `memory_breakdown()` reports that are held across steps (the model states)."""
 DEVICE_KINDS = (*MODEL_STATE_KINDS, "communication_buffers", "gathered_parameters")
@@ -409,7 +412,11 @@ def _to_bytes(held: _Held, setup: TrainingSetup, stage: int, offload: str) -> Me
         target = nvme if offload == "nvme" else host
         target["master_weights"] = held.shard * 4
         target["optimizer_states"] = optimizer_bytes
-        host["gradients"] = held.shard * 4  # the fp32 gradient slice the CPU optimizer steps
+        target["gradients"] = held.shard * 4  # the fp32 gradient slice the CPU optimizer steps
+        if offload == "nvme":
+            resident = min(held.shard, NVME_RESIDENT_SUBGROUPS * setup.zero.sub_group_size)
+            host["master_weights"] = host["gradients"] = resident * 4
+            host["optimizer_states"] = resident * 4 * states.per_element
     if offload_params:
         (nvme if offload == "nvme" else host)["parameters"] = held.unit_params * c
     for kinds in (device, host, nvme):

@@ -19,6 +19,7 @@ gives back its slice of A plus the late mean.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,10 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.offload.nvme_grads import NvmeGradStore
 
 
 class ReduceMode(enum.Enum):
@@ -68,6 +73,7 @@ class GradBucket:
     grad: torch.Tensor | None  # 1D, plan.numel: the full local gradient (stages 0/1: kept; stage 2: transient)
     shard_grad: torch.Tensor | None  # 1D, plan.shard_numel, stage 2 only: the accumulated averaged slice
     host_grad: torch.Tensor | None  # 1D fp32 in host memory when the optimizer is offloaded (see offload/policy.py)
+    grad_store: NvmeGradStore | None  # stage 2/3 under NVMe optimizer offload: the slice lives in a file
 
     def __init__(
         self,
@@ -86,7 +92,7 @@ class GradBucket:
         self.plan, self.mode, self.rank, self.params = plan, mode, rank, params
         self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
         self._storage = storage
-        self.host_grad = None
+        self.host_grad, self.grad_store = None, None
         self.state = BucketState.EMPTY
         self.grad = None
         self.shard_grad = None
@@ -186,6 +192,10 @@ class GradBucket:
             owned.mul_(post)
 
     def _add_to_shard(self, reduced: torch.Tensor, post: float) -> None:
+        if self.grad_store is not None:
+            self.grad_store.accumulate(self, reduced, post)
+            self._shard_has_data = True
+            return
         if self.host_grad is not None:
             # Offloaded optimizer: the averaged slice goes to host memory as soon as it is reduced.
             reduced = reduced.to(device=self.host_grad.device, dtype=self.host_grad.dtype)
@@ -204,8 +214,18 @@ class GradBucket:
             self._shard_has_data = True
 
     # ------------------------------------------------------------------ after step
+    def reduced_slice(self, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of `reduced_shard()`, read from the file when the slice lives in one."""
+        if self.grad_store is not None:
+            if self.state is BucketState.REDUCING:
+                raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
+            return self.grad_store.read(self, start, end)
+        return self.reduced_shard()[start:end]
+
     def reduced_shard(self) -> torch.Tensor:
         """This rank's averaged gradient slice (the whole bucket at stage 0), ready for the optimizer."""
+        if self.grad_store is not None:
+            raise RuntimeError(f"bucket {self.plan.index}: its gradient lives in a file; use reduced_slice()")
         if self.state is BucketState.REDUCING:
             raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
         if self.mode is ReduceMode.SCATTER_TO_SHARD:
@@ -230,6 +250,8 @@ class GradBucket:
             self.grad = None
         else:
             self._storage.zero_()
+        if self.grad_store is not None:
+            self.grad_store.clear(self)
         self._shard_has_data = False
         self.state = BucketState.EMPTY
 

@@ -50,6 +50,7 @@ from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_log import StepLog
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
+from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import build_param_store, choose_swapped
 from accelerate_zero.offload.policy import offload_masters, offload_policy, use_fused_cpu_step
 
@@ -192,18 +193,26 @@ class ZeroEngine:
         if self.offload.optimizer:
             slices = offload_masters(slices, self.offload)
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
-        swapper = None
+        swapper, self.grad_store = None, None
+        # Stages 2 and 3 reduce each bucket to a slice this rank keeps until the step: under NVMe offload it goes
+        # to a file too. Stages 0 and 1 hold their full gradient on the device anyway.
+        swapped_grads = [b for b in buckets if b.mode is ReduceMode.SCATTER_TO_SHARD]
         if self.offload.nvme_path is not None:  # before the parameter store: the masters start from the shards
             numel = sum(s.end - s.start for group in slices for s in group)
-            folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel)
+            grad_numel = sum(b.plan.shard_numel for b in swapped_grads)
+            folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel, grad_numel)
             swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count)
+            self.grad_store = NvmeGradStore(folder / "gradients.bin", swapped_grads, self.offload.buffer_count)
+            for bucket in swapped_grads:
+                bucket.grad_store = self.grad_store
         self.param_store = None
         if self.offload.param_nvme_path is not None:
             slices = self._init_param_store(slices)
         if self.offload.optimizer:
             # Allocated once the shards and masters went to their files, so the start-up peak is not both.
             for bucket in buckets:
-                bucket.host_grad = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
+                if bucket.grad_store is None:
+                    bucket.host_grad = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
         self.reducer = self._build_reducer(buckets, locations, on_complete)
         self.reducer.register_hooks()
         self.sharded_optimizer = self._build_sharded_optimizer(slices)
@@ -571,6 +580,8 @@ class ZeroEngine:
         unit_shards = [flat.shard for unit in self.units for flat in unit.flats]
         kept = self.sharded_optimizer.held_tensors()
         host_grads = [b.host_grad for b in self.reducer.buckets if b.host_grad is not None]
+        if self.grad_store is not None:
+            host_grads += self.grad_store.resident_tensors()
         # Offloaded state lives in host memory: reported apart from what the compute device holds.
         host = {
             "host_parameters": unit_shards if self.offload.params else [],
@@ -598,6 +609,8 @@ class ZeroEngine:
         out["nvme_bytes"] = swapper.file_bytes() if swapper is not None else 0
         if self.param_store is not None:
             out["nvme_bytes"] += self.param_store.file_bytes()
+        if self.grad_store is not None:
+            out["nvme_bytes"] += self.grad_store.file_bytes()
         out["communication_buffers_peak"] = self.reducer.peak_transient_bytes
         return out
 
@@ -611,6 +624,8 @@ class ZeroEngine:
     def destroy(self) -> None:
         """Removes the engine's hooks; the model keeps its current weights."""
         self.reducer.remove_hooks()
+        if self.grad_store is not None:
+            self.grad_store.close()
         if self.sharded_optimizer.swapper is not None:
             self.sharded_optimizer.swapper.close()
         if self.param_store is not None:

@@ -114,9 +114,12 @@ class ShardedOptimizer:
         self.publish()
         return StepOutcome(grad_norm=norm, overflow=False)
 
-    def step_slices(self, slices: list[ShardSlice], coefficient: float) -> None:
-        """Attaches the clipped gradients of `slices`, steps the optimizer, copies the masters into parameters."""
-        self._attach_grads(slices, coefficient)
+    def step_slices(
+        self, slices: list[ShardSlice], coefficient: float, grads: list[torch.Tensor] | None = None
+    ) -> None:
+        """Attaches the clipped gradients of `slices` (`grads` when already read), steps the optimizer, copies the
+        masters into parameters."""
+        self._attach_grads(slices, coefficient, grads)
         self.optimizer.step()
         for shard_slice in slices:
             shard_slice.master.grad = None
@@ -131,19 +134,24 @@ class ShardedOptimizer:
                 shard_slice.params.copy_(shard_slice.master)
 
     def _global_norm(self) -> float:
-        grads = [bucket.reduced_shard() for bucket in self.buckets]
-        if not grads:
+        grads = [bucket.reduced_shard() for bucket in self.buckets if bucket.grad_store is None]
+        norms = (
+            list(torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])) if grads else []
+        )
+        # A gradient slice in a file: its norm was taken when it was written (offload/nvme_grads.py).
+        norms += [bucket.grad_store.norm(bucket) for bucket in self.buckets if bucket.grad_store is not None]
+        if not norms:
             return 0.0
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
         sum_sq = torch.stack(norms).square().sum().to(self.device)
         if self.sharded:
             # Each element belongs to exactly one rank's shard: summing the squares over ranks gives the full norm.
             collectives.all_reduce(sum_sq, self.dp, self.stats)
         return sum_sq.sqrt().item()
 
-    def _attach_grads(self, slices: list[ShardSlice], coefficient: float) -> None:
-        for shard_slice in slices:
-            grad = shard_slice.bucket.reduced_shard()[shard_slice.start : shard_slice.end]
+    def _attach_grads(self, slices: list[ShardSlice], coefficient: float, grads: list[torch.Tensor] | None) -> None:
+        if grads is None:
+            grads = [s.bucket.reduced_slice(s.start, s.end) for s in slices]
+        for shard_slice, grad in zip(slices, grads, strict=True):
             master = shard_slice.master
             if grad.dtype != master.dtype or grad.device != master.device:
                 grad = grad.to(dtype=master.dtype, device=master.device)

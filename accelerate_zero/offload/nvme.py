@@ -36,20 +36,21 @@ def rank_folder(nvme_path: str, rank: int) -> Path:
     return Path(nvme_path) / "accelerate_zero" / f"rank{rank:05d}"
 
 
-def check_nvme_path(nvme_path: str, rank: int, numel: int) -> Path:
-    """Creates this rank's optimizer folder (removing stale files) and checks it is writable and has room.
+def check_nvme_path(nvme_path: str, rank: int, numel: int, grad_numel: int = 0) -> Path:
+    """Creates this rank's optimizer folder (removing stale files) and checks it is writable and has room for
+    `numel` fp32 masters with their optimizer state and `grad_numel` fp32 gradients.
 
     Raises:
         OSError: naming the host, the path, the bytes needed and the bytes free.
     """
-    needed = 4 * numel * (1 + _STATES_PER_ELEMENT)
+    needed = 4 * numel * (1 + _STATES_PER_ELEMENT) + 4 * grad_numel
     return check_folder(
         "offload_optimizer.nvme_path",
         nvme_path,
         rank_folder(nvme_path, rank),
         rank,
         needed,
-        "its fp32 master weights and optimizer state",
+        "its fp32 master weights, optimizer state" + (" and gradients" if grad_numel else ""),
     )
 
 
@@ -118,19 +119,19 @@ class NvmeSwapper:
         optimizer = sharded.optimizer
         all_params = [group["params"] for group in optimizer.param_groups]
         writes: collections.deque[Future] = collections.deque()
-        reading = self._pool.submit(load_file, str(self._file(0)))
+        reading = self._pool.submit(self._read_for_step, 0)
         try:
             for index, subgroup in enumerate(self.subgroups):
-                loaded = reading.result()
+                loaded, grads = reading.result()
                 while len(writes) + 2 > self.buffer_count:  # current + read-ahead + writes in flight
                     writes.popleft().result()
                 if index + 1 < len(self.subgroups):
-                    reading = self._pool.submit(load_file, str(self._file(index + 1)))
+                    reading = self._pool.submit(self._read_for_step, index + 1)
                 self.peak_resident = max(self.peak_resident, len(writes) + 1 + int(index + 1 < len(self.subgroups)))
                 _restore(subgroup, loaded, optimizer)
                 for group_index, group in enumerate(optimizer.param_groups):
                     group["params"] = [s.master for g, s in subgroup if g == group_index]
-                sharded.step_slices([s for _, s in subgroup], coefficient)
+                sharded.step_slices([s for _, s in subgroup], coefficient, grads)
                 tensors = _tensors(subgroup, optimizer.state)
                 _release(subgroup, optimizer.state)
                 writes.append(self._pool.submit(self._write, index, tensors))
@@ -139,6 +140,12 @@ class NvmeSwapper:
                 group["params"] = params
             for write in writes:
                 write.result()
+
+    def _read_for_step(self, index: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """A sub-group's masters and optimizer state, and its gradient slices (read from their file when the
+        gradients were swapped too: offload/nvme_grads.py)."""
+        subgroup = self.subgroups[index]
+        return load_file(str(self._file(index))), [s.bucket.reduced_slice(s.start, s.end) for _, s in subgroup]
 
     def each_resident(self, optimizer: torch.optim.Optimizer, write_back: bool) -> Iterator[list[ShardSlice]]:
         """Brings one sub-group at a time into memory (masters and optimizer state) and yields its slices;

@@ -1,4 +1,5 @@
-"""NVMe optimizer offload: same training, state in files between steps, bounded residency, startup checks."""
+"""NVMe optimizer offload: same training (with accumulation), masters, optimizer state and gradients in files,
+bounded residency, startup checks."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.models import make_batches, make_model, max_param_diff, train_reference
 
 
-STEPS, PER_RANK_BATCH, SUB_GROUP, BUFFERS = 4, 3, 64, 3
+STEPS, ACCUM, PER_RANK_BATCH, SUB_GROUP, BUFFERS, BUCKET = 4, 2, 3, 64, 3, 100
 
 
 def _train(rank: int, world_size: int, nvme_path: str, stage: int) -> dict[str, Any]:
     import accelerate_zero
     from accelerate_zero.offload.nvme import rank_folder
 
-    batches = make_batches(STEPS, 1, PER_RANK_BATCH * world_size)
+    batches = make_batches(STEPS, ACCUM, PER_RANK_BATCH * world_size)
     reference = make_model()
     train_reference(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), batches, clip=1.0)
     model = make_model()
@@ -29,18 +30,21 @@ def _train(rank: int, world_size: int, nvme_path: str, stage: int) -> dict[str, 
         "stage": stage,
         "offload_optimizer": nvme,
         "sub_group_size": SUB_GROUP,
-        "reduce_bucket_size": 100,
+        "reduce_bucket_size": BUCKET,
         "stage3_param_persistence_threshold": 0,
     }
     engine = accelerate_zero.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-2),
-        config={"gradient_clipping": 1.0, "zero_optimization": zero},
+        config={"gradient_clipping": 1.0, "gradient_accumulation_steps": ACCUM, "zero_optimization": zero},
     )
+    between_micro_steps = []
     for step in range(STEPS):
-        x, y = batches.rank_slice(step, 0, rank, world_size)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
+        for micro in range(ACCUM):
+            x, y = batches.rank_slice(step, micro, rank, world_size)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            between_micro_steps.append(engine.memory_breakdown())
+            engine.step()
     folder = rank_folder(nvme_path, rank)
     files_during = len(list(folder.glob("subgroup*.safetensors")))
     memory = engine.memory_breakdown()
@@ -52,7 +56,10 @@ def _train(rank: int, world_size: int, nvme_path: str, stage: int) -> dict[str, 
         "files_during": files_during,
         "subgroups": len(swapper.subgroups),
         "peak_resident": swapper.peak_resident,
+        "grad_peak_resident": engine.grad_store.peak_resident,
         "memory": memory,
+        "between_micro_steps": between_micro_steps,
+        "largest_bucket_shard": max(b.plan.shard_numel for b in engine.reducer.buckets),
         "shard": sum(s.end - s.start for s in engine.sharded_optimizer.slices),
     }
     engine.destroy()
@@ -72,7 +79,14 @@ def test_nvme_offload_matches_reference_and_keeps_state_on_disk(tmp_path: Path, 
         memory = r["memory"]
         # between steps nothing of the masters or Adam state stays in RAM; it is on disk (12 bytes per element)
         assert memory["host_master_weights"] == 0 and memory["host_optimizer_states"] == 0
-        assert memory["nvme_bytes"] >= 12 * r["shard"]
+        # ... and the fp32 gradient shard went to disk as each bucket was reduced (4 more bytes per element):
+        # while gradients accumulate RAM holds at most `buffer_count` bucket slices being written, after the
+        # step none
+        assert memory["nvme_bytes"] >= 16 * r["shard"]
+        assert memory["host_gradients"] == 0
+        in_flight = max(m["host_gradients"] for m in r["between_micro_steps"])
+        assert in_flight <= BUFFERS * 4 * r["largest_bucket_shard"], in_flight
+        assert 0 < r["grad_peak_resident"] <= BUFFERS
         assert r["folder_gone"]
 
 
