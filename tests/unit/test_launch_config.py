@@ -340,7 +340,7 @@ def test_config_file_needs_zero_optimization_and_must_be_valid(tmp_path: Path) -
         ("zero2.yaml", 2, "none", "none"),
         ("zero3.yaml", 3, "none", "none"),
         ("zero3_offload.yaml", 3, "cpu", "cpu"),
-        ("zero3_nvme.yaml", 3, "nvme", "cpu"),
+        ("zero3_nvme.yaml", 3, "nvme", "nvme"),
     ],
 )
 def test_shipped_configs_parse_and_validate(name: str, stage: int, optimizer_device: str, param_device: str) -> None:
@@ -357,6 +357,8 @@ def test_shipped_configs_parse_and_validate(name: str, stage: int, optimizer_dev
     assert (prepared.num_processes, prepared.num_machines) == (2, 1)
     if optimizer_device == "nvme":
         assert zero.offload_optimizer.nvme_path.startswith("/tmp/")
+    if param_device == "nvme":
+        assert zero.offload_param.nvme_path.startswith("/tmp/")
 
 
 def check_no_deepspeed(prepared: PreparedLaunch) -> None:
