@@ -90,6 +90,56 @@ def test_nvme_offload_matches_reference_and_keeps_state_on_disk(tmp_path: Path, 
         assert r["folder_gone"]
 
 
+def _mixed_precision(rank: int, world_size: int, nvme_path: str) -> dict[str, Any]:
+    """bf16 with accumulation and clipping, and an fp16 overflow on one rank, with the optimizer in CPU memory and
+    in files: only where state lives differs, so the weights must be bit-identical."""
+    import accelerate_zero
+
+    batches = make_batches(STEPS, ACCUM, PER_RANK_BATCH * world_size)
+    nvme = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": BUFFERS}
+    out: dict[str, Any] = {}
+    for precision, optimizer_class in (("bf16", torch.optim.SGD), ("fp16", torch.optim.AdamW)):
+        weights = {}
+        for device in ("cpu", "nvme"):
+            model = make_model()
+            offload = nvme if device == "nvme" else {"device": "cpu"}
+            zero = {
+                "stage": 3,
+                "offload_optimizer": offload,
+                "sub_group_size": SUB_GROUP,
+                "reduce_bucket_size": BUCKET,
+            }
+            mixed = {"enabled": True} if precision == "bf16" else {"enabled": True, "initial_scale_power": 8}
+            config = {
+                "gradient_clipping": 1.0,
+                "gradient_accumulation_steps": ACCUM,
+                precision: mixed,
+                "zero_optimization": {**zero, "stage3_param_persistence_threshold": 0},
+            }
+            engine = accelerate_zero.initialize(model, optimizer_class(model.parameters(), lr=1e-2), config=config)
+            for step in range(STEPS):
+                for micro in range(ACCUM):
+                    x, y = batches.rank_slice(step, micro, rank, world_size)
+                    loss = torch.nn.functional.mse_loss(engine(x.to(engine.compute_dtype)).float(), y)
+                    if precision == "fp16" and (step, micro, rank) == (1, 1, world_size - 1):
+                        loss = loss * float("inf")  # this rank's gradient overflows: every rank skips the step
+                    engine.backward(loss)
+                    engine.step()
+            with accelerate_zero.GatheredParameters(list(model.parameters())):
+                weights[device] = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+            out[f"{precision}_skipped_{device}"] = engine.skipped_steps
+            engine.destroy()
+        out[f"{precision}_identical"] = torch.equal(weights["cpu"], weights["nvme"])
+        out[f"{precision}_finite"] = bool(torch.isfinite(weights["nvme"]).all())
+    return out
+
+
+def test_nvme_gradients_change_nothing_in_mixed_precision(tmp_path: Path) -> None:
+    for r in run_distributed(_mixed_precision, 3, str(tmp_path / "nvme")):
+        assert r["bf16_identical"] and r["fp16_identical"] and r["bf16_finite"] and r["fp16_finite"], r
+        assert r["fp16_skipped_cpu"] == r["fp16_skipped_nvme"] == 1 and r["bf16_skipped_nvme"] == 0, r
+
+
 def test_nvme_path_checks_name_host_path_and_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate_zero.offload import nvme
 
