@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 _STATES_PER_ELEMENT = 2
 
 
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, for raw file reads and writes (nothing is pickled)."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
 def rank_folder(nvme_path: str, rank: int) -> Path:
     return Path(nvme_path) / "accelerate_zero" / f"rank{rank:05d}"
 

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from accelerate_zero.offload.nvme import tensor_bytes
+
 
 if TYPE_CHECKING:
     from accelerate_zero.engine.buckets import GradBucket
@@ -40,10 +42,6 @@ class SwappedGrad:
     norm: torch.Tensor | None = None
     """L2 norm (fp32, 0-dim) of the last value written."""
     writing: Future | None = None
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 class NvmeGradStore:
@@ -90,7 +88,7 @@ class NvmeGradStore:
         if entry.writing is not None:
             entry.writing.result()  # reads run on other threads too (the optimizer's read-ahead)
         values = torch.empty(end - start, dtype=torch.float32)
-        view, position = _bytes(values), entry.byte_offset + 4 * start
+        view, position = tensor_bytes(values), entry.byte_offset + 4 * start
         while view:
             count = os.preadv(self._fd, [view], position)
             if count <= 0:
@@ -100,7 +98,7 @@ class NvmeGradStore:
 
     @staticmethod
     def _write_at(fd: int, position: int, values: torch.Tensor) -> None:
-        view = _bytes(values)
+        view = tensor_bytes(values)
         while view:  # pwrite may write less than asked (at most about 2 GiB per call on Linux)
             count = os.pwrite(fd, view, position)
             view, position = view[count:], position + count

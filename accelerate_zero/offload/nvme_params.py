@@ -36,7 +36,7 @@ import torch
 
 from accelerate_zero.engine.sharded_optimizer import ShardSlice
 from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit
-from accelerate_zero.offload.nvme import check_folder
+from accelerate_zero.offload.nvme import check_folder, tensor_bytes
 
 
 def param_rank_folder(nvme_path: str, rank: int) -> Path:
@@ -53,10 +53,6 @@ class SwappedShard:
     """The read filling `flat.shard` (a read-ahead or a gather's own read)."""
     resident: bool = False
     """`flat.shard`'s storage holds the file's values."""
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 class NvmeParamStore:
@@ -80,7 +76,7 @@ class NvmeParamStore:
         """Most swapped shards in memory (or in flight to a file) at once."""
         for entry in self.shards.values():
             with open(entry.path, "wb") as file:
-                file.write(_bytes(entry.flat.shard.clone()))  # numpy views make a storage unresizable
+                file.write(tensor_bytes(entry.flat.shard.clone()))  # numpy views make a storage unresizable
             entry.flat.shard.untyped_storage().resize_(0)  # also frees what the optimizer slices' views held
             entry.flat.shard = entry.flat.shard.new_empty(0)
         self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)
@@ -134,7 +130,7 @@ class NvmeParamStore:
     @staticmethod
     def _read_into(path: Path, target: torch.Tensor) -> None:
         with open(path, "rb") as file:
-            file.readinto(_bytes(target))
+            file.readinto(tensor_bytes(target))
 
     def _resident_count(self) -> int:
         return sum(e.resident for e in self.shards.values()) + sum(not w.done() for w in self._writes)
@@ -179,7 +175,7 @@ class NvmeParamStore:
     def _write_at(path: Path, byte_offset: int, values: torch.Tensor) -> None:
         with open(path, "r+b") as file:
             file.seek(byte_offset)
-            file.write(_bytes(values))
+            file.write(tensor_bytes(values))
 
     def flush(self) -> None:
         """Waits for every write (before the next read of any shard) and every read-ahead."""
