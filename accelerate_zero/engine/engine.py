@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -471,14 +471,18 @@ class ZeroEngine:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
-    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, dtype: torch.dtype | None = None, only: Collection[str] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The full model state dict (keys as `module.state_dict()`) on CPU on rank 0; `{}` on other ranks.
 
-        Every rank must call it. At stage 3 the units are gathered one at a time, so no rank ever holds more than
-        one extra unit.
+        Every rank must call it (with the same `only`). At stage 3 the units are gathered one at a time, so no rank
+        ever holds more than one extra unit.
 
         Args:
             dtype: cast floating-point tensors to this dtype; None keeps the compute dtype.
+            only: keep just these keys (e.g. a PEFT model's adapter): units holding none of them are not gathered
+                and rank 0 never holds the rest.
         """
 
         def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -489,8 +493,13 @@ class ZeroEngine:
         names: dict[int, list[str]] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)
+        wanted = set(only) if only is not None else None
         for unit in self.units:
             params = [p for flat in unit.flats for p in flat.params]
+            if wanted is not None:
+                params = [p for p in params if wanted.intersection(names[id(p)])]
+                if not params:
+                    continue
             with GatheredParameters(params):
                 if self.dp.rank == 0:
                     gathered.update({name: to_cpu(p) for p in params for name in names[id(p)]})
@@ -498,7 +507,11 @@ class ZeroEngine:
             return {}
         with self._state_dict_guard.disabled() if self._state_dict_guard else contextlib.nullcontext():
             full = self.module.state_dict()
-        return {name: gathered[name] if name in gathered else to_cpu(t) for name, t in full.items()}
+        return {
+            name: gathered[name] if name in gathered else to_cpu(t)
+            for name, t in full.items()
+            if wanted is None or name in wanted
+        }
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """Writes the gathered 16-bit weights as one safetensors file on rank 0; every rank must call it.

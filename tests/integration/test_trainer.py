@@ -171,3 +171,8 @@ def test_lora_with_gradient_checkpointing(ranks: Any, stage: int, tmp_path: Path
     assert _max_diff(run["state"], expected["state"]) < 1e-6
     assert "adapter_model.safetensors" in run["files"] and "model.safetensors" not in run["files"]
     assert torch.allclose(run["reloaded_logits"], run["logits"], atol=1e-6)
+    # save_model gathered onto rank 0 only the adapter and the embeddings peft may add, never the whole base model
+    (saved,) = run["saved_keys"]
+    embeddings = {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"}
+    assert set(run["trainable"]) <= set(saved) <= set(run["trainable"]) | embeddings
+    assert len(saved) < len(run["all_keys"]) / 2

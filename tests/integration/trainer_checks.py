@@ -294,12 +294,23 @@ def _lora_run(rank: int, stage: int, folder: Path) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=PROBE).logits
+    engine, saved_keys = trainer.zero_engine, []
+    gather = engine.full_state_dict
+
+    def recording_gather(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        state = gather(*args, **kwargs)
+        saved_keys.append(sorted(state))
+        return state
+
+    engine.full_state_dict = recording_gather  # what save_model gathers onto rank 0
     trainer.save_model(str(folder / "adapter"))
-    out: dict[str, Any] = {"logits": logits, "losses": losses(trainer)}
+    engine.full_state_dict = gather
+    out: dict[str, Any] = {"logits": logits, "losses": losses(trainer), "saved_keys": saved_keys}
     state = trainer.accelerator.get_state_dict(model)
     if rank == 0:
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         out["state"] = {k: v for k, v in state.items() if k in trainable}
+        out["trainable"], out["all_keys"] = sorted(trainable), sorted(state)
         out["files"] = sorted(p.name for p in (folder / "adapter").iterdir())
         from peft import PeftModel
 

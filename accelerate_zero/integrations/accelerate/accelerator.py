@@ -23,7 +23,7 @@ import math
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -485,11 +485,14 @@ class ZeroAccelerator(Accelerator):
         )
 
     # ---------------------------------------------------------------- saving
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
+    def get_state_dict(
+        self, model: nn.Module, unwrap: bool = True, *, only: Collection[str] | None = None
+    ) -> dict[str, torch.Tensor] | None:
         """The full state dict of `model` in its compute dtype (16-bit under mixed precision) on the main process.
 
         Every rank must call it (at stage 3 the parameters are gathered unit by unit). Other ranks get None, which
-        makes accelerate's `save_model` write nothing there.
+        makes accelerate's `save_model` write nothing there. `only` keeps just these keys (see
+        `ZeroEngine.full_state_dict`); accelerate's own path ignores it.
 
         Raises:
             ValueError: at stage 3 when `stage3_gather_16bit_weights_on_model_save` is false (accelerate's
@@ -509,7 +512,7 @@ class ZeroAccelerator(Accelerator):
                 "`ZeroPlugin(zero3_save_16bit_model=True)`). To save the full checkpoint, run "
                 "`accelerator.save_state(save_dir)`: every rank writes its shards."
             )
-        state_dict = entry.engine.full_state_dict()
+        state_dict = entry.engine.full_state_dict(only=only)
         return state_dict if self.is_main_process else None
 
     def save_state(

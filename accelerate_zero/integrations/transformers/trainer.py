@@ -187,7 +187,7 @@ class ZeroTrainerMixin:
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         try:
-            state_dict = self.accelerator.get_state_dict(self.model)
+            state_dict = self.accelerator.get_state_dict(self.model, only=_adapter_keys(self.model))
         except ValueError:
             logger.warning(
                 "stage3_gather_16bit_weights_on_model_save=false: saving the sharded engine state to %s instead of "
@@ -294,6 +294,21 @@ def _check_complete(checkpoint: str) -> None:
             f"state under {CHECKPOINT_TAG}/). Resume from an earlier checkpoint, or pass resume_from_checkpoint=True "
             "to take the newest complete one."
         )
+
+
+def _adapter_keys(model: torch.nn.Module) -> set[str] | None:
+    """For a PEFT model, the state-dict keys its `save_pretrained` can write: the trainable parameters (adapters,
+    `modules_to_save` copies, trained biases) and the input/output embeddings, which peft adds when they were resized
+    or targeted. Gathering only these keeps rank 0 from holding the whole 16-bit base model. None otherwise."""
+    if not hasattr(model, "peft_config") or not hasattr(model, "get_base_model"):
+        return None
+    keys = {name for name, param in model.named_parameters(remove_duplicate=False) if param.requires_grad}
+    embeddings = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    prefixes = tuple(
+        f"{name}." for name, module in model.named_modules(remove_duplicate=False) if id(module) in embeddings
+    )
+    keys.update(name for name, _ in model.named_parameters(remove_duplicate=False) if name.startswith(prefixes))
+    return keys
 
 
 def _remove_weight_files(should_save: bool, output_dir: str) -> None:
