@@ -176,3 +176,11 @@ def test_lora_with_gradient_checkpointing(ranks: Any, stage: int, tmp_path: Path
     embeddings = {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"}
     assert set(run["trainable"]) <= set(saved) <= set(run["trainable"]) | embeddings
     assert len(saved) < len(run["all_keys"]) / 2
+
+
+def test_hyperparameter_search_trials_use_their_values(ranks: Any) -> None:
+    # optuna drives the trials from rank 0 and broadcasts them; each trial's "auto" learning rate reaches the engine
+    for rank in ranks:
+        used = rank["hp_search"]["used"]
+        assert sorted(used) == [(1e-3, 1e-3), (5e-2, 5e-2)], used
+    assert ranks[0]["hp_search"]["best"] is not None

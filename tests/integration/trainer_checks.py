@@ -124,6 +124,7 @@ def all_checks(rank: int, world_size: int, folder: str) -> str:
     out["optimizer_blocks"] = _optimizer_blocks(root / "blocks")
     out["resume"] = _resume(root / "resume")
     out["lora"] = {stage: _lora_run(rank, stage, root / f"lora{stage}") for stage in (2, 3)}
+    out["hp_search"] = _hp_search(root / "hp")
     path = root / f"rank{rank}.pt"
     torch.save(out, path)
     dist.barrier()
@@ -319,3 +320,40 @@ def _lora_run(rank: int, stage: int, folder: Path) -> dict[str, Any]:
             out["reloaded_logits"] = reloaded(input_ids=PROBE).logits
     out["finite"] = all(math.isfinite(x) for x in out["losses"])
     return out
+
+
+def _hp_search(folder: Path) -> dict[str, Any]:
+    """Trainer.hyperparameter_search (optuna, 2 trials on a grid) at stage 3 with the config's optimizer block
+    taking the learning rate from "auto": each trial's optimizer must step with that trial's learning rate."""
+    import optuna
+    from transformers import TrainerCallback
+
+    from accelerate_zero import Trainer, TrainingArguments
+
+    used: list[tuple[float, float]] = []
+
+    class RecordLearningRate(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            if state.global_step == 1:
+                used.append((args.learning_rate, optimizer.param_groups[0]["lr"]))
+
+    config = zero_config(3)
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+    overrides = {"max_steps": 2, "lr_scheduler_type": "constant"}
+    args = TrainingArguments(zero_config=config, **args_kwargs(folder, 2, **overrides))
+    trainer = Trainer(
+        model_init=lambda: tiny_llama(),
+        args=args,
+        train_dataset=dataset(),
+        eval_dataset=dataset(8),
+        callbacks=[RecordLearningRate()],
+    )
+    grid = {"learning_rate": [5e-2, 1e-3]}
+    best = trainer.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_categorical("learning_rate", grid["learning_rate"])},
+        backend="optuna",
+        n_trials=2,
+        direction="minimize",
+        sampler=optuna.samplers.GridSampler(grid, seed=0),
+    )
+    return {"used": used, "best": best.hyperparameters if best is not None else None}

@@ -67,6 +67,8 @@ class ZeroTrainerMixin:
         # "no" (the engine owns precision, and accelerate's state keeps the first value it is given), and then
         # build the ZeroAccelerator from the same arguments: both share accelerate's process state, so the first
         # one costs nothing but the object.
+        if getattr(self, "_zero_new_trial", False):
+            self.args.refill_zero_config()  # the trial's learning rate, batch size, ... into the config's "auto"s
         super().create_accelerator_and_postprocess()
         kwargs = dict(self._zero_accelerator_kwargs)
         self.accelerator = ZeroAccelerator(
@@ -85,6 +87,15 @@ class ZeroTrainerMixin:
             )
         if self.args.save_only_model and self.args.load_best_model_at_end:
             raise ValueError("ZeRO can't be used with `save_only_model` along with `load_best_model_at_end`.")
+
+    def _hp_search_setup(self, trial: Any) -> None:
+        """A hyperparameter-search trial sets its values on the arguments and builds a new accelerator (as
+        transformers rebuilds its DeepSpeed config): the config's "auto" values are filled from the trial's."""
+        self._zero_new_trial = self.hp_search_backend is not None and trial is not None
+        try:
+            super()._hp_search_setup(trial)  # type: ignore[misc]
+        finally:
+            self._zero_new_trial = False
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
