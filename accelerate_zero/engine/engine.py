@@ -171,7 +171,7 @@ class ZeroEngine:
         self.scheduler: UnitScheduler | None = None
         self._state_dict_guard: PlaceholderStateDictGuard | None = None
         if self.stage == 3:
-            buckets, locations, slices, on_complete = self._init_stage3(trainable, dtypes, zero)
+            buckets, locations, slices, on_complete, spilled = self._init_stage3(trainable, dtypes, zero)
         else:
             num_shards = 1 if self.stage == 0 else self.dp.world_size
             self.groups = [
@@ -189,25 +189,30 @@ class ZeroEngine:
                 for params in trainable
             ]
             buckets, locations = self._order_group_buckets()
-            slices, on_complete = [group_slices(shard) for shard in self.groups], None
+            slices, on_complete, spilled = [group_slices(shard) for shard in self.groups], None, {}
+        self.param_store = None
+        if self.offload.param_nvme_path is not None:  # first: the masters below read swapped shards from files
+            slices = self._init_param_store(slices, spilled)
+        elif spilled:
+            raise ValueError(
+                "the model was loaded by accelerate_zero.from_pretrained with offload_param.device nvme, but the "
+                "engine's config has no NVMe parameter offload: pass initialize the same config as from_pretrained"
+            )
         if self.offload.optimizer:
-            slices = offload_masters(slices, self.offload)
+            slices = offload_masters(slices, self.offload, self._slice_values)
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
         swapper, self.grad_store = None, None
         # Stages 2 and 3 reduce each bucket to a slice this rank keeps until the step: under NVMe offload it goes
         # to a file too. Stages 0 and 1 hold their full gradient on the device anyway.
         swapped_grads = [b for b in buckets if b.mode is ReduceMode.SCATTER_TO_SHARD]
-        if self.offload.nvme_path is not None:  # before the parameter store: the masters start from the shards
+        if self.offload.nvme_path is not None:
             numel = sum(s.end - s.start for group in slices for s in group)
             grad_numel = sum(b.plan.shard_numel for b in swapped_grads)
             folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel, grad_numel)
-            swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count)
+            swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
             self.grad_store = NvmeGradStore(folder / "gradients.bin", swapped_grads, self.offload.buffer_count)
             for bucket in swapped_grads:
                 bucket.grad_store = self.grad_store
-        self.param_store = None
-        if self.offload.param_nvme_path is not None:
-            slices = self._init_param_store(slices)
         if self.offload.optimizer:
             # Allocated once the shards and masters went to their files, so the start-up peak is not both.
             for bucket in buckets:
@@ -219,19 +224,23 @@ class ZeroEngine:
         self.sharded_optimizer.param_store, self.sharded_optimizer.swapper = self.param_store, swapper
         self.sharded_optimizer.switch_param_groups()
 
-    def _init_param_store(self, slices: list[list[ShardSlice]]) -> list[list[ShardSlice]]:
-        """offload_param nvme: moves unit shards into files; returns the slices, none stepping a swapped shard."""
+    def _slice_values(self, shard_slice: ShardSlice) -> torch.Tensor:
+        """The parameter values of a slice (read from its file when the NVMe parameter store holds its shard)."""
+        if self.param_store is not None and self.param_store.holds(shard_slice):
+            return self.param_store.read_slice(shard_slice)
+        return shard_slice.params
+
+    def _init_param_store(self, slices: list[list[ShardSlice]], spilled: dict[int, Path]) -> list[list[ShardSlice]]:
+        """offload_param nvme: moves unit shards into files (adopting those partitioned loading already wrote);
+        returns the slices, none stepping a swapped shard."""
         config = self.config.zero_optimization.offload_param
         swapped = choose_swapped(self.units, config.max_in_cpu)
         in_files = {id(unit.bucket) for unit, flat in swapped if flat is unit.trainable}
-
-        def own_master(s: ShardSlice) -> ShardSlice:
-            # An fp32 master that is the shard itself would vanish with the shard: the optimizer gets a copy.
-            if s.aliased and id(s.bucket) in in_files:
-                return ShardSlice(s.bucket, s.start, s.end, s.master.detach().clone(), s.params)
-            return s
-
-        slices = [[own_master(s) for s in group] for group in slices]
+        if not set(spilled) <= {id(flat) for _, flat in swapped}:
+            raise ValueError(
+                "the model was loaded by accelerate_zero.from_pretrained with another offload_param.max_in_cpu or "
+                "unit layout than this engine's config: pass initialize the same config as from_pretrained"
+            )
         self.param_store = build_param_store(
             config.nvme_path,
             self.dp.rank,
@@ -240,7 +249,16 @@ class ZeroEngine:
             buffer_size=config.buffer_size,
             # page-locked buffers only help (and only exist) when an accelerator copies from them
             pin_memory=config.pin_memory and self.device.type != "cpu",
+            spilled=spilled,
         )
+
+        def own_master(s: ShardSlice) -> ShardSlice:
+            # An fp32 master that was the shard itself went to the file with it: the optimizer gets a copy.
+            if s.aliased and id(s.bucket) in in_files:
+                return ShardSlice(s.bucket, s.start, s.end, self._slice_values(s).clone(), s.params)
+            return s
+
+        slices = [[own_master(s) for s in group] for group in slices]
         for unit in self.units:
             unit.store = self.param_store
         assert self.scheduler is not None
@@ -293,7 +311,7 @@ class ZeroEngine:
             if unit is not None:
                 scheduler.post_backward(unit)
 
-        return parts.buckets, parts.locations, parts.slices_by_group, on_complete
+        return parts.buckets, parts.locations, parts.slices_by_group, on_complete, parts.spilled
 
     def _order_group_buckets(self) -> tuple[list[GradBucket], dict]:
         position = {param: i for i, param in enumerate(self.module.parameters())}

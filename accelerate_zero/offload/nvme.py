@@ -14,7 +14,7 @@ import os
 import shutil
 import socket
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -90,8 +90,14 @@ class NvmeSwapper:
     """Steps the optimizer sub-group by sub-group from files (see the module docstring)."""
 
     def __init__(
-        self, folder: Path, slices_by_group: list[list[ShardSlice]], sub_group_numel: int, buffer_count: int
+        self,
+        folder: Path,
+        slices_by_group: list[list[ShardSlice]],
+        sub_group_numel: int,
+        buffer_count: int,
+        values: Callable[[ShardSlice], torch.Tensor],
     ) -> None:
+        """`values` gives a slice's parameter values, which the masters start from (the shard may be in a file)."""
         self.folder, self.buffer_count = folder, max(2, buffer_count)
         entries = [(group, s) for group, slices in enumerate(slices_by_group) for s in slices]
         self.subgroups: list[list[tuple[int, ShardSlice]]] = []
@@ -106,7 +112,7 @@ class NvmeSwapper:
         """Most sub-groups in memory at once during a step (the current, the one read ahead, writes in flight)."""
         for index, subgroup in enumerate(self.subgroups):
             for _, shard_slice in subgroup:  # the masters start as placeholders (offload_masters)
-                shard_slice.master.data = shard_slice.params.detach().to(device="cpu", dtype=torch.float32, copy=True)
+                shard_slice.master.data = values(shard_slice).detach().to(device="cpu", dtype=torch.float32, copy=True)
             save_file(_tensors(subgroup, {}), str(self._file(index)))
             _release(subgroup)
         self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)

@@ -26,6 +26,7 @@ process exits.
 from __future__ import annotations
 
 import collections
+import os
 import shutil
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,28 @@ from accelerate_zero.offload.nvme import check_folder, tensor_bytes
 
 def param_rank_folder(nvme_path: str, rank: int) -> Path:
     return Path(nvme_path) / "accelerate_zero" / "params" / f"rank{rank:05d}"
+
+
+def preload_rank_folder(nvme_path: str, rank: int) -> Path:
+    """Where `from_pretrained` spills the shards that will be swapped, until the engine's store adopts the files."""
+    return Path(nvme_path) / "accelerate_zero" / "preload" / f"rank{rank:05d}"
+
+
+def swapped_flags(shard_numels: list[int], max_in_cpu: int) -> list[bool]:
+    """Which shards go to files: all but the first `max_in_cpu` elements, in unit order (DeepSpeed's `max_in_cpu`)."""
+    kept, flags = 0, []
+    for numel in shard_numels:
+        stays = kept + numel <= max_in_cpu
+        kept += numel if stays else 0
+        flags.append(not stays)
+    return flags
+
+
+def spill_shard(flat: FlatUnitBuffer, path: Path) -> None:
+    """Writes `flat.shard` to `path` and leaves an empty placeholder (partitioned loading under NVMe offload)."""
+    with open(path, "wb") as file:
+        file.write(tensor_bytes(flat.shard))
+    flat.shard = flat.shard.new_empty(0)
 
 
 @dataclass
@@ -59,8 +82,14 @@ class NvmeParamStore:
     """Keeps unit shards in files and brings them into memory for the all-gather (see the notes above)."""
 
     def __init__(
-        self, folder: Path, swapped: list[tuple[ParamUnit, FlatUnitBuffer]], buffer_count: int, pin_memory: bool
+        self,
+        folder: Path,
+        swapped: list[tuple[ParamUnit, FlatUnitBuffer]],
+        buffer_count: int,
+        pin_memory: bool,
+        spilled: dict[int, Path] | None = None,
     ) -> None:
+        """`spilled`: id(flat) -> the file partitioned loading already wrote its shard to (moved, not copied)."""
         self.folder, self.buffer_count, self.pin_memory = folder, max(1, buffer_count), pin_memory
         self.shards: dict[int, SwappedShard] = {}  # id(flat) -> its file
         self.by_bucket: dict[int, SwappedShard] = {}  # id(unit.bucket) -> the trainable flat's file
@@ -74,7 +103,11 @@ class NvmeParamStore:
         self._writes: collections.deque[Future] = collections.deque()
         self.peak_resident = 0
         """Most swapped shards in memory (or in flight to a file) at once."""
+        spilled = spilled or {}
         for entry in self.shards.values():
+            if id(entry.flat) in spilled:
+                os.replace(spilled[id(entry.flat)], entry.path)  # the shard never was in memory
+                continue
             with open(entry.path, "wb") as file:
                 file.write(tensor_bytes(entry.flat.shard.clone()))  # numpy views make a storage unresizable
             entry.flat.shard.untyped_storage().resize_(0)  # also frees what the optimizer slices' views held
@@ -198,14 +231,9 @@ class NvmeParamStore:
 
 def choose_swapped(units: list[ParamUnit], max_in_cpu: int) -> list[tuple[ParamUnit, FlatUnitBuffer]]:
     """The flat buffers whose shards go to files: all but the first `max_in_cpu` elements, in unit order."""
-    kept, swapped = 0, []
-    for unit in units:
-        for flat in unit.flats:
-            if kept + flat.plan.shard_numel <= max_in_cpu:
-                kept += flat.plan.shard_numel
-            else:
-                swapped.append((unit, flat))
-    return swapped
+    flats = [(unit, flat) for unit in units for flat in unit.flats]
+    flags = swapped_flags([flat.plan.shard_numel for _, flat in flats], max_in_cpu)
+    return [entry for entry, swapped in zip(flats, flags, strict=True) if swapped]
 
 
 def build_param_store(
@@ -216,6 +244,7 @@ def build_param_store(
     buffer_count: int,
     buffer_size: int,
     pin_memory: bool,
+    spilled: dict[int, Path] | None = None,
 ) -> NvmeParamStore:
     """Checks `buffer_size` and the path, then moves the `swapped` shards into files.
 
@@ -240,4 +269,4 @@ def build_param_store(
         needed,
         "its parameter shards",
     )
-    return NvmeParamStore(folder, swapped, buffer_count, pin_memory)
+    return NvmeParamStore(folder, swapped, buffer_count, pin_memory, spilled)

@@ -11,6 +11,7 @@ On a CPU-only machine the same code runs; the copies are host-to-host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +60,14 @@ def offload_policy(config: ZeroConfig) -> OffloadPolicy:
     )
 
 
-def offload_masters(slices_by_group: list[list[ShardSlice]], policy: OffloadPolicy) -> list[list[ShardSlice]]:
+def offload_masters(
+    slices_by_group: list[list[ShardSlice]],
+    policy: OffloadPolicy,
+    values: Callable[[ShardSlice], torch.Tensor],
+) -> list[list[ShardSlice]]:
     """The same slices with their fp32 master in host memory (one contiguous host buffer per param group; under
-    NVMe offload one placeholder tensor per slice, so a swapped-out slice frees its memory)."""
+    NVMe offload one placeholder tensor per slice, so a swapped-out slice frees its memory). `values` gives a
+    slice's parameter values (its shard may be in a file: offload/nvme_params.py)."""
     if policy.nvme_path is not None:
         # Placeholders: NvmeSwapper fills them from the parameters one sub-group at a time and writes them out,
         # so the whole fp32 shard is never in memory at once.
@@ -76,7 +82,7 @@ def offload_masters(slices_by_group: list[list[ShardSlice]], policy: OffloadPoli
         pieces = flat.split([s.end - s.start for s in slices]) if slices else []
         moved = []
         for shard_slice, master in zip(slices, pieces, strict=True):
-            master.copy_(shard_slice.params)
+            master.copy_(values(shard_slice))
             moved.append(
                 ShardSlice(shard_slice.bucket, shard_slice.start, shard_slice.end, master, shard_slice.params)
             )

@@ -100,3 +100,76 @@ def test_partitioned_loading_training_and_saving(tmp_path: Path) -> None:
     assert (tmp_path / "saved" / "model.safetensors").exists()
     noflag = tmp_path / "saved-noflag"
     assert (noflag / "latest").exists() and not (noflag / "model.safetensors").exists()
+
+
+NVME_LOADING_CASES = {  # name -> (offload_optimizer block or None, offload_param.max_in_cpu)
+    "optimizer nvme": ({"device": "nvme"}, 0),
+    "optimizer cpu": ({"device": "cpu"}, 0),
+    "no optimizer offload (fp32 masters are the shards)": (None, 0),
+    "first units kept in memory": ({"device": "nvme"}, 3000),
+}
+
+
+def _check_nvme_loading(rank: int, world_size: int, folder: str, nvme_root: str) -> dict[str, Any]:
+    """[Note: partitioned loading under NVMe parameter offload]: the shards that will live in files go there while
+    loading; the engine adopts the files; training matches transformers' own model trained in one process."""
+    import accelerate_zero
+    from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR
+    from accelerate_zero.offload.nvme_params import preload_rank_folder
+
+    tokens = torch.randint(0, 64, (2 * world_size, 10), generator=torch.Generator().manual_seed(0))
+    reference = _llama_class().from_pretrained(folder)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(2):
+        reference(input_ids=tokens, labels=tokens).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    out = {}
+    for name, (optimizer_block, max_in_cpu) in NVME_LOADING_CASES.items():
+        nvme_path = str(Path(nvme_root) / str(len(out)))
+        zero: dict[str, Any] = {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": max_in_cpu},
+        }
+        if optimizer_block is not None:
+            zero["offload_optimizer"] = {**optimizer_block, "nvme_path": nvme_path}
+            zero["sub_group_size"] = 2000
+        config = {"gradient_clipping": 1.0, "zero_optimization": zero}
+        model = accelerate_zero.from_pretrained(_llama_class(), folder, config=config)
+        preloaded = getattr(model, PRELOADED_ATTR)
+        spill_folder = preload_rank_folder(nvme_path, rank)
+        loaded = {
+            "spilled_files": len(list(spill_folder.glob("*.bin"))),
+            "spilled_flats": len(preloaded.spilled),
+            "flats": len(preloaded.flats),
+            "held_by_spilled": sum(f.shard.numel() for f in preloaded.flats.values() if id(f) in preloaded.spilled),
+        }
+        engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
+        loaded["left_after_initialize"] = len(list(spill_folder.glob("*.bin")))
+        loaded["swapped"] = len(engine.param_store.shards)
+        for _ in range(2):
+            mine = tokens[2 * rank : 2 * rank + 2]
+            engine.backward(engine(input_ids=mine, labels=mine).loss)
+            engine.step()
+        with accelerate_zero.GatheredParameters(list(model.parameters())):
+            loaded["diff"] = max(
+                (p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+            )
+        engine.destroy()
+        out[name] = loaded
+    return out
+
+
+def test_partitioned_loading_writes_swapped_shards_to_nvme_at_once(tmp_path: Path) -> None:
+    folder = tmp_path / "tiny-llama"
+    _save_tiny_llama(folder)
+    for results in run_distributed(_check_nvme_loading, 3, str(folder), str(tmp_path / "nvme")):
+        for name, r in results.items():
+            assert r["diff"] < 1e-6, (name, r)
+            # every shard the engine keeps in a file went there while loading (none stays in memory) and was moved
+            assert 0 < r["spilled_flats"] == r["spilled_files"] == r["swapped"], (name, r)
+            assert r["held_by_spilled"] == 0 and r["left_after_initialize"] == 0, (name, r)
+        kept = results["first units kept in memory"]
+        assert kept["spilled_flats"] < kept["flats"] == results["optimizer nvme"]["spilled_flats"]

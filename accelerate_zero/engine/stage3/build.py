@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,6 +35,8 @@ class Stage3Parts:
     locations: dict[nn.Parameter, tuple[int, ParamSlot]]
     unit_of_bucket: dict[int, ParamUnit]
     slices_by_group: list[list[ShardSlice]]
+    spilled: dict[int, Path]
+    """id(flat) -> the file partitioned loading wrote its shard to (offload_param nvme; the shard is a placeholder)."""
 
 
 def build_stage3(
@@ -87,13 +90,15 @@ def build_stage3(
             for slot in bucket.plan.slots:
                 locations[shard.params[slot.param_index]] = (len(buckets), slot)
             buckets.append(bucket)
-    if hasattr(module, PRELOADED_ATTR):
+    preloaded = getattr(module, PRELOADED_ATTR, None)
+    spilled = dict(preloaded.spilled) if preloaded is not None else {}
+    if preloaded is not None:
         delattr(module, PRELOADED_ATTR)
     slices = [group_slices(shard) for shard in persistent_groups]
     for unit in units:
         for index, unit_group in enumerate(unit_slices(unit, group_of, rank, len(trainable_groups))):
             slices[index] += unit_group
-    return Stage3Parts(units, root, persistent_groups, buckets, locations, unit_of_bucket, slices)
+    return Stage3Parts(units, root, persistent_groups, buckets, locations, unit_of_bucket, slices, spilled)
 
 
 def _build_units(

@@ -8,9 +8,13 @@ rows. `initialize` adopts the shards instead of flattening the parameters again.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +28,7 @@ from accelerate_zero.engine.groups import default_device, init_data_parallel_gro
 from accelerate_zero.engine.shard_plan import plan_group
 from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
+from accelerate_zero.offload.nvme_params import preload_rank_folder, spill_shard, swapped_flags
 
 
 PRELOADED_ATTR = "_accelerate_zero_preloaded"
@@ -38,6 +43,8 @@ class Preloaded:
     dtype: torch.dtype
     flats: dict[tuple[int, ...], FlatUnitBuffer]
     """Keyed by the ids of the flat's parameters, in order."""
+    spilled: dict[int, Path] = dataclasses.field(default_factory=dict)
+    """id(flat) -> the file holding its shard (offload_param nvme: the flat's `shard` is an empty placeholder)."""
 
 
 def from_pretrained(
@@ -87,6 +94,9 @@ def from_pretrained(
     real = _replace_meta_parameters(model, device, dtype)
     names = {id(p): n for n, p in model.named_parameters()}
     flats = {}
+    flat_shapes = [[shapes[id(p)] for p in ps] for spec in layout.units for ps in (spec.trainable, spec.frozen) if ps]
+    spill = _spill_plan(zero, flat_shapes, dp.rank, dp.world_size)
+    spilled: dict[int, Path] = {}
     for spec in layout.units:
         for meta_params in (spec.trainable, spec.frozen):
             if meta_params:
@@ -104,14 +114,45 @@ def from_pretrained(
                     device,
                 )
                 flats[tuple(id(p) for p in params)] = flat
+                if spill is not None and spill.flags[len(flats) - 1]:
+                    # [Note: partitioned loading under NVMe parameter offload] A shard the engine will keep in a
+                    # file goes there now, so no rank ever holds all of its shards (4/W bytes per parameter in
+                    # fp32); the engine's store moves the file into place instead of writing it.
+                    spilled[id(flat)] = spill.folder / f"flat{len(flats) - 1:05d}.bin"
+                    spill_shard(flat, spilled[id(flat)])
     in_units = {id(p) for flat in flats.values() for p in flat.params}
     for param in model.parameters():
         if id(param) not in in_units:
             loaded = files.get(names[id(param)])
             param.data = loaded.to(device=device, dtype=dtype if loaded.is_floating_point() else loaded.dtype)
     _load_buffers(model, files, device)
-    setattr(model, PRELOADED_ATTR, Preloaded(dp.world_size, dp.rank, dtype, flats))
+    if spill is not None:  # the engine moves the files out; what it did not adopt goes with the model
+        weakref.finalize(model, shutil.rmtree, spill.folder, True)
+    setattr(model, PRELOADED_ATTR, Preloaded(dp.world_size, dp.rank, dtype, flats, spilled))
     return model
+
+
+@dataclass(frozen=True)
+class _SpillPlan:
+    folder: Path
+    flags: list[bool]
+    """Per flat, in loading order: its shard goes to a file (the engine's `choose_swapped` picks the same ones)."""
+
+
+def _spill_plan(
+    zero: ZeroConfig, flat_shapes: list[list[tuple[int, ...]]], rank: int, world_size: int
+) -> _SpillPlan | None:
+    offload = zero.zero_optimization.offload_param
+    if offload is None or offload.device != "nvme" or not offload.nvme_path:
+        return None
+    numels = [plan_group(shapes, sys.maxsize, world_size).buckets[0].shard_numel for shapes in flat_shapes]
+    flags = swapped_flags(numels, offload.max_in_cpu)
+    if not any(flags):
+        return None
+    folder = preload_rank_folder(offload.nvme_path, rank)
+    shutil.rmtree(folder, ignore_errors=True)  # left by a job that was killed while loading
+    folder.mkdir(parents=True, exist_ok=True)
+    return _SpillPlan(folder, flags)
 
 
 def _load_flat(
