@@ -3,7 +3,9 @@
 The model is built with its parameters on the meta device (buffers real, so values computed at construction such
 as rotary frequencies stay right), then each gather unit's shard is read from the safetensors files: only the rows
 of each tensor that hold this rank's element ranges are read. Peak memory is this rank's shards plus one tensor's
-rows. `initialize` adopts the shards instead of flattening the parameters again.
+rows; under NVMe parameter offload only the shards that stay in memory, since each one bound for a file is written
+there as soon as it is read ([Note: partitioned loading under NVMe parameter offload]). `initialize` adopts the
+shards (and the files) instead of flattening the parameters again.
 """
 
 from __future__ import annotations
