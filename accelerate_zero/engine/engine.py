@@ -253,8 +253,9 @@ class ZeroEngine:
         )
 
         def own_master(s: ShardSlice) -> ShardSlice:
-            # An fp32 master that was the shard itself went to the file with it: the optimizer gets a copy.
-            if s.aliased and id(s.bucket) in in_files:
+            # An fp32 master that was the shard itself went to the file with it: the optimizer gets a copy (under
+            # optimizer offload every master is replaced by a host or NVMe one anyway).
+            if s.aliased and id(s.bucket) in in_files and not self.offload.optimizer:
                 return ShardSlice(s.bucket, s.start, s.end, self._slice_values(s).clone(), s.params)
             return s
 
