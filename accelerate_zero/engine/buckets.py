@@ -193,7 +193,7 @@ class GradBucket:
 
     def _add_to_shard(self, reduced: torch.Tensor, post: float) -> None:
         if self.grad_store is not None:
-            self.grad_store.accumulate(self, reduced, post)
+            self.grad_store.accumulate(self, reduced, post, fresh=not self._shard_has_data)
             self._shard_has_data = True
             return
         if self.host_grad is not None:
@@ -216,11 +216,18 @@ class GradBucket:
     # ------------------------------------------------------------------ after step
     def reduced_slice(self, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of `reduced_shard()`, read from the file when the slice lives in one."""
-        if self.grad_store is not None:
-            if self.state is BucketState.REDUCING:
-                raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
-            return self.grad_store.read(self, start, end)
-        return self.reduced_shard()[start:end]
+        if self.grad_store is None:
+            return self.reduced_shard()[start:end]
+        if self.state is BucketState.REDUCING:
+            raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
+        if not self._shard_has_data:
+            return torch.zeros(end - start, dtype=torch.float32)
+        return self.grad_store.read(self, start, end)
+
+    def reduced_norm(self) -> torch.Tensor:
+        """L2 norm (fp32) of a gradient slice that lives in a file, taken when it was written (no read)."""
+        assert self.grad_store is not None, "reduced_norm() is for buckets whose gradient is in a file"
+        return self.grad_store.norm(self) if self._shard_has_data else torch.zeros(())
 
     def reduced_shard(self) -> torch.Tensor:
         """This rank's averaged gradient slice (the whole bucket at stage 0), ready for the optimizer."""
@@ -250,8 +257,6 @@ class GradBucket:
             self.grad = None
         else:
             self._storage.zero_()
-        if self.grad_store is not None:
-            self.grad_store.clear(self)
         self._shard_has_data = False
         self.state = BucketState.EMPTY
 

@@ -193,10 +193,11 @@ class ZeroEngine:
         self.param_store = None
         if self.offload.param_nvme_path is not None:  # first: the masters below read swapped shards from files
             slices = self._init_param_store(slices, spilled)
-        elif spilled:
+        if not set(spilled) <= set(self.param_store.shards if self.param_store is not None else ()):
             raise ValueError(
-                "the model was loaded by accelerate_zero.from_pretrained with offload_param.device nvme, but the "
-                "engine's config has no NVMe parameter offload: pass initialize the same config as from_pretrained"
+                "the model was loaded by accelerate_zero.from_pretrained with NVMe parameter offload that this "
+                "engine's config does not match (offload_param.device, max_in_cpu or the unit layout): pass "
+                "initialize the same config as from_pretrained"
             )
         if self.offload.optimizer:
             slices = offload_masters(slices, self.offload, self._slice_values)
@@ -236,11 +237,6 @@ class ZeroEngine:
         config = self.config.zero_optimization.offload_param
         swapped = choose_swapped(self.units, config.max_in_cpu)
         in_files = {id(unit.bucket) for unit, flat in swapped if flat is unit.trainable}
-        if not set(spilled) <= {id(flat) for _, flat in swapped}:
-            raise ValueError(
-                "the model was loaded by accelerate_zero.from_pretrained with another offload_param.max_in_cpu or "
-                "unit layout than this engine's config: pass initialize the same config as from_pretrained"
-            )
         self.param_store = build_param_store(
             config.nvme_path,
             self.dp.rank,

@@ -139,7 +139,7 @@ class ShardedOptimizer:
             list(torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])) if grads else []
         )
         # A gradient slice in a file: its norm was taken when it was written (offload/nvme_grads.py).
-        norms += [bucket.grad_store.norm(bucket) for bucket in self.buckets if bucket.grad_store is not None]
+        norms += [bucket.reduced_norm() for bucket in self.buckets if bucket.grad_store is not None]
         if not norms:
             return 0.0
         sum_sq = torch.stack(norms).square().sum().to(self.device)

@@ -37,6 +37,20 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+def read_at(path: Path, byte_offset: int, target: torch.Tensor) -> None:
+    """Fills `target` with the raw bytes of `path` from `byte_offset` (swap files: parameter shards, gradients)."""
+    with open(path, "rb") as file:
+        file.seek(byte_offset)
+        file.readinto(tensor_bytes(target))
+
+
+def write_at(path: Path, byte_offset: int, values: torch.Tensor) -> None:
+    """Writes the raw bytes of `values` into the existing file `path` at `byte_offset`."""
+    with open(path, "r+b") as file:
+        file.seek(byte_offset)
+        file.write(tensor_bytes(values))
+
+
 def rank_folder(nvme_path: str, rank: int) -> Path:
     return Path(nvme_path) / "accelerate_zero" / f"rank{rank:05d}"
 

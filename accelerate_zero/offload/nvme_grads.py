@@ -8,15 +8,13 @@ read-ahead of offload/nvme.py). At most `buffer_count` slices are in memory bein
 
 The clipping norm needs the whole gradient before any sub-group steps. Each write computes the L2 norm of the
 slice it writes; a bucket's last write in a step holds its final value, so the norm of the swapped buckets is
-known without reading the file. The file is raw fp32 bytes (read and written with pread/pwrite, never
+known without reading the file. The file is raw fp32 bytes (offload/nvme.py `read_at`/`write_at`, never
 unpickled) in the optimizer's folder, `<nvme_path>/accelerate_zero/rank<R>/gradients.bin`, removed with it.
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from accelerate_zero.offload.nvme import tensor_bytes
+from accelerate_zero.offload.nvme import read_at, write_at
 
 
 if TYPE_CHECKING:
@@ -33,19 +31,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class SwappedGrad:
-    """Where one bucket's gradient slice lives in the file, and what this step wrote there."""
+    """Where one bucket's gradient slice lives in the file, and what was last written there."""
 
     byte_offset: int
     numel: int
-    has_data: bool = False
-    """Written since the last `clear`: otherwise the file's bytes are stale and the gradient is zero."""
     norm: torch.Tensor | None = None
     """L2 norm (fp32, 0-dim) of the last value written."""
     writing: Future | None = None
 
 
 class NvmeGradStore:
-    """Keeps the gradient slices of `buckets` in one file (see the module docstring)."""
+    """Keeps the gradient slices of `buckets` in one file (see the module docstring). Whether a slice holds this
+    step's gradient is the bucket's to know: it says so when it adds (`fresh`) and reads only what it wrote."""
 
     def __init__(self, path: Path, buckets: list[GradBucket], buffer_count: int) -> None:
         self.path, self.buffer_count = path, max(1, buffer_count)
@@ -54,66 +51,43 @@ class NvmeGradStore:
         for bucket in buckets:
             self.entries[id(bucket)] = SwappedGrad(offset, bucket.plan.shard_numel)
             offset += 4 * bucket.plan.shard_numel
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self._fd, offset)
+        with open(path, "wb") as file:
+            file.truncate(offset)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accelerate_zero_nvme_grads")
         self._writes: collections.deque[tuple[Future, torch.Tensor]] = collections.deque()
         self.peak_resident = 0
         """Most gradient slices in memory at once (being written)."""
-        self._finalizer = weakref.finalize(self, os.close, self._fd)
 
-    def accumulate(self, bucket: GradBucket, reduced: torch.Tensor, post: float) -> None:
-        """Adds `reduced * post` to the bucket's slice (the first add of a step overwrites the stale file)."""
+    def accumulate(self, bucket: GradBucket, reduced: torch.Tensor, post: float, fresh: bool) -> None:
+        """Adds `reduced * post` to the bucket's slice; `fresh` overwrites it (the file holds an earlier step's)."""
         entry = self.entries[id(bucket)]
         reduced = reduced.to(device="cpu", dtype=torch.float32)
-        if entry.has_data:
-            values = self._read(entry, 0, entry.numel)
-            values.add_(reduced, alpha=post)
-        else:
+        if fresh:
             values = torch.mul(reduced, post)
-        entry.norm, entry.has_data = torch.linalg.vector_norm(values), True
+        else:
+            values = self.read(bucket, 0, entry.numel)
+            values.add_(reduced, alpha=post)
+        entry.norm = torch.linalg.vector_norm(values)
         while len(self._writes) >= self.buffer_count:
             self._writes.popleft()[0].result()
-        entry.writing = self._pool.submit(self._write_at, self._fd, entry.byte_offset, values)
+        entry.writing = self._pool.submit(write_at, self.path, entry.byte_offset, values)
         self._writes.append((entry.writing, values))
         self.peak_resident = max(self.peak_resident, sum(not w.done() for w, _ in self._writes))
 
     def read(self, bucket: GradBucket, start: int, end: int) -> torch.Tensor:
-        """A fresh fp32 tensor with elements [start, end) of the bucket's slice (zeros before any write)."""
-        return self._read(self.entries[id(bucket)], start, end)
-
-    def _read(self, entry: SwappedGrad, start: int, end: int) -> torch.Tensor:
-        if not entry.has_data:
-            return torch.zeros(end - start, dtype=torch.float32)
+        """A fresh fp32 tensor with elements [start, end) of the bucket's slice as last written."""
+        entry = self.entries[id(bucket)]
         if entry.writing is not None:
             entry.writing.result()  # reads run on other threads too (the optimizer's read-ahead)
         values = torch.empty(end - start, dtype=torch.float32)
-        view, position = tensor_bytes(values), entry.byte_offset + 4 * start
-        while view:
-            count = os.preadv(self._fd, [view], position)
-            if count <= 0:
-                raise OSError(f"{self.path}: short read at byte {position}")
-            view, position = view[count:], position + count
+        read_at(self.path, entry.byte_offset + 4 * start, values)
         return values
 
-    @staticmethod
-    def _write_at(fd: int, position: int, values: torch.Tensor) -> None:
-        view = tensor_bytes(values)
-        while view:  # pwrite may write less than asked (at most about 2 GiB per call on Linux)
-            count = os.pwrite(fd, view, position)
-            view, position = view[count:], position + count
-
     def norm(self, bucket: GradBucket) -> torch.Tensor:
-        entry = self.entries[id(bucket)]
-        return entry.norm if entry.has_data and entry.norm is not None else torch.zeros(())
-
-    def has_data(self, bucket: GradBucket) -> bool:
-        return self.entries[id(bucket)].has_data
-
-    def clear(self, bucket: GradBucket) -> None:
-        """Forgets the bucket's gradient (after the step): the next write starts from zero."""
-        entry = self.entries[id(bucket)]
-        entry.has_data, entry.norm = False, None
+        """The L2 norm of the bucket's slice as last written (taken when it was written: no read)."""
+        norm = self.entries[id(bucket)].norm
+        assert norm is not None, "norm() of a slice never written"
+        return norm
 
     def flush(self) -> None:
         while self._writes:
@@ -132,4 +106,3 @@ class NvmeGradStore:
     def close(self) -> None:
         self.flush()
         self._pool.shutdown(wait=True)
-        self._finalizer()

@@ -37,7 +37,7 @@ import torch
 
 from accelerate_zero.engine.sharded_optimizer import ShardSlice
 from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit
-from accelerate_zero.offload.nvme import check_folder, tensor_bytes
+from accelerate_zero.offload.nvme import check_folder, read_at, tensor_bytes, write_at
 
 
 def param_rank_folder(nvme_path: str, rank: int) -> Path:
@@ -60,9 +60,10 @@ def swapped_flags(shard_numels: list[int], max_in_cpu: int) -> list[bool]:
 
 
 def spill_shard(flat: FlatUnitBuffer, path: Path) -> None:
-    """Writes `flat.shard` to `path` and leaves an empty placeholder (partitioned loading under NVMe offload)."""
+    """Writes `flat.shard` to `path`, frees its memory (also what views of it held) and leaves an empty placeholder."""
     with open(path, "wb") as file:
-        file.write(tensor_bytes(flat.shard))
+        file.write(tensor_bytes(flat.shard.clone()))  # numpy views make a storage unresizable
+    flat.shard.untyped_storage().resize_(0)
     flat.shard = flat.shard.new_empty(0)
 
 
@@ -108,10 +109,7 @@ class NvmeParamStore:
             if id(entry.flat) in spilled:
                 os.replace(spilled[id(entry.flat)], entry.path)  # the shard never was in memory
                 continue
-            with open(entry.path, "wb") as file:
-                file.write(tensor_bytes(entry.flat.shard.clone()))  # numpy views make a storage unresizable
-            entry.flat.shard.untyped_storage().resize_(0)  # also frees what the optimizer slices' views held
-            entry.flat.shard = entry.flat.shard.new_empty(0)
+            spill_shard(entry.flat, entry.path)  # the optimizer slices' views of the shard are never used again
         self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)
 
     # ------------------------------------------------------------- gathering
@@ -157,13 +155,8 @@ class NvmeParamStore:
         flat = entry.flat
         flat.shard = torch.empty(flat.plan.shard_numel, dtype=flat.shard.dtype, pin_memory=self.pin_memory)
         entry.resident = True
-        entry.reading = self._pool.submit(self._read_into, entry.path, entry.flat.shard)
+        entry.reading = self._pool.submit(read_at, entry.path, 0, entry.flat.shard)
         self._note_peak()
-
-    @staticmethod
-    def _read_into(path: Path, target: torch.Tensor) -> None:
-        with open(path, "rb") as file:
-            file.readinto(tensor_bytes(target))
 
     def _resident_count(self) -> int:
         return sum(e.resident for e in self.shards.values()) + sum(not w.done() for w in self._writes)
@@ -190,7 +183,7 @@ class NvmeParamStore:
         entry = self.shards[id(flat)]
         self.flush()
         values = torch.empty(flat.plan.shard_numel, dtype=flat.shard.dtype)
-        self._read_into(entry.path, values)
+        read_at(entry.path, 0, values)
         return values
 
     def overwrite(self, flat: FlatUnitBuffer, values: torch.Tensor, offset: int = 0) -> None:
@@ -201,14 +194,8 @@ class NvmeParamStore:
         while self._writes and self._resident_count() >= self.buffer_count:
             self._writes.popleft().result()
         byte_offset = offset * values.element_size()
-        self._writes.append(self._pool.submit(self._write_at, entry.path, byte_offset, values))
+        self._writes.append(self._pool.submit(write_at, entry.path, byte_offset, values))
         self._note_peak()
-
-    @staticmethod
-    def _write_at(path: Path, byte_offset: int, values: torch.Tensor) -> None:
-        with open(path, "r+b") as file:
-            file.seek(byte_offset)
-            file.write(tensor_bytes(values))
 
     def flush(self) -> None:
         """Waits for every write (before the next read of any shard) and every read-ahead."""

@@ -27,7 +27,7 @@ from accelerate_zero.checkpoint.fragments import range_fragments
 from accelerate_zero.checkpoint.hf_files import SafetensorsFolder
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.groups import default_device, init_data_parallel_group
-from accelerate_zero.engine.shard_plan import plan_group
+from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.offload.nvme_params import preload_rank_folder, spill_shard, swapped_flags
@@ -95,33 +95,23 @@ def from_pretrained(
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     real = _replace_meta_parameters(model, device, dtype)
     names = {id(p): n for n, p in model.named_parameters()}
-    flats = {}
-    flat_shapes = [[shapes[id(p)] for p in ps] for spec in layout.units for ps in (spec.trainable, spec.frozen) if ps]
-    spill = _spill_plan(zero, flat_shapes, dp.rank, dp.world_size)
-    spilled: dict[int, Path] = {}
-    for spec in layout.units:
-        for meta_params in (spec.trainable, spec.frozen):
-            if meta_params:
-                params = [real[id(p)] for p in meta_params]
-                flat = _load_flat(
-                    params,
-                    [shapes[id(p)] for p in meta_params],
-                    names,
-                    # A reader per unit: its files are unmapped after the unit, so the pages this rank read do not
-                    # stay resident until the whole model is loaded (they would double the loading peak).
-                    SafetensorsFolder(path),
-                    dp.rank,
-                    dp.world_size,
-                    dtype,
-                    device,
-                )
-                flats[tuple(id(p) for p in params)] = flat
-                if spill is not None and spill.flags[len(flats) - 1]:
-                    # [Note: partitioned loading under NVMe parameter offload] A shard the engine will keep in a
-                    # file goes there now, so no rank ever holds all of its shards (4/W bytes per parameter in
-                    # fp32); the engine's store moves the file into place instead of writing it.
-                    spilled[id(flat)] = spill.folder / f"flat{len(flats) - 1:05d}.bin"
-                    spill_shard(flat, spilled[id(flat)])
+    # Every flat buffer in unit order (trainable, then frozen), the order the engine's units list them in.
+    meta_members = [ps for spec in layout.units for ps in (spec.trainable, spec.frozen) if ps]
+    members = [[real[id(p)] for p in ps] for ps in meta_members]
+    plans = [plan_group([shapes[id(p)] for p in ps], sys.maxsize, dp.world_size).buckets[0] for ps in meta_members]
+    spill = _spill_plan(zero, [plan.shard_numel for plan in plans], dp.rank)
+    flats, spilled = {}, {}
+    for index, (params, plan) in enumerate(zip(members, plans, strict=True)):
+        # A reader per unit: its files are unmapped after the unit, so the pages this rank read do not stay
+        # resident until the whole model is loaded (they would double the loading peak).
+        flat = _load_flat(params, plan, names, SafetensorsFolder(path), dp.rank, dtype, device)
+        flats[tuple(id(p) for p in params)] = flat
+        if spill is not None and spill.flags[index]:
+            # [Note: partitioned loading under NVMe parameter offload] A shard the engine will keep in a file goes
+            # there now, so no rank ever holds all of its shards (4/W bytes per parameter in fp32); the engine's
+            # store moves the file into place instead of writing it.
+            spilled[id(flat)] = spill.folder / f"flat{index:05d}.bin"
+            spill_shard(flat, spilled[id(flat)])
     in_units = {id(p) for flat in flats.values() for p in flat.params}
     for param in model.parameters():
         if id(param) not in in_units:
@@ -141,14 +131,11 @@ class _SpillPlan:
     """Per flat, in loading order: its shard goes to a file (the engine's `choose_swapped` picks the same ones)."""
 
 
-def _spill_plan(
-    zero: ZeroConfig, flat_shapes: list[list[tuple[int, ...]]], rank: int, world_size: int
-) -> _SpillPlan | None:
+def _spill_plan(zero: ZeroConfig, shard_numels: list[int], rank: int) -> _SpillPlan | None:
     offload = zero.zero_optimization.offload_param
     if offload is None or offload.device != "nvme" or not offload.nvme_path:
         return None
-    numels = [plan_group(shapes, sys.maxsize, world_size).buckets[0].shard_numel for shapes in flat_shapes]
-    flags = swapped_flags(numels, offload.max_in_cpu)
+    flags = swapped_flags(shard_numels, offload.max_in_cpu)
     if not any(flags):
         return None
     folder = preload_rank_folder(offload.nvme_path, rank)
@@ -159,16 +146,14 @@ def _spill_plan(
 
 def _load_flat(
     params: list[nn.Parameter],
-    shapes: list[tuple[int, ...]],
+    plan: BucketPlan,
     names: dict[int, str],
     files: SafetensorsFolder,
     rank: int,
-    world_size: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> FlatUnitBuffer:
     """This rank's shard of one unit, read straight from the files (only the rows holding its ranges)."""
-    plan = plan_group(shapes, sys.maxsize, world_size).buckets[0]
     lo, hi = plan.shard_range(rank)
     shard = torch.zeros(hi - lo, dtype=dtype, device=device)
     for frag in range_fragments(plan, params, names, lo, hi):

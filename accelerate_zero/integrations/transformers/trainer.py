@@ -68,7 +68,7 @@ class ZeroTrainerMixin:
         # build the ZeroAccelerator from the same arguments: both share accelerate's process state, so the first
         # one costs nothing but the object.
         if getattr(self, "_zero_new_trial", False):
-            self.args.refill_zero_config()  # the trial's learning rate, batch size, ... into the config's "auto"s
+            self.args.fill_zero_config()  # the trial's learning rate, batch size, ... into the config's "auto"s
         super().create_accelerator_and_postprocess()
         kwargs = dict(self._zero_accelerator_kwargs)
         self.accelerator = ZeroAccelerator(

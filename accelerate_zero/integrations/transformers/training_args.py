@@ -53,10 +53,10 @@ class ZeroArgumentsMixin:
             # accelerate forms the gloo group only when told the run is on the CPU.
             self.use_cpu = True
         super().__post_init__()  # type: ignore[misc]
-        self.refill_zero_config()
+        self.fill_zero_config()
 
-    def refill_zero_config(self) -> None:
-        """Fills the config's "auto" values from these arguments again (after a hyperparameter-search trial changed
+    def fill_zero_config(self) -> None:
+        """Fills the config's "auto" values from these arguments (again after a hyperparameter-search trial changed
         them) and validates it (every problem listed), before any process starts training."""
         raw = self._written_zero_config()
         self.zero_fill: AutoFill = fill_from_training_args(raw, self, self.auto_find_batch_size)
