@@ -43,7 +43,7 @@ from accelerate_zero.engine.setup import (
 from accelerate_zero.engine.shard_plan import plan_group
 from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer, ShardSlice
 from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
-from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, register_unit_hooks
+from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, register_entry_hooks, register_unit_hooks
 from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
@@ -296,6 +296,7 @@ class ZeroEngine:
             use_all_reduce=zero.stage3_use_all_reduce_for_fetch_params,
         )
         self._unit_hooks = register_unit_hooks(parts.units, self.scheduler)
+        self._unit_hooks += register_entry_hooks(self.module, parts.units, self.scheduler)  # sub-module calls
         # Under stage 3 every forward is a collective: transformers' generate() must keep all ranks stepping
         # until the longest sequence is done (synced_gpus). It enables that for modules flagged this way.
         self.module._is_fsdp_managed_module = True

@@ -130,3 +130,180 @@ def tiny_llama_config(**overrides: object) -> object:
         tie_word_embeddings=True,
     )
     return LlamaConfig(**{**values, **overrides})
+
+
+def tiny_t5_config(**overrides: object) -> object:
+    """A T5Config of a few thousand parameters (shared, tied embeddings; relative attention bias in block 0)."""
+    from transformers import T5Config
+
+    values = dict(
+        vocab_size=64,
+        d_model=16,
+        d_kv=4,
+        d_ff=24,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return T5Config(**{**values, **overrides})
+
+
+def tiny_bart_config(**overrides: object) -> object:
+    """A BartConfig of a few thousand parameters (shared, tied embeddings; learned positions)."""
+    from transformers import BartConfig
+
+    values = dict(
+        vocab_size=64,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+    )
+    return BartConfig(**{**values, **overrides})
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One architecture of the model zoo: how to build it (random weights) and what it is."""
+
+    build: Callable[[], nn.Module]
+    kind: str
+    """"causal" (decoder-only LM), "seq2seq", "classify" (token sequence -> label) or "vision"."""
+    skew: bool = False
+    """MoE routing skewed so that the two halves of the vocabulary (one per rank) use disjoint experts."""
+
+
+ZOO_VOCAB, ZOO_LABELS, ZOO_IMAGE = 64, 3, 8
+
+# Shared by the decoder-only configs: hidden 32 (4 heads of 8, 2 key-value heads), 2 layers, vocabulary 64.
+_DECODER = dict(
+    vocab_size=ZOO_VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _build(model_class: str, config_class: str, **values: object) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        config = getattr(transformers, config_class)(**values)
+        return getattr(transformers, model_class)(config)
+
+    return build
+
+
+def _zoo() -> dict[str, ZooModel]:
+    moe = dict(_DECODER, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8)
+    lm = {
+        "llama": _build("LlamaForCausalLM", "LlamaConfig", **_DECODER),
+        "mistral": _build("MistralForCausalLM", "MistralConfig", **_DECODER, sliding_window=None),
+        "qwen2": _build("Qwen2ForCausalLM", "Qwen2Config", **_DECODER),
+        "qwen3": _build("Qwen3ForCausalLM", "Qwen3Config", **_DECODER, head_dim=8),
+        "gemma": _build("GemmaForCausalLM", "GemmaConfig", **_DECODER, head_dim=8),
+        "gemma2": _build("Gemma2ForCausalLM", "Gemma2Config", **_DECODER, head_dim=8, sliding_window=16),
+        "phi3": _build("Phi3ForCausalLM", "Phi3Config", **_DECODER),
+        "gpt2-tied": _build(
+            "GPT2LMHeadModel", "GPT2Config", vocab_size=ZOO_VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64
+        ),
+        "gpt-neox": _build(
+            "GPTNeoXForCausalLM",
+            "GPTNeoXConfig",
+            **{k: v for k, v in _DECODER.items() if k != "num_key_value_heads"},
+            rotary_pct=0.5,
+        ),
+        "opt": _build(
+            "OPTForCausalLM",
+            "OPTConfig",
+            vocab_size=ZOO_VOCAB,
+            hidden_size=32,
+            ffn_dim=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            pad_token_id=0,
+        ),
+        "bloom": _build("BloomForCausalLM", "BloomConfig", vocab_size=ZOO_VOCAB, hidden_size=32, n_layer=2, n_head=4),
+        "falcon": _build(
+            "FalconForCausalLM",
+            "FalconConfig",
+            vocab_size=ZOO_VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+        ),
+        "mixtral": _build(
+            "MixtralForCausalLM", "MixtralConfig", **_DECODER, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "qwen3-moe": _build("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **moe),
+        "qwen2-moe": _build("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **moe, shared_expert_intermediate_size=16),
+    }
+    zoo = {name: ZooModel(build, "causal") for name, build in lm.items()}
+    zoo["qwen3-moe-skewed"] = ZooModel(lm["qwen3-moe"], "causal", skew=True)
+    zoo["t5"] = ZooModel(_from_config("T5ForConditionalGeneration", tiny_t5_config), "seq2seq")
+    zoo["bart"] = ZooModel(_from_config("BartForConditionalGeneration", tiny_bart_config), "seq2seq")
+    zoo["bert"] = ZooModel(
+        _build(
+            "BertForSequenceClassification",
+            "BertConfig",
+            vocab_size=ZOO_VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=64,
+            num_labels=ZOO_LABELS,
+        ),
+        "classify",
+    )
+    zoo["vit"] = ZooModel(
+        _build(
+            "ViTForImageClassification",
+            "ViTConfig",
+            image_size=ZOO_IMAGE,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=32,
+            num_labels=ZOO_LABELS,
+        ),
+        "vision",
+    )
+    return zoo
+
+
+def _from_config(model_class: str, config: Callable[[], object]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        return getattr(transformers, model_class)(config())
+
+    return build
+
+
+ZOO = _zoo()
+"""Tiny random configs of transformers architectures (hidden 16-32, 2 layers, vocabulary 64), by name."""

@@ -7,8 +7,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from accelerate_zero.engine.stage3.external import param_index
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 
@@ -21,6 +23,69 @@ def register_unit_hooks(units: list[ParamUnit], scheduler: UnitScheduler) -> lis
         # always_call: a forward that raises still leaves the unit and the scheduler consistent
         handles.append(unit.module.register_forward_hook(_PostForward(unit, scheduler), always_call=True))
     return handles
+
+
+def entry_units(model: nn.Module, units: list[ParamUnit]) -> list[tuple[nn.Module, list[ParamUnit]]]:
+    """Every sub-module whose call alone needs units that no hook of its own gathers ([Note: sub-module calls]).
+
+    For each module other than `model`: the units holding its parameters (tied ones included), except those whose
+    unit module it contains, in unit order.
+    """
+    unit_of = param_index(units)
+    out = []
+    for module in model.modules():
+        if module is model:
+            continue
+        inside = {id(m) for m in module.modules()}
+        needed: dict[int, ParamUnit] = {}
+        for _, param in module.named_parameters(remove_duplicate=False):
+            unit = unit_of.get(id(param))
+            if unit is not None and id(unit.module) not in inside:
+                needed[unit.index] = unit
+        if needed:
+            out.append((module, [needed[i] for i in sorted(needed)]))
+    return out
+
+
+def register_entry_hooks(model: nn.Module, units: list[ParamUnit], scheduler: UnitScheduler) -> list[RemovableHandle]:
+    """Lets any sub-module be called on its own (after `register_unit_hooks`, so a unit module runs both, entry first)."""
+    handles = []
+    for module, needed in entry_units(model, units):
+        entry = _Entry(needed, scheduler)
+        handles.append(module.register_forward_pre_hook(entry.pre, prepend=True))
+        handles.append(module.register_forward_hook(entry.post, always_call=True))
+    return handles
+
+
+class _Entry:
+    """The pre- and post-forward hooks of one sub-module: a stack, since the module may run inside itself."""
+
+    def __init__(self, needed: list[ParamUnit], scheduler: UnitScheduler) -> None:
+        self.needed, self.scheduler = needed, scheduler
+        self.frames: list[tuple[list[ParamUnit], bool]] = []
+
+    def pre(self, module: nn.Module, args: Any) -> None:
+        with torch.profiler.record_function("ZeRO::pre_forward_entry"):
+            self.frames.append(self.scheduler.enter(id(module), self.needed))
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.frames:
+            return  # the pre-hook raised before it entered anything
+        entered, began = self.frames.pop()
+        if not entered:
+            return
+        with torch.profiler.record_function("ZeRO::post_forward_entry"):
+            if torch.is_grad_enabled():
+                for unit in entered:
+                    _register_pre_backward(output, unit, self.scheduler)
+            self.scheduler.leave(entered, began)
+
+
+def _register_pre_backward(output: Any, unit: ParamUnit, scheduler: UnitScheduler) -> None:
+    pre_backward = _PreBackward(unit, scheduler)
+    for tensor in _tensors(output):
+        if tensor.requires_grad:
+            tensor.register_hook(pre_backward)
 
 
 class _PreForward:
@@ -39,10 +104,7 @@ class _PostForward:
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         with torch.profiler.record_function("ZeRO::post_forward"):
             if torch.is_grad_enabled():
-                pre_backward = _PreBackward(self.unit, self.scheduler)
-                for tensor in _tensors(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(pre_backward)
+                _register_pre_backward(output, self.unit, self.scheduler)
             self.scheduler.post_forward(self.unit)
 
 

@@ -14,6 +14,19 @@ After a unit's forward (outside backward) it is released unless it will be used 
 When backward follows (grad enabled), a unit's next use is its backward, after the units that ran after it
 have been used twice (their forward and their backward); without grad, the next forward. A unit recomputed
 during backward (activation checkpointing) is kept until its gradients are done.
+
+[Note: sub-module calls]
+A forward does not have to start at the model: `model.model(...)`, `model.get_encoder()(...)` (which
+encoder-decoder `generate()` calls) or `model.lm_head(h)` run modules whose parameters live in units that no unit
+hook of theirs gathers (the root unit above all, gathered otherwise only by the model's own forward). Every such
+module gets an entry hook (stage3/hooks.py `entry_units`): before its forward it gathers the units its parameters
+live in, except the ones whose unit module it contains (their own hooks gather them when they run), and after it
+releases them again; their gradients are re-gathered for backward by a hook on the call's outputs, exactly as for a
+unit, and reach their buckets as usual. Inside a forward that already holds those units (the model's own forward,
+a unit's forward) the entry hook does nothing, so nesting costs one set lookup per call. A call that starts while no
+forward runs begins a forward of its own, with its own execution-order trace, keyed by the module called.
+Gathering is a collective: every rank must run the same sequence of module forwards (as under DeepSpeed); a rank
+that calls a different sub-module than the others waits for them until the process-group timeout.
 """
 
 from __future__ import annotations
@@ -58,6 +71,10 @@ class UnitScheduler:
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.max_reuse_distance, self.use_all_reduce = max_reuse_distance, use_all_reduce
         self.trace: list[int] | None = None
+        """The execution-order trace of the forward running (or last run); see `traces`."""
+        self.traces: dict[int, list[int]] = {}
+        """Per module a forward starts at (the model, or a sub-module called alone): its last trace."""
+        self._entry_key = 0
         self._observed: list[int] = []
         self._on_trace = False
         self._trace_changes = 0
@@ -70,9 +87,49 @@ class UnitScheduler:
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ParamUnit) -> None:
+        if unit is self.root and not in_backward():
+            self._begin_forward(id(unit.module))
+        self._run(unit)
+
+    def post_forward(self, unit: ParamUnit) -> None:
+        if self.active and self.active[-1] is unit:
+            self.active.pop()
+        if in_backward():
+            return  # recomputed for backward: keep until the gradients are done
+        if unit is self.root:
+            self._end_forward()
+        self._release_after_forward(unit)
+
+    def enter(self, key: int, needed: Sequence[ParamUnit]) -> tuple[list[ParamUnit], bool]:
+        """A sub-module's forward starts ([Note: sub-module calls]): gathers the `needed` units not in use yet.
+
+        Returns the units entered (to pass to `leave`) and whether this call began a forward of its own.
+        """
+        in_use = self._in_use()
+        entered = [unit for unit in needed if id(unit) not in in_use]
+        begins = bool(entered) and not self.active and not in_backward()
+        if begins:
+            self._begin_forward(key)
+        for unit in entered:
+            self._run(unit)
+        return entered, begins
+
+    def leave(self, entered: Sequence[ParamUnit], began: bool) -> None:
+        """The sub-module's forward ended: releases what `enter` gathered (kept while recomputing for backward)."""
+        for unit in reversed(entered):
+            assert self.active and self.active[-1] is unit, (
+                f"stage 3 sub-module call left {unit} while {self.active[-1:]} runs: forwards must nest"
+            )
+            self.active.pop()
+        if in_backward():
+            return
+        if began:
+            self._end_forward()
+        for unit in reversed(entered):
+            self._release_after_forward(unit)
+
+    def _run(self, unit: ParamUnit) -> None:
         recompute = in_backward()
-        if unit is self.root and not recompute:
-            self._begin_forward()
         if not recompute:
             self._follow_trace(unit)
         self.active.append(unit)
@@ -82,19 +139,17 @@ class UnitScheduler:
             assert self.trace is not None
             self._prefetch(self.trace[len(self._observed) :])
 
-    def post_forward(self, unit: ParamUnit) -> None:
-        if self.active and self.active[-1] is unit:
-            self.active.pop()
-        if in_backward():
-            return  # recomputed for backward: keep until the gradients are done
-        if unit is self.root:
-            self._end_forward()
-        in_use = {id(u) for active in self.active for u in (active, *active.external)}
+    def _in_use(self) -> set[int]:
+        return {id(u) for active in self.active for u in (active, *active.external)}
+
+    def _release_after_forward(self, unit: ParamUnit) -> None:
+        in_use = self._in_use()
         for done in (unit, *unit.external):
             if id(done) not in in_use and not self._keep_after_forward(done):
                 done.reshard()
 
-    def _begin_forward(self) -> None:
+    def _begin_forward(self, key: int) -> None:
+        self._entry_key, self.trace = key, self.traces.get(key)
         self._observed = []
         self._on_trace = self.trace is not None
         self.active.clear()
@@ -124,7 +179,7 @@ class UnitScheduler:
                 len(observed),
                 len(self.trace),
             )
-        self.trace = observed
+        self.trace = self.traces[self._entry_key] = observed
         self._on_trace = False
 
     def _keep_after_forward(self, unit: ParamUnit) -> bool:
