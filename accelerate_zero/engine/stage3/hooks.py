@@ -50,10 +50,15 @@ def entry_units(model: nn.Module, units: list[ParamUnit]) -> list[tuple[nn.Modul
 def register_entry_hooks(model: nn.Module, units: list[ParamUnit], scheduler: UnitScheduler) -> list[RemovableHandle]:
     """Lets any sub-module be called on its own (after `register_unit_hooks`, so a unit module runs both, entry first)."""
     handles = []
+    in_units = {id(m) for unit in units[:-1] for m in unit.module.modules()}
     for module, needed in entry_units(model, units):
         entry = _Entry(needed, scheduler)
         handles.append(module.register_forward_pre_hook(entry.pre, prepend=True))
-        handles.append(module.register_forward_hook(entry.post, always_call=True))
+        # `always_call` keeps the scheduler consistent when a forward raises, but makes every call of the module
+        # several times slower. Modules inside a unit run nested in its forward nearly always, where the entry
+        # does nothing, so they go without: after an exception in one called alone, its unit stays marked in use
+        # until the next forward of the model (whose start resets that).
+        handles.append(module.register_forward_hook(entry.post, always_call=id(module) not in in_units))
     return handles
 
 
@@ -65,6 +70,10 @@ class _Entry:
         self.frames: list[tuple[list[ParamUnit], bool]] = []
 
     def pre(self, module: nn.Module, args: Any) -> None:
+        # Nearly every call is nested in a forward that holds the units already: that path must stay cheap.
+        if self.scheduler.in_use(self.needed):
+            self.frames.append(_NESTED)
+            return
         with torch.profiler.record_function("ZeRO::pre_forward_entry"):
             self.frames.append(self.scheduler.enter(id(module), self.needed))
 
@@ -79,6 +88,9 @@ class _Entry:
                 for unit in entered:
                     _register_pre_backward(output, unit, self.scheduler)
             self.scheduler.leave(entered, began)
+
+
+_NESTED: tuple[list[ParamUnit], bool] = ([], False)
 
 
 def _register_pre_backward(output: Any, unit: ParamUnit, scheduler: UnitScheduler) -> None:

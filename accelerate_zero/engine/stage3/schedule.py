@@ -139,6 +139,11 @@ class UnitScheduler:
             assert self.trace is not None
             self._prefetch(self.trace[len(self._observed) :])
 
+    def in_use(self, units: Sequence[ParamUnit]) -> bool:
+        """True when every one of `units` is held by a forward running (a nested sub-module call needs nothing)."""
+        active = self.active
+        return all(any(unit is a or unit in a.external for a in active) for unit in units)
+
     def _in_use(self) -> set[int]:
         return {id(u) for active in self.active for u in (active, *active.external)}
 
