@@ -20,11 +20,14 @@ ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 WORLD_SIZE = 2
 
 
-def _llama(tied: bool) -> torch.nn.Module:
+def _llama(tied: bool, checkpointing: bool = False) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied))
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied))
+    if checkpointing:  # the layers are recomputed inside backward, nested in no sub-module call
+        model.gradient_checkpointing_enable({"use_reentrant": True})
+    return model
 
 
 def _batches() -> list[list[torch.Tensor]]:
@@ -75,12 +78,12 @@ def _max_diff(model: torch.nn.Module, reference: torch.nn.Module) -> float:
         )
 
 
-def _submodel_training(rank: int, tied: bool, head: str) -> dict[str, Any]:
+def _submodel_training(rank: int, tied: bool, head: str, checkpointing: bool = False) -> dict[str, Any]:
     import accelerate_zero
 
     batches = _batches()
     reference = _reference(tied, head, batches)
-    model = _llama(tied)
+    model = _llama(tied, checkpointing)
     # max_reuse_distance 0: every unit is released right after its use, so "released" below is meaningful.
     zero = {**ZERO3, "stage3_max_reuse_distance": 0}
     config = {"gradient_accumulation_steps": GRAD_ACCUM, "gradient_clipping": 1.0, "zero_optimization": zero}
@@ -145,6 +148,7 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for tied, head in ((True, "lm_head"), (False, "user")):
         out[f"train-{head}"] = _submodel_training(rank, tied, head)
+    out["train-checkpointed"] = _submodel_training(rank, True, "lm_head", checkpointing=True)
     for kind in ("t5", "bart"):
         out[f"generate-{kind}"] = _encoder_decoder_generate(rank, kind)
     dist.barrier()
@@ -158,7 +162,7 @@ def results() -> list[dict[str, Any]]:
     return run_distributed(_all_checks, WORLD_SIZE)
 
 
-@pytest.mark.parametrize("head", ["lm_head", "user"])
+@pytest.mark.parametrize("head", ["lm_head", "user", "checkpointed"])
 def test_training_through_model_model_matches_reference(results: Any, head: str) -> None:
     # fp32, SGD: only the summation order of the two half-batch gradients differs from the reference.
     for r in results:
