@@ -105,6 +105,16 @@ def _submodel_training(rank: int, tied: bool, head: str, checkpointing: bool = F
         expected = reference.model.layers[1].self_attn(hidden, position_embeddings=position, attention_mask=None)[0]
     out["attention_diff"] = (sharded - expected).abs().max().item()
     out["released_after_call"] = all(u.state.value == "sharded" for u in engine.units)
+    # A call that raises leaves its unit marked in use (modules inside units skip always_call); once released (as
+    # after an optimizer step) the next call must gather it again.
+    mlp, mlp_reference = model.model.layers[0].mlp, reference.model.layers[0].mlp
+    try:
+        mlp(torch.randn(1, 4, 7))
+    except RuntimeError:
+        out["raised"] = True
+    engine.scheduler.release_all()
+    with torch.no_grad():
+        out["after_error_diff"] = (mlp(hidden) - mlp_reference(hidden)).abs().max().item()
     engine.destroy()
     return out
 
@@ -174,6 +184,7 @@ def test_module_inside_a_unit_called_alone(results: Any) -> None:
     for r in results:
         assert r["train-lm_head"]["attention_diff"] < 1e-6
         assert r["train-lm_head"]["released_after_call"]
+        assert r["train-lm_head"]["raised"] and r["train-lm_head"]["after_error_diff"] < 1e-6
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])

@@ -112,6 +112,11 @@ class UnitScheduler:
             self._begin_forward(key)
         for unit in entered:
             self._run(unit)
+        for unit in needed:
+            # Held by a call that raised (modules inside a unit have no always-called post hook) and released
+            # since: gather it again.
+            if unit.state is not UnitState.GATHERED:
+                self._gather_now(unit)
         return entered, begins
 
     def leave(self, entered: Sequence[ParamUnit], began: bool) -> None:
@@ -142,7 +147,9 @@ class UnitScheduler:
     def in_use(self, units: Sequence[ParamUnit]) -> bool:
         """True when every one of `units` is held by a forward running (a nested sub-module call needs nothing)."""
         active = self.active
-        return all(any(unit is a or unit in a.external for a in active) for unit in units)
+        return all(
+            unit.state is UnitState.GATHERED and any(unit is a or unit in a.external for a in active) for unit in units
+        )
 
     def _in_use(self) -> set[int]:
         return {id(u) for active in self.active for u in (active, *active.external)}
