@@ -5,7 +5,9 @@ A unit is a module whose parameters are all-gathered before its forward and rele
 - otherwise the root's children, looking through containers (ModuleList, Sequential, ModuleDict);
 - or the module classes the caller names.
 The parameters no unit owns form the root unit, gathered for the whole forward of the model, which keeps
-embeddings, final norms and a tied LM head correct even when they are used outside their own module's forward.
+embeddings, final norms and a tied LM head correct even when they are used outside their own module's forward;
+a sub-module called on its own (`model.model(...)`, `get_encoder()(...)`) gathers it too ([Note: sub-module
+calls] in schedule.py).
 A parameter shared by modules of two units also goes to the root unit.
 
 Parameters with at most `stage3_param_persistence_threshold` elements are not partitioned (DeepSpeed's
