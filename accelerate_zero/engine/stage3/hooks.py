@@ -19,7 +19,8 @@ def register_unit_hooks(units: list[ParamUnit], scheduler: UnitScheduler) -> lis
     """Gather before each unit's forward, release after it, and gather again before its backward."""
     handles = []
     for unit in units:
-        handles.append(unit.module.register_forward_pre_hook(_PreForward(unit, scheduler), prepend=True))
+        pre_forward = _PreForward(unit, scheduler)
+        handles.append(unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True))
         # always_call: a forward that raises still leaves the unit and the scheduler consistent
         handles.append(unit.module.register_forward_hook(_PostForward(unit, scheduler), always_call=True))
     return handles
@@ -104,9 +105,33 @@ class _PreForward:
     def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
         self.unit, self.scheduler = unit, scheduler
 
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         with torch.profiler.record_function("ZeRO::pre_forward"):
             self.scheduler.pre_forward(self.unit)
+            if self.unit.has_frozen and torch.is_grad_enabled():
+                _report_input_grads(self.unit, self.scheduler, [*args, *kwargs.values()])
+
+
+def _report_input_grads(unit: ParamUnit, scheduler: UnitScheduler, inputs: list[Any]) -> None:
+    """Hooks the call's inputs that need a gradient: once backward computed them all, the unit's backward is over
+    ([Note: release after backward]). A tensor hook, not an autograd function around the inputs, so that the
+    forward may still modify its inputs in place."""
+    tensors = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
+    if tensors and scheduler.expects_input_grads(unit, len(tensors)):
+        done = _InputGradDone(unit, scheduler)
+        for tensor in tensors:
+            tensor.register_hook(done)
+
+
+class _InputGradDone:
+    """A tensor hook on one input of a unit's forward call."""
+
+    def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
+        self.unit, self.scheduler = unit, scheduler
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        with torch.profiler.record_function("ZeRO::post_backward"):
+            self.scheduler.input_grads_done(self.unit)
 
 
 class _PostForward:

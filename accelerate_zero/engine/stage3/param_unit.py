@@ -104,6 +104,9 @@ class ParamUnit:
         self.index, self.name, self.module = index, name, module
         self.trainable, self.bucket = trainable, bucket
         self.flats = [f for f in (trainable, frozen) if f is not None]
+        self.has_frozen = frozen is not None
+        """Holds parameters without gradient: autograd may need them after the unit's gradients are all ready
+        ([Note: release after backward])."""
         self.numel = sum(f.plan.numel for f in self.flats)
         self.state = UnitState.SHARDED
         self.holds = 0

@@ -15,6 +15,17 @@ When backward follows (grad enabled), a unit's next use is its backward, after t
 have been used twice (their forward and their backward); without grad, the next forward. A unit recomputed
 during backward (activation checkpointing) is kept until its gradients are done.
 
+[Note: release after backward]
+A unit whose parameters all train is released as soon as its gradient bucket is complete: every weight of it has
+been used by then. A unit that also holds frozen parameters (a LoRA base projection beside its adapter, a frozen
+norm) is not done then: autograd may still need a frozen weight to compute the gradient of the unit's input after
+the last trainable gradient is ready. Such a unit's forward hooks its inputs that need a gradient (stage3/hooks.py
+`_report_input_grads`); once backward computed all of their gradients the unit's backward is over, and the unit is
+released when its bucket is complete too. When no input needs a gradient (the first layer of a model with frozen
+embeddings, the root unit) it is released at the end of backward. Under reentrant activation checkpointing the first forward runs
+without grad and the recomputation is what backward runs, so its inputs are the ones counted; under
+non-reentrant checkpointing the first forward's inputs are counted and the recomputation's are not.
+
 [Note: sub-module calls]
 A forward does not have to start at the model: `model.model(...)`, `model.get_encoder()(...)` (which
 encoder-decoder `generate()` calls) or `model.lm_head(h)` run modules whose parameters live in units that no unit
@@ -72,6 +83,10 @@ class UnitScheduler:
         self.max_reuse_distance, self.use_all_reduce = max_reuse_distance, use_all_reduce
         self.trace: list[int] | None = None
         """The execution-order trace of the forward running (or last run); see `traces`."""
+        self._input_grads: dict[int, int] = {}
+        """Per unit with frozen parameters: inputs of its forward calls whose gradient backward has not computed."""
+        self._grads_done: set[int] = set()
+        """Units whose gradient bucket completed in the backward running."""
         self.traces: dict[int, list[int]] = {}
         """Per module a forward starts at (the model, or a sub-module called alone): its last trace."""
         self._entry_key = 0
@@ -213,10 +228,38 @@ class UnitScheduler:
             last = len(self.trace) - 1 - self.trace[::-1].index(unit.index)
             self._prefetch(reversed(self.trace[:last]))
 
+    def expects_input_grads(self, unit: ParamUnit, count: int) -> bool:
+        """Whether the `count` inputs needing a gradient of a forward call of `unit` must report when backward
+        computed their gradients ([Note: release after backward]); counts them when so."""
+        if not unit.has_frozen:
+            return False
+        if in_backward() and self._input_grads.get(unit.index, 0) > 0:
+            return False  # a non-reentrant recomputation: the first forward's inputs are the ones backward reaches
+        self._input_grads[unit.index] = self._input_grads.get(unit.index, 0) + count
+        return True
+
+    def input_grads_done(self, unit: ParamUnit) -> None:
+        """Backward computed the gradient of one input of a forward call of `unit`."""
+        if self._input_grads.get(unit.index, 0) > 0:  # 0: reported after an end_backward (a plain second backward)
+            self._input_grads[unit.index] -= 1
+            self._release_after_backward(unit)
+
     def post_backward(self, unit: ParamUnit) -> None:
+        """The unit's gradient bucket is complete."""
+        self._grads_done.add(unit.index)
+        self._release_after_backward(unit)
+
+    def _release_after_backward(self, unit: ParamUnit) -> None:
+        if unit.has_frozen:
+            if unit.index not in self._input_grads or self._input_grads[unit.index] > 0:
+                return  # a frozen weight may still be needed ([Note: release after backward])
+            if unit.bucket is not None and unit.index not in self._grads_done:
+                return
         unit.reshard()
 
     def end_backward(self) -> None:
+        self._input_grads.clear()
+        self._grads_done.clear()
         self.release_all()
 
     def release_all(self) -> None:
