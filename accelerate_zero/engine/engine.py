@@ -327,7 +327,10 @@ class ZeroEngine:
         scaling = GradScaling(
             self.dp.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
         )
-        in_flight = (2 if self.stage >= 2 else len(buckets)) if zero.overlap_comm else 0
+        # Modes reducing every micro-step keep at most two full-size buckets alive; the others hold their full
+        # gradient anyway, so every bucket may be in flight.
+        every_micro_step = any(b.mode.reduces_every_micro_step for b in buckets)
+        in_flight = (2 if every_micro_step else len(buckets)) if zero.overlap_comm else 0
         return GradReducer(
             buckets,
             locations,
@@ -381,14 +384,14 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagates `loss` divided by the accumulation steps (and times the fp16 loss scale).
 
-        Gradients are reduced while backward runs: at stage 2 on every call, at stages 0 and 1 only on the
-        accumulation boundary (other micro-steps communicate nothing).
+        Gradients are reduced while backward runs: at stages 2 and 3 on every call (each bucket as soon as it is
+        complete; at stage 3 each unit is released as soon as its gradient is reduced), at stages 0 and 1 only on
+        the accumulation boundary (other micro-steps communicate nothing).
         """
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
-        eager = self.stage == 2 or self.is_gradient_accumulation_boundary()
-        self.reducer.begin_backward(eager=eager)
+        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         with self.step_log.timed("backward"):
             try:
                 scaled.backward(retain_graph=retain_graph)
@@ -452,10 +455,10 @@ class ZeroEngine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally without communicating (stages 0 and 1 only)."""
-        if self.stage >= 2:
+        if self.reducer.partitioned:
             raise RuntimeError(
                 f"no_sync() is incompatible with gradient partitioning (zero_optimization.stage={self.stage}): "
-                "stage 2 reduces every micro-step; use gradient_accumulation_steps instead"
+                "stages 2 and 3 reduce every micro-step; use gradient_accumulation_steps instead"
             )
         previous, self._boundary_override = self._boundary_override, False
         try:
