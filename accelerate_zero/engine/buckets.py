@@ -233,7 +233,7 @@ class GradBucket:
         return self.grad_store.read(self, start, end)
 
     def reduced_norm(self) -> torch.Tensor:
-        """L2 norm (fp32) of a gradient slice that lives in a file, taken when it was written (no read)."""
+        """L2 norm (fp64) of a gradient slice that lives in a file, taken when it was written (no read)."""
         assert self.grad_store is not None, "reduced_norm() is for buckets whose gradient is in a file"
         return self.grad_store.norm(self) if self._shard_has_data else torch.zeros(())
 
