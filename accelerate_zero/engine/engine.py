@@ -30,7 +30,7 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.flat_buffer import all_gather_params, build_group_shard, group_slices
 from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
 from accelerate_zero.engine.grad_reduce import GradReducer
-from accelerate_zero.engine.groups import DataParallelGroup, default_device, init_data_parallel_group
+from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
 from accelerate_zero.engine.setup import (
     build_lr_scheduler_for,
@@ -79,7 +79,8 @@ def initialize(
         config: a DeepSpeed-format config: dict, path to a .json/.yaml file, or a `ZeroConfig`.
         lr_scheduler: a scheduler bound to `optimizer`, or a callable taking the optimizer and returning one.
             None builds one from the config's `scheduler` block, if any.
-        device: where the model computes; default: the local CUDA device if there is one, else the CPU.
+        device: where the model computes; default: the local CUDA device (`LOCAL_RANK`) if there is one, else the
+            CPU. "cuda" means the local device; a CUDA device is bound as the current one (`torch.cuda.set_device`).
         process_group: the data-parallel group; default: torch's default group (created if needed).
         unit_classes: stage 3: the module classes (or class names) whose parameters are gathered together;
             default: `model._no_split_modules` for transformers models, else the root's children.
@@ -92,7 +93,7 @@ def initialize(
         ValueError: the model, optimizer or scheduler do not fit the config.
         NotImplementedError: the config asks for a feature this version does not have (the key is named).
     """
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dp = init_data_parallel_group(device, process_group)
     resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=dp.world_size)
     check_implemented(resolved)
