@@ -53,6 +53,7 @@ from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import build_param_store, choose_swapped
 from accelerate_zero.offload.policy import offload_masters, offload_policy, use_fused_cpu_step
+from accelerate_zero.optim.fused import prefer_fused_step
 
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,8 @@ class ZeroEngine:
         if self.offload.optimizer:
             slices = offload_masters(slices, self.offload, self._slice_values)
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
+        else:
+            prefer_fused_step(self.optimizer, [s.master for group in slices for s in group])
         swapper, self.grad_store = None, None
         # Stages 2 and 3 reduce each bucket to a slice this rank keeps until the step: under NVMe offload it goes
         # to a file too. Stages 0 and 1 hold their full gradient on the device anyway.
