@@ -103,12 +103,42 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
             "params": list(full.values()),
         }
         engine.destroy()
+    out["prefetch"] = _prefetch_counts(rank, world_size)
     return out
+
+
+def _prefetch_counts(rank: int, world_size: int) -> dict[str, int]:
+    """Gathers issued ahead vs on demand in the second step, with a budget of a twelfth of a unit (as
+    transformers' "auto" 0.9*hidden^2 is of a decoder layer)."""
+    import accelerate_zero
+
+    model = _model()
+    zero = {**ZERO3, "stage3_prefetch_bucket_size": (WIDTH * WIDTH + WIDTH) // 12}
+    engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=LR), {"zero_optimization": zero})
+    assert engine.scheduler is not None
+    x = _batches(world_size, 1)[0].chunk(world_size)[rank]
+    for _ in range(2):  # the first step records the execution order that prefetching follows
+        engine.scheduler.gathers_on_demand = engine.scheduler.gathers_prefetched = 0
+        engine.backward(_loss(engine, x))
+        engine.step()
+    counts = {"on_demand": engine.scheduler.gathers_on_demand, "prefetched": engine.scheduler.gathers_prefetched}
+    engine.destroy()
+    return counts
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
 def measured(request: pytest.FixtureRequest) -> tuple[int, list[dict[int, dict[str, Any]]]]:
     return request.param, run_distributed(_measure, request.param)
+
+
+def test_a_budget_smaller_than_a_unit_still_prefetches_the_next_unit(measured: tuple) -> None:
+    _, results = measured
+    for rank, by_accum in enumerate(results):
+        counts = by_accum["prefetch"]
+        # 8 units gathered in forward and 8 in backward (the last forward unit stays gathered for its backward):
+        # only the first unit of each pass waits for its gather.
+        assert counts["on_demand"] + counts["prefetched"] >= 2 * LAYERS - 1, (rank, counts)
+        assert counts["on_demand"] <= 2, (rank, counts)
 
 
 def test_peak_gathered_and_transient_bytes_do_not_grow_with_accumulation(measured: tuple) -> None:
