@@ -331,10 +331,9 @@ class ZeroEngine:
         scaling = GradScaling(
             self.dp.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
         )
-        # Modes reducing every micro-step keep at most two full-size buckets alive; the others hold their full
-        # gradient anyway, so every bucket may be in flight.
-        every_micro_step = any(b.mode.reduces_every_micro_step for b in buckets)
-        in_flight = (2 if every_micro_step else len(buckets)) if zero.overlap_comm else 0
+        # Two reductions in flight overlap backward as well as more would, and bound the full-size buffers (stages 2
+        # and 3) and the temporaries of a reduction (casts, [Note: reduce-scatter on gloo]) at every stage.
+        in_flight = 2 if zero.overlap_comm else 0
         return GradReducer(
             buckets,
             locations,
