@@ -201,18 +201,28 @@ def _load_slices(engine: ZeroEngine, reader: FragmentReader, names: dict[int, st
                 master[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
             sharded.write_params([shard_slice])
             if with_state and fragments:
-                engine.optimizer.state[master] = _slice_state(reader, fragments, master)
+                engine.optimizer.state[master] = _slice_state(reader, fragments, master, _group_of(engine, master))
     if engine.param_store is not None:
         engine.param_store.flush()
 
 
-def _slice_state(reader: FragmentReader, fragments: list[Fragment], master: torch.Tensor) -> dict[str, torch.Tensor]:
+def _group_of(engine: ZeroEngine, master: torch.Tensor) -> dict[str, Any]:
+    return next(g for g in engine.optimizer.param_groups if any(p is master for p in g["params"]))
+
+
+def _slice_state(
+    reader: FragmentReader, fragments: list[Fragment], master: torch.Tensor, group: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     kinds = set().union(*(reader.kinds_of(f.name) for f in fragments)) - {"master", "param"}
     state = {}
+    # As torch.optim's load_state_dict: fused and capturable kernels keep their scalars (`step`) as fp32 on the
+    # parameter's device; the others keep them on the CPU.
+    scalar_device = master.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
     for kind in sorted(kinds):
         scalar = reader.read_scalar(fragments[0].name, kind, fragments[0].start, fragments[0].end)
         if scalar is not None and scalar.ndim == 0:
-            state[kind] = scalar.clone()
+            dtype = torch.float32 if kind == "step" else scalar.dtype
+            state[kind] = scalar.to(device=scalar_device, dtype=dtype, copy=True)
             continue
         values = torch.zeros_like(master)
         for frag in fragments:

@@ -302,8 +302,8 @@ def _held_stages_012(model: ModelShapes, setup: TrainingSetup, stage: int) -> _H
     plan = plan_group(model.shapes, setup.zero.reduce_bucket_size, 1 if stage == 0 else setup.world_size)
     overlap = setup.overlap_comm(stage)
     bucket_numels = [bucket.numel for bucket in plan.buckets]
-    # engine._build_reducer: stage 2 keeps two reductions in flight, stages 0/1 launch every bucket at once.
-    in_flight = (3 if stage == 2 else len(bucket_numels)) if overlap else 1
+    # engine._build_reducer: two reductions in flight at every stage, and a third issued before the oldest is waited.
+    in_flight = 3 if overlap else 1
     return _Held(
         full_params=plan.numel,
         unit_params=0,

@@ -38,6 +38,14 @@ class ReduceMode(enum.Enum):
     SCATTER_IN_PLACE = "scatter_in_place"
     SCATTER_TO_SHARD = "scatter_to_shard"
 
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        """Whether a backward reduces this mode's buckets on every micro-step, not only on the accumulation
+        boundary. SCATTER_TO_SHARD keeps only a shard-sized gradient between micro-steps (stages 2 and 3: the
+        full-size gradient, and at stage 3 the gathered unit, are released as soon as the bucket is reduced);
+        the other modes keep the full local gradient anyway, so reducing once per optimizer step moves less."""
+        return self is ReduceMode.SCATTER_TO_SHARD
+
 
 class BucketState(enum.Enum):
     EMPTY = "empty"
@@ -225,7 +233,7 @@ class GradBucket:
         return self.grad_store.read(self, start, end)
 
     def reduced_norm(self) -> torch.Tensor:
-        """L2 norm (fp32) of a gradient slice that lives in a file, taken when it was written (no read)."""
+        """L2 norm (fp64) of a gradient slice that lives in a file, taken when it was written (no read)."""
         assert self.grad_store is not None, "reduced_norm() is for buckets whose gradient is in a file"
         return self.grad_store.norm(self) if self._shard_has_data else torch.zeros(())
 

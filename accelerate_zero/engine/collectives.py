@@ -6,14 +6,18 @@ buffer sends N*(W-1)/W bytes from each rank, an all-reduce twice that, a broadca
 
 [Note: reduce-scatter on gloo]
 gloo has no reduce-scatter algorithm: torch implements it as an all-reduce of a copy of the input, then keeps one
-chunk (bench/gloo_collectives.py: twice the bytes of a ring reduce-scatter, and a full-size temporary). On gloo we
-run the ring ourselves with torch's point-to-point ops: in W-1 steps every rank sends one chunk of its partial sums
-to the next rank and adds the chunk it receives from the previous one, so each rank sends N*(W-1)/W bytes and ends
-with the full sum of its own chunk. It completes before returning (gloo point-to-point ops are not overlapped).
+chunk (bench/gloo_collectives.py: twice the bytes of a ring reduce-scatter, and a full-size temporary). We run it
+as an all-to-all instead: every rank sends chunk j of its partial sums to rank j and receives the W partial sums
+of its own chunk, which `wait()` adds up in rank order. Each rank sends N*(W-1)/W bytes, as in a ring, and the
+all-to-all runs on gloo's own threads, so an asynchronous reduce-scatter lets backward go on while it moves
+(a ring needs a Python step after each hop, which blocked backward). The received chunks are a full-size
+temporary that lives until `wait()`. A synchronous call keeps the in-place ring: W-1 steps, each sending one
+chunk to the next rank and adding the chunk received from the previous one (one chunk-sized temporary).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -63,13 +67,17 @@ class CommStats:
 
 
 class Pending(NamedTuple):
-    """An issued collective; `wait()` before reading its output."""
+    """An issued collective; `wait()` before reading its output (and before touching its input)."""
 
     work: dist.Work | None
+    finish: Callable[[], None] | None = None
+    """Local work that completes the output once the collective is done (holds its temporaries until then)."""
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
+        if self.finish is not None:
+            self.finish()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -108,10 +116,23 @@ def reduce_scatter(
     own_slice = input.data_ptr() + dp.rank * output.numel() * output.element_size()
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
         stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
+        if async_op:
+            return _all_to_all_reduce_scatter(output, input, dp)
         _ring_reduce_scatter_in_place(input, dp)
         return Pending(None)
     stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
+
+
+def _all_to_all_reduce_scatter(output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup) -> Pending:
+    """[Note: reduce-scatter on gloo]: asynchronous; `wait()` sums the received partial sums into `output`."""
+    received = torch.empty_like(input)
+    work = dist.all_to_all_single(received, input, group=dp.group, async_op=True)
+
+    def finish() -> None:
+        torch.sum(received.view(dp.world_size, -1), dim=0, out=output)
+
+    return Pending(work, finish)
 
 
 def _ring_reduce_scatter_in_place(buffer: torch.Tensor, dp: DataParallelGroup) -> None:

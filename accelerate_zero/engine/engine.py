@@ -30,7 +30,7 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.flat_buffer import all_gather_params, build_group_shard, group_slices
 from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
 from accelerate_zero.engine.grad_reduce import GradReducer
-from accelerate_zero.engine.groups import DataParallelGroup, default_device, init_data_parallel_group
+from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
 from accelerate_zero.engine.setup import (
     build_lr_scheduler_for,
@@ -53,6 +53,7 @@ from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import build_param_store, choose_swapped
 from accelerate_zero.offload.policy import offload_masters, offload_policy, use_fused_cpu_step
+from accelerate_zero.optim.fused import prefer_fused_step
 
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ def initialize(
         config: a DeepSpeed-format config: dict, path to a .json/.yaml file, or a `ZeroConfig`.
         lr_scheduler: a scheduler bound to `optimizer`, or a callable taking the optimizer and returning one.
             None builds one from the config's `scheduler` block, if any.
-        device: where the model computes; default: the local CUDA device if there is one, else the CPU.
+        device: where the model computes; default: the local CUDA device (`LOCAL_RANK`) if there is one, else the
+            CPU. "cuda" means the local device; a CUDA device is bound as the current one (`torch.cuda.set_device`).
         process_group: the data-parallel group; default: torch's default group (created if needed).
         unit_classes: stage 3: the module classes (or class names) whose parameters are gathered together;
             default: `model._no_split_modules` for transformers models, else the root's children.
@@ -92,7 +94,7 @@ def initialize(
         ValueError: the model, optimizer or scheduler do not fit the config.
         NotImplementedError: the config asks for a feature this version does not have (the key is named).
     """
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dp = init_data_parallel_group(device, process_group)
     resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=dp.world_size)
     check_implemented(resolved)
@@ -202,6 +204,8 @@ class ZeroEngine:
         if self.offload.optimizer:
             slices = offload_masters(slices, self.offload, self._slice_values)
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
+        else:
+            prefer_fused_step(self.optimizer, [s.master for group in slices for s in group])
         swapper, self.grad_store = None, None
         # Stages 2 and 3 reduce each bucket to a slice this rank keeps until the step: under NVMe offload it goes
         # to a file too. Stages 0 and 1 hold their full gradient on the device anyway.
@@ -328,7 +332,9 @@ class ZeroEngine:
         scaling = GradScaling(
             self.dp.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
         )
-        in_flight = (2 if self.stage >= 2 else len(buckets)) if zero.overlap_comm else 0
+        # Two reductions in flight overlap backward as well as more would, and bound the full-size buffers (stages 2
+        # and 3) and the temporaries of a reduction (casts, [Note: reduce-scatter on gloo]) at every stage.
+        in_flight = 2 if zero.overlap_comm else 0
         return GradReducer(
             buckets,
             locations,
@@ -382,14 +388,14 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagates `loss` divided by the accumulation steps (and times the fp16 loss scale).
 
-        Gradients are reduced while backward runs: at stage 2 on every call, at stages 0 and 1 only on the
-        accumulation boundary (other micro-steps communicate nothing).
+        Gradients are reduced while backward runs: at stages 2 and 3 on every call (each bucket as soon as it is
+        complete; at stage 3 each unit is released as soon as its gradient is reduced), at stages 0 and 1 only on
+        the accumulation boundary (other micro-steps communicate nothing).
         """
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
-        eager = self.stage == 2 or self.is_gradient_accumulation_boundary()
-        self.reducer.begin_backward(eager=eager)
+        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         with self.step_log.timed("backward"):
             try:
                 scaled.backward(retain_graph=retain_graph)
@@ -453,10 +459,10 @@ class ZeroEngine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally without communicating (stages 0 and 1 only)."""
-        if self.stage >= 2:
+        if self.reducer.partitioned:
             raise RuntimeError(
                 f"no_sync() is incompatible with gradient partitioning (zero_optimization.stage={self.stage}): "
-                "stage 2 reduces every micro-step; use gradient_accumulation_steps instead"
+                "stages 2 and 3 reduce every micro-step; use gradient_accumulation_steps instead"
             )
         previous, self._boundary_override = self._boundary_override, False
         try:

@@ -7,8 +7,10 @@ did not all receive a gradient on this rank (an unused parameter) holds back the
 `end_backward()`, which launches every bucket that was not launched yet, zeros included, then relaunches the
 buckets that received a late gradient ([Note: a gradient that arrives after its bucket was reduced]).
 
-Backward passes started by `ZeroEngine.backward` are "sessions": the engine says whether this backward must be
-reduced now (always at stage 2; at stages 0 and 1 only on the gradient-accumulation boundary). A plain
+Backward passes started by `ZeroEngine.backward` are "sessions": the engine says whether this backward ends on the
+gradient-accumulation boundary, and the buckets' reduce mode decides whether it is reduced now
+(`ReduceMode.reduces_every_micro_step`: always at stages 2 and 3, where it is what keeps the gradients and at stage 3
+the gathered units from staying full-size between micro-steps; at stages 0 and 1 only on the boundary). A plain
 `loss.backward()` outside a session still accumulates correctly; its reduction then happens in `finish_step()`.
 """
 
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from accelerate_zero.engine.buckets import BucketState, GradBucket, GradScaling, ReduceMode
+from accelerate_zero.engine.buckets import BucketState, GradBucket, GradScaling
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.shard_plan import ParamSlot
@@ -78,7 +80,11 @@ class GradReducer:
         self._session: _Session | None = None
         self._grads_outside_session = False
         self._handles: list[RemovableHandle] = []
-        self.partitioned = any(b.mode is ReduceMode.SCATTER_TO_SHARD for b in self.buckets)
+        modes = {b.mode for b in self.buckets}
+        if len(modes) > 1:
+            raise ValueError(f"buckets of one engine must share a reduce mode, got {sorted(m.value for m in modes)}")
+        self.partitioned = any(mode.reduces_every_micro_step for mode in modes)
+        """Every backward reduces (stages 2 and 3); else only the one ending on the accumulation boundary."""
         self.peak_transient_bytes = 0
 
     def register_hooks(self) -> None:
@@ -91,11 +97,12 @@ class GradReducer:
         self._handles.clear()
 
     # ------------------------------------------------------------------ backward
-    def begin_backward(self, eager: bool) -> None:
+    def begin_backward(self, boundary: bool) -> None:
+        """Starts a session; `boundary`: this backward ends the accumulation cycle (the next step steps)."""
         if self._session is not None:
             raise RuntimeError("begin_backward() called twice without end_backward(): is a backward still running?")
         self._session = _Session(
-            eager=eager,
+            eager=boundary or self.partitioned,
             remaining=[len(b.plan.slots) for b in self.buckets],
             arrived=[set() for _ in self.buckets],
         )

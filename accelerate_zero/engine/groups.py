@@ -35,11 +35,33 @@ def has_accelerator() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-def default_device() -> torch.device:
-    """The local accelerator when there is one (`LOCAL_RANK` picks which), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device this rank computes on, bound as the current CUDA device.
+
+    None picks the local CUDA device when there is one (else the CPU); "cuda" without an index means the local
+    one (`LOCAL_RANK`), as launchers start one process per device. Binding matters when the engine creates the
+    process group itself (plain `torchrun`): without it every rank's NCCL collectives and barriers run on cuda:0.
+
+    Raises:
+        ValueError: `LOCAL_RANK` names a CUDA device this process cannot see.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    if device.index is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but this process sees {visible} CUDA device(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most "
+                f"{visible} processes per node, or pass device= explicitly"
+            )
+        device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def process_group_timeout() -> datetime.timedelta:
@@ -65,7 +87,9 @@ def init_data_parallel_group(device: torch.device, group: dist.ProcessGroup | No
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = process_group_timeout()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend=backend, timeout=timeout)
+            # device_id binds NCCL's communicators to this rank's device at once (see resolve_device).
+            device_id = device if device.type == "cuda" else None
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DataParallelGroup(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group))

@@ -18,6 +18,7 @@ from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.loss_scaler import LossScaler
+from accelerate_zero.engine.norms import sum_of_squares
 
 
 @dataclass(frozen=True)
@@ -135,14 +136,12 @@ class ShardedOptimizer:
 
     def _global_norm(self) -> float:
         grads = [bucket.reduced_shard() for bucket in self.buckets if bucket.grad_store is None]
-        norms = (
-            list(torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])) if grads else []
-        )
+        # [Note: the norm of a large flat buffer]: summed in fp64 from chunks, exact to fp32 rounding at any size.
+        sum_sq = sum_of_squares(grads, self.device)
         # A gradient slice in a file: its norm was taken when it was written (offload/nvme_grads.py).
-        norms += [bucket.reduced_norm() for bucket in self.buckets if bucket.grad_store is not None]
-        if not norms:
-            return 0.0
-        sum_sq = torch.stack(norms).square().sum().to(self.device)
+        for bucket in self.buckets:
+            if bucket.grad_store is not None:
+                sum_sq += bucket.reduced_norm().to(device=self.device, dtype=torch.float64).square()
         if self.sharded:
             # Each element belongs to exactly one rank's shard: summing the squares over ranks gives the full norm.
             collectives.all_reduce(sum_sq, self.dp, self.stats)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from accelerate_zero.engine.norms import sum_of_squares
 from accelerate_zero.offload.nvme import read_at, write_at
 
 
@@ -36,7 +37,7 @@ class SwappedGrad:
     byte_offset: int
     numel: int
     norm: torch.Tensor | None = None
-    """L2 norm (fp32, 0-dim) of the last value written."""
+    """L2 norm (fp64, 0-dim) of the last value written."""
     writing: Future | None = None
 
 
@@ -67,7 +68,7 @@ class NvmeGradStore:
         else:
             values = self.read(bucket, 0, entry.numel)
             values.add_(reduced, alpha=post)
-        entry.norm = torch.linalg.vector_norm(values)
+        entry.norm = sum_of_squares([values]).sqrt()  # [Note: the norm of a large flat buffer]
         while len(self._writes) >= self.buffer_count:
             self._writes.popleft()[0].result()
         entry.writing = self._pool.submit(write_at, self.path, entry.byte_offset, values)

@@ -18,10 +18,7 @@ import torch
 
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.sharded_optimizer import ShardSlice
-
-
-# torch optimizers with a fused CPU kernel (torch >= 2.4); measured fastest in bench/offload_bench.py.
-_FUSED_ON_CPU = ("Adam", "AdamW", "SGD", "Adagrad")
+from accelerate_zero.optim.fused import FUSED_KERNELS, has_fused_kernel
 
 
 @dataclass(frozen=True)
@@ -98,12 +95,12 @@ def use_fused_cpu_step(optimizer: torch.optim.Optimizer, force_fast: bool) -> No
             (DeepSpeed's guard against slow client optimizers under offload).
     """
     name = type(optimizer).__name__
-    if type(optimizer).__module__.startswith("torch.optim") and name in _FUSED_ON_CPU:
+    if has_fused_kernel(optimizer, "cpu"):
         for group in optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
         return
     if force_fast:
         raise ValueError(
             f"offload_optimizer steps {name} on the CPU without a fused kernel, which is slow: use one of "
-            f'{", ".join(_FUSED_ON_CPU)} from torch.optim, or set "zero_force_ds_cpu_optimizer": false to accept it'
+            f'{", ".join(FUSED_KERNELS["cpu"])} from torch.optim, or set "zero_force_ds_cpu_optimizer": false to accept it'
         )

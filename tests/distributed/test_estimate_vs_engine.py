@@ -2,7 +2,9 @@
 
 One spawned group of 2 ranks builds the toy model and a tiny Llama for stages 0-3 (stage 3 with every parameter
 partitioned and with the default persistence threshold), in fp32 and bf16 with AdamW, takes one optimizer step,
-and returns `engine.memory_breakdown()` beside `estimate_stage(...)` for the same rank.
+and returns `engine.memory_breakdown()` beside `estimate_stage(...)` for the same rank. The "-accum4" case runs
+gradient accumulation 4 and reads the engine between micro-steps (after the first optimizer step and three
+more micro-steps): the estimate does not depend on accumulation, and neither may what stage 3 holds.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ CONFIGS = {
     "s2": {"stage": 2},
     "s3-partition-all": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "s3-default": {"stage": 3},
+    "s3-partition-all-accum4": {"stage": 3, "stage3_param_persistence_threshold": 0},
 }
+ACCUMULATION = 4
 
 
 def _tiny_llama() -> torch.nn.Module:
@@ -54,20 +58,28 @@ def _loss(name: str, engine: Any, rank: int) -> torch.Tensor:
     return torch.nn.functional.mse_loss(engine(x.to(engine.compute_dtype)).float(), y)
 
 
-def _one(name: str, zero: dict, precision: str, rank: int, world_size: int) -> dict[str, Any]:
+def _one(name: str, key: str, precision: str, rank: int, world_size: int) -> dict[str, Any]:
     import accelerate_zero
     from accelerate_zero.config import ZeroConfig
     from accelerate_zero.debug.estimate import TrainingSetup, estimate_stage, shapes_from_module
 
     model = _tiny_llama() if name == "llama" else make_model()
-    config = {"zero_optimization": zero, "bf16": {"enabled": precision == "bf16"}}
+    zero = CONFIGS[key]
+    accumulation = ACCUMULATION if key.endswith("-accum4") else 1
+    config = {
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "gradient_accumulation_steps": accumulation,
+    }
     zero_config = ZeroConfig.from_any(config).zero_optimization
     setup = TrainingSetup(world_size, precision, "adamw", zero=zero_config)
     # Shapes before initialize: the engine flattens (and at stage 3 empties) the parameters.
     estimate = estimate_stage(shapes_from_module(model, zero_config), setup, zero["stage"], rank=rank)
     engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
-    engine.backward(_loss(name, engine, rank))
-    engine.step()
+    micro_steps = 1 if accumulation == 1 else accumulation + 3  # accumulation: stop between micro-steps
+    for _ in range(micro_steps):
+        engine.backward(_loss(name, engine, rank))
+        engine.step()
     measured = engine.memory_breakdown()
     peak_live = engine.scheduler.peak_live_numel * (2 if precision == "bf16" else 4) if engine.scheduler else 0
     engine.destroy()
@@ -76,9 +88,9 @@ def _one(name: str, zero: dict, precision: str, rank: int, world_size: int) -> d
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
     return {
-        (name, key, precision): _one(name, zero, precision, rank, world_size)
+        (name, key, precision): _one(name, key, precision, rank, world_size)
         for name in ("toy", "llama")
-        for key, zero in CONFIGS.items()
+        for key in CONFIGS
         for precision in ("no", "bf16")
     }
 

@@ -26,7 +26,7 @@ from torch import nn
 from accelerate_zero.checkpoint.fragments import range_fragments
 from accelerate_zero.checkpoint.hf_files import SafetensorsFolder
 from accelerate_zero.config import ZeroConfig
-from accelerate_zero.engine.groups import default_device, init_data_parallel_group
+from accelerate_zero.engine.groups import init_data_parallel_group, resolve_device
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
@@ -77,7 +77,7 @@ def from_pretrained(
     zero = ZeroConfig.from_any(config if config is not None else {})
     if zero.zero_optimization.stage != 3:
         return model_class.from_pretrained(path, **model_kwargs)
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     dp = init_data_parallel_group(device, process_group)
     dtype = zero.compute_dtype
     model = _empty_model(model_class, path, model_kwargs)

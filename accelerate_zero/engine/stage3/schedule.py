@@ -8,6 +8,12 @@ takes another order (a different branch, generation) stops prefetching for the r
 recorded as the new trace: correctness never depends on the trace, only the overlap does. The first change is
 logged as a warning, later ones at debug level only.
 
+[Note: a prefetch budget smaller than a unit]
+DeepSpeed counts `stage3_prefetch_bucket_size` parameter by parameter, so a budget smaller than a decoder layer
+still prefetches the first parameters of the next one; transformers' "auto" fills 0.9·hidden², about a twelfth of
+a layer. Our units are gathered whole, so a positive budget always issues the next unit (a budget of 0 turns
+prefetching off), and further units while they fit. `stage3_max_live_parameters` still caps what is gathered.
+
 [Note: release after forward]
 After a unit's forward (outside backward) it is released unless it will be used again in fewer than
 `stage3_max_reuse_distance` elements (0 always releases) and keeping it stays within `stage3_max_live_parameters`, as in DeepSpeed.
@@ -94,6 +100,10 @@ class UnitScheduler:
         self._on_trace = False
         self._trace_changes = 0
         self.peak_live_numel = 0
+        self.gathers_on_demand = 0
+        """Gathers issued when a unit was needed right away (forward or backward waited for the whole gather)."""
+        self.gathers_prefetched = 0
+        """Gathers issued ahead of the unit's use (from the trace)."""
         self.active: list[ParamUnit] = []
         """Units whose forward is running, innermost last."""
         self._detector: ExternalUseDetector | None = None
@@ -271,6 +281,8 @@ class UnitScheduler:
         return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
 
     def _gather_now(self, unit: ParamUnit) -> None:
+        if unit.state is UnitState.SHARDED and unit.numel > 0:
+            self.gathers_on_demand += 1
         unit.unshard(self.dp, self.stats, self.use_all_reduce)
         unit.wait_for_unshard()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
@@ -281,13 +293,19 @@ class UnitScheduler:
         upcoming = list(upcoming)
         if self.param_store is not None:
             self.param_store.read_ahead([by_index[i] for i in upcoming])
+        issued = 0
         for index in upcoming:
             unit = by_index[index]
             if unit.state is not UnitState.SHARDED:
                 continue
-            if unit.numel > budget or live + unit.numel > self.max_live_numel:
+            # [Note: a prefetch budget smaller than a unit]: the next unit is always issued when the budget is
+            # positive, later ones while they fit.
+            fits = unit.numel <= budget or (issued == 0 and budget > 0)
+            if not fits or live + unit.numel > self.max_live_numel:
                 break
             unit.unshard(self.dp, self.stats, self.use_all_reduce)
+            self.gathers_prefetched += 1
             budget -= unit.numel
             live += unit.numel
+            issued += 1
         self.peak_live_numel = max(self.peak_live_numel, live)
