@@ -293,19 +293,21 @@ class UnitScheduler:
         upcoming = list(upcoming)
         if self.param_store is not None:
             self.param_store.read_ahead([by_index[i] for i in upcoming])
-        issued = 0
-        for index in upcoming:
+        ahead = 0  # upcoming units gathered already, or issued here
+        for index in dict.fromkeys(upcoming):
             unit = by_index[index]
             if unit.state is not UnitState.SHARDED:
+                budget -= unit.numel  # an earlier call (another hook of the same unit) prefetched it
+                ahead += 1
                 continue
             # [Note: a prefetch budget smaller than a unit]: the next unit is always issued when the budget is
             # positive, later ones while they fit.
-            fits = unit.numel <= budget or (issued == 0 and budget > 0)
+            fits = unit.numel <= budget or (ahead == 0 and self.prefetch_numel > 0)
             if not fits or live + unit.numel > self.max_live_numel:
                 break
             unit.unshard(self.dp, self.stats, self.use_all_reduce)
             self.gathers_prefetched += 1
             budget -= unit.numel
             live += unit.numel
-            issued += 1
+            ahead += 1
         self.peak_live_numel = max(self.peak_live_numel, live)
