@@ -262,6 +262,7 @@ def _zoo() -> dict[str, ZooModel]:
     }
     zoo = {name: ZooModel(build, "causal") for name, build in lm.items()}
     zoo["qwen3-moe-skewed"] = ZooModel(lm["qwen3-moe"], "causal", skew=True)
+    zoo["mixtral-skewed"] = ZooModel(lm["mixtral"], "causal", skew=True)
     zoo["t5"] = ZooModel(_from_config("T5ForConditionalGeneration", tiny_t5_config), "seq2seq")
     zoo["bart"] = ZooModel(_from_config("BartForConditionalGeneration", tiny_bart_config), "seq2seq")
     zoo["bert"] = ZooModel(

@@ -58,7 +58,8 @@ def register_entry_hooks(model: nn.Module, units: list[ParamUnit], scheduler: Un
         # `always_call` keeps the scheduler consistent when a forward raises, but makes every call of the module
         # several times slower. Modules inside a unit run nested in its forward nearly always, where the entry
         # does nothing, so they go without: after an exception in one called alone, its unit stays marked in use
-        # until the next forward of the model (whose start resets that).
+        # until the model's next forward (whose start resets that); `UnitScheduler.enter` gathers it again if it
+        # was released meanwhile.
         handles.append(module.register_forward_hook(entry.post, always_call=id(module) not in in_units))
     return handles
 

@@ -40,7 +40,7 @@ module gets an entry hook (stage3/hooks.py `entry_units`): before its forward it
 live in, except the ones whose unit module it contains (their own hooks gather them when they run), and after it
 releases them again; their gradients are re-gathered for backward by a hook on the call's outputs, exactly as for a
 unit, and reach their buckets as usual. Inside a forward that already holds those units (the model's own forward,
-a unit's forward) the entry hook does nothing, so nesting costs one set lookup per call. A call that starts while no
+a unit's forward) the entry hook does nothing, so nesting costs a few identity checks per call. A call that starts while no
 forward runs begins a forward of its own, with its own execution-order trace, keyed by the module called.
 Gathering is a collective: every rank must run the same sequence of module forwards (as under DeepSpeed); a rank
 that calls a different sub-module than the others waits for them until the process-group timeout.
@@ -130,7 +130,7 @@ class UnitScheduler:
 
         Returns the units entered (to pass to `leave`) and whether this call began a forward of its own.
         """
-        in_use = self._in_use()
+        in_use = self._held_ids()
         entered = [unit for unit in needed if id(unit) not in in_use]
         begins = bool(entered) and not self.active and not in_backward()
         if begins:
@@ -176,11 +176,11 @@ class UnitScheduler:
             unit.state is UnitState.GATHERED and any(unit is a or unit in a.external for a in active) for unit in units
         )
 
-    def _in_use(self) -> set[int]:
+    def _held_ids(self) -> set[int]:
         return {id(u) for active in self.active for u in (active, *active.external)}
 
     def _release_after_forward(self, unit: ParamUnit) -> None:
-        in_use = self._in_use()
+        in_use = self._held_ids()
         for done in (unit, *unit.external):
             if id(done) not in in_use and not self._keep_after_forward(done):
                 done.reshard()
