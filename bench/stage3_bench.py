@@ -85,6 +85,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"))
     parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out" / "stage3")
     parser.add_argument("--json", type=Path, default=None, help="write the raw readings and summaries here")
+    parser.add_argument(
+        "--accumulation_from_json",
+        type=Path,
+        default=None,
+        help="print the accumulation tables of a run saved with --json (and --grad_accums); run nothing",
+    )
     parser.add_argument("--no_load", action="store_true", help="skip the loading measurement")
     parser.add_argument("--load_only", action="store_true", help="only the loading measurement")
     parser.add_argument("--load_dir", type=Path, default=Path("/tmp/az_stage3_bench_llama"))
@@ -264,8 +270,9 @@ def accumulation_table(by_accum: dict[int, dict[str, list[dict[str, Any]]]]) -> 
         "system at accumulation "
         f"{first_accum} | peak / DDP | peak / FSDP2 | RSS between micro-steps (MB, max) | RSS after the run "
         "(MB, max) | engine gradients kept between micro-steps (MB) | stage-3 units gathered between micro-steps | "
-        "scheduler peak gathered elements (largest unit) | engine-held total (MB) |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "scheduler peak gathered elements (largest unit) | engine peak full-size gradient buffers (MB) | "
+        "engine-held total (MB) |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     peaks = {
         accum: {system: max(_peak_per_rank_mb(ranks)) for system, ranks in raw.items()}
@@ -285,6 +292,7 @@ def accumulation_table(by_accum: dict[int, dict[str, list[dict[str, Any]]]]) -> 
             gathered = _max_micro(ranks, "max_gathered_units_between")
             live = _max_micro(ranks, "scheduler_peak_live_numel")
             unit = _max_micro(ranks, "largest_unit_numel")
+            transient = _max_micro(ranks, "reducer_peak_transient_bytes")
             breakdowns = [r["extra"].get("memory_breakdown") for r in ranks]
             held = max(b["total"] for b in breakdowns) / MB if all(breakdowns) else None
             rows.append(
@@ -293,7 +301,8 @@ def accumulation_table(by_accum: dict[int, dict[str, list[dict[str, Any]]]]) -> 
                 f"{'-' if between is None else f'{between / MB:.1f}'} | "
                 f"{max(r['after']['VmRSS'] - r['baseline']['VmRSS'] for r in ranks) / MB:.1f} | "
                 f"{'-' if grads is None else f'{grads / MB:.1f}'} | {'-' if gathered is None else gathered} | "
-                f"{'-' if live is None else f'{live:,} ({unit:,})'} | {report._fmt(held)} |"
+                f"{'-' if live is None else f'{live:,} ({unit:,})'} | "
+                f"{'-' if transient is None else f'{transient / MB:.1f}'} | {report._fmt(held)} |"
             )
     lines = []
     for system in ("az3",):
@@ -393,8 +402,24 @@ def run_loading(args: argparse.Namespace) -> tuple[str, list[str], dict[str, Any
     return table, lines, {"raw": raw, "sizes": sizes, "peaks_mb": peaks, "bound_mb": bound}
 
 
+def accumulation_from_json(path: Path) -> None:
+    """Prints the accumulation table of every world size a saved run (`--json`) holds; runs nothing."""
+    worlds = json.loads(path.read_text())["worlds"]
+    by_world: dict[int, dict[int, dict[str, list[dict[str, Any]]]]] = {}
+    for key, world in worlds.items():
+        size, _, accum = str(key).partition("_accum")
+        by_world.setdefault(int(size), {})[int(accum or 1)] = world["raw"]
+    for world_size, by_accum in sorted(by_world.items()):
+        table, lines = accumulation_table(by_accum)
+        print(f"### W = {world_size}: peak memory per rank under gradient accumulation\n\n{table}\n")
+        print("\n".join(lines) + "\n")
+
+
 def main() -> None:
     args = parse_args()
+    if args.accumulation_from_json is not None:
+        accumulation_from_json(args.accumulation_from_json)
+        return
     payload: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "worlds": {}}
     all_lines: list[str] = []
     for world_size in [] if args.load_only else args.world_sizes:
