@@ -2,20 +2,24 @@
 
 Usage (what engine_bench.py runs):
     torchrun --standalone --nproc_per_node 4 bench/bench_worker.py --system az2 --steps 20 --warmup 3 --out r.json
+    torchrun --standalone --nproc_per_node 4 bench/bench_worker.py --system az3 --grad_accum 4 --steps 3 --out r.json
 
 Systems: ddp, ddp_bucket_view, ddp_zero_r, fsdp2 (torch) and az0, az1, az2, az3 (accelerate_zero stages 0-3;
 stage3_bench.py runs az3 and fsdp2). The process group is created here, before the baseline reading, so every
-system's baseline holds the same things. `--load_dir DIR --system load_az3|load_hf` measures instead the peak RSS
+system's baseline holds the same things.
+`--grad_accum N` makes each optimizer step N micro-steps, each its own forward and backward on the fixed batch
+(see `MicroProbe` for how each system accumulates and what is read between micro-steps). `--load_dir DIR --system load_az3|load_hf` measures instead the peak RSS
 of loading a saved LlamaForCausalLM (partitioned by accelerate_zero.from_pretrained, or whole by transformers).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,17 +55,69 @@ STAGE3_KEYS: dict[str, Any] = {
 }
 
 
-def engine_config(stage: int, reduce_bucket_size: int | None) -> dict[str, Any]:
+def engine_config(stage: int, reduce_bucket_size: int | None, grad_accum: int = 1) -> dict[str, Any]:
     """The config every ZeRO system gets (DeepSpeed's too): defaults except clipping off."""
     zero: dict[str, Any] = {"stage": stage, **(STAGE3_KEYS if stage == 3 else {})}
     if reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = reduce_bucket_size
-    return {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 8,
         "zero_optimization": zero,
         "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,
     }
+    if grad_accum != 1:
+        config["gradient_accumulation_steps"] = grad_accum
+    return config
+
+
+@dataclass
+class MicroProbe:
+    """Readings taken right after every micro-step's backward, while the accumulated gradients are alive.
+
+    How each system accumulates (what its users do): DDP and ZeRO-R run the non-boundary micro-steps under
+    `no_sync()` (local accumulation into the full-size `.grad`, one all-reduce on the boundary); FSDP2 runs the
+    default path, backward on every micro-step with no `set_requires_gradient_sync(False)`, so it reduce-scatters
+    every micro-step and accumulates sharded gradients (its unsharded-gradient alternative trades memory for bytes);
+    accelerate_zero sets `gradient_accumulation_steps` and calls `engine.backward` / `engine.step` every micro-step.
+    The peak *during* the micro-steps is VmHWM at the end of the run (bench_common); these are the readings
+    *between* them: VmRSS after each backward (before the optimizer step on the boundary), and for the engine
+    `memory_breakdown()["gradients"]` and how many stage-3 units are still gathered.
+    """
+
+    baseline_rss: int
+    engine: Any = None
+    rss_between: list[int] = field(default_factory=list)
+    rss_after_boundary_backward: list[int] = field(default_factory=list)
+    engine_grad_bytes_between: list[int] = field(default_factory=list)
+    gathered_units_between: list[int] = field(default_factory=list)
+
+    def after_backward(self, boundary: bool) -> None:
+        rss = proc_status()["VmRSS"] - self.baseline_rss
+        if boundary:
+            self.rss_after_boundary_backward.append(rss)
+            return
+        self.rss_between.append(rss)
+        if self.engine is not None:
+            self.engine_grad_bytes_between.append(self.engine.memory_breakdown()["gradients"])
+            units = getattr(self.engine, "units", None) or []
+            self.gathered_units_between.append(sum(u.state.name != "SHARDED" for u in units))
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "max_rss_between": max(self.rss_between, default=None),
+            "max_rss_after_boundary_backward": max(self.rss_after_boundary_backward, default=None),
+            "max_engine_grad_bytes_between": max(self.engine_grad_bytes_between, default=None),
+            "max_gathered_units_between": max(self.gathered_units_between, default=None),
+        }
+        engine = self.engine
+        if engine is not None:
+            scheduler = getattr(engine, "scheduler", None)
+            out["scheduler_peak_live_numel"] = getattr(scheduler, "peak_live_numel", None)
+            out["reducer_peak_transient_bytes"] = getattr(engine.reducer, "peak_transient_bytes", None)
+            units = getattr(engine, "units", None) or []
+            out["largest_unit_numel"] = max((u.numel for u in units), default=None)
+        return out
 
 
 @dataclass(frozen=True)
@@ -122,8 +178,13 @@ def _count_fsdp_collectives(counter: ByteCounter) -> None:
     dist.reduce_scatter_single = counted_reduce_scatter  # type: ignore[assignment]
 
 
-def build_fsdp2_system(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> System:
-    """FSDP2: `fully_shard` on each Linear, then on the root, resharding after forward (ZeRO-3's layout)."""
+def build_fsdp2_system(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, grad_accum: int, probe: MicroProbe
+) -> System:
+    """FSDP2: `fully_shard` on each Linear, then on the root, resharding after forward (ZeRO-3's layout).
+
+    Accumulation takes FSDP2's default path: every micro-step reduce-scatters into the sharded `.grad`.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -138,17 +199,23 @@ def build_fsdp2_system(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Sy
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        total = torch.zeros(())
+        for micro in range(grad_accum):
+            loss = nn.functional.mse_loss(model(x), y) / grad_accum
+            loss.backward()
+            probe.after_backward(boundary=micro == grad_accum - 1)
+            total += loss.detach()
         optimizer.step()
-        return loss.detach()
+        return total
 
     return System(step, counter.as_dict, counter.reset)
 
 
-def build_torch_system(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> System:
+def build_torch_system(
+    name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, grad_accum: int, probe: MicroProbe
+) -> System:
     if name == "fsdp2":
-        return build_fsdp2_system(model, x, y)
+        return build_fsdp2_system(model, x, y, grad_accum, probe)
     counter = ByteCounter(dist.get_world_size())
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=name == "ddp_bucket_view")
     ddp.register_comm_hook(counter, _counting_allreduce_hook)
@@ -162,28 +229,47 @@ def build_torch_system(name: str, model: nn.Module, x: torch.Tensor, y: torch.Te
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
+        total = torch.zeros(())
+        for micro in range(grad_accum):
+            boundary = micro == grad_accum - 1
+            # Non-boundary micro-steps accumulate locally; the boundary's backward all-reduces the sum.
+            with contextlib.nullcontext() if boundary else ddp.no_sync():
+                loss = nn.functional.mse_loss(ddp(x), y) / grad_accum
+                loss.backward()
+            probe.after_backward(boundary=boundary)
+            total += loss.detach()
         optimizer.step()
-        return loss.detach()
+        return total
 
     return System(step, counter.as_dict, counter.reset)
 
 
 def build_engine_system(
-    name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduce_bucket_size: int | None
+    name: str,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    reduce_bucket_size: int | None,
+    grad_accum: int,
+    probe: MicroProbe,
 ) -> tuple[System, Any]:
     import accelerate_zero
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    config = engine_config(int(name[-1]), reduce_bucket_size)
+    config = engine_config(int(name[-1]), reduce_bucket_size, grad_accum)
     engine = accelerate_zero.initialize(model, optimizer, config=config)
+    probe.engine = engine
 
     def step() -> torch.Tensor:
-        loss = nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+        total = torch.zeros(())
+        for _ in range(grad_accum):
+            boundary = engine.is_gradient_accumulation_boundary()
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)  # divides by gradient_accumulation_steps itself
+            probe.after_backward(boundary=boundary)
+            engine.step()
+            total += loss.detach() / grad_accum
+        return total
 
     return System(step, engine.comm_stats, engine.reset_comm_stats), engine
 
@@ -196,7 +282,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", required=True, help="JSON file rank 0 writes every rank's measurement to")
     parser.add_argument("--reduce_bucket_size", type=int, default=None, help="engine only; default: the engine's")
-    return parser.parse_args()
+    parser.add_argument(
+        "--grad_accum", type=int, default=1, help="micro-steps (forward + backward each) per optimizer step"
+    )
+    args = parser.parse_args()
+    if args.grad_accum < 1:
+        parser.error(f"--grad_accum {args.grad_accum}: needs at least 1 micro-step per optimizer step")
+    return args
 
 
 def measure_loading(measurement: Measurement, system: str, folder: str, model_class: Any) -> None:
@@ -261,12 +353,15 @@ def main() -> None:
     measurement.params = sum(p.numel() for p in model.parameters())
     x, y = make_batch(dist.get_rank())
     engine = None
+    probe = MicroProbe(baseline_rss=measurement.baseline["VmRSS"])
     if args.system in ENGINE_SYSTEMS:
-        system, engine = build_engine_system(args.system, model, x, y, args.reduce_bucket_size)
+        system, engine = build_engine_system(args.system, model, x, y, args.reduce_bucket_size, args.grad_accum, probe)
     else:
-        system = build_torch_system(args.system, model, x, y)
+        system = build_torch_system(args.system, model, x, y, args.grad_accum, probe)
     run_steps(measurement, system.step, warmup=args.warmup, steps=args.steps, reset_comm=system.reset_comm)
     measurement.comm = system.comm()
+    measurement.extra["grad_accum"] = args.grad_accum
+    measurement.extra["micro"] = probe.as_dict()
     if engine is not None:
         measurement.extra["memory_breakdown"] = engine.memory_breakdown()
     finish(measurement, args.out)

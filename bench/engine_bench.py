@@ -70,6 +70,11 @@ def worker_command(system: str, args: argparse.Namespace, out: Path) -> tuple[li
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
     if args.reduce_bucket_size is not None and (system.startswith(("ds", "az"))):
         common += ["--reduce_bucket_size", str(args.reduce_bucket_size)]
+    grad_accum = getattr(args, "grad_accum", 1)  # stage3_bench.py --grad_accums; bench_worker.py systems only
+    if grad_accum != 1:
+        if system.startswith("ds"):
+            raise ValueError(f"{system}: ds_worker.py has no gradient accumulation option (grad_accum={grad_accum})")
+        common += ["--grad_accum", str(grad_accum)]
     launch = ["--standalone", "--nproc_per_node", str(args.world_size)]
     if system.startswith("ds"):  # ds1, ds2 here; ds3 from stage3_bench.py
         env.pop("PYTHONPATH", None)

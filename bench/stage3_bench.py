@@ -5,6 +5,8 @@ Usage:
     /work/venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --json bench/out/s3_w4.json
     /work/venv/bin/python bench/stage3_bench.py --world_sizes 2 --systems ddp fsdp2 az3 --no_load
     /work/venv/bin/python bench/stage3_bench.py --world_sizes --load_only        # only the loading measurement
+    /work/venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --systems ddp fsdp2 az2 az3 \
+        --grad_accums 1 4 --steps 3 --warmup 1                                   # peak memory under accumulation
 
 The training systems run on the same model, data and machinery as engine_bench.py (bench_common.py,
 bench_worker.py, ds_worker.py, report.py: 16 x Linear(1024, 1024), fp32 AdamW, gloo, one thread per rank,
@@ -12,6 +14,11 @@ MALLOC_MMAP_THRESHOLD_=131072, each system in its own fresh torchrun group). Sta
 {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 2100000,
 "stage3_max_live_parameters": 4200000}: each Linear is a gather unit. FSDP2 is `fully_shard` on each Linear then
 the root, reshard_after_forward=True.
+
+Gradient accumulation (`--grad_accums 1 4`): every system runs once per accumulation, each optimizer step being
+that many micro-steps (forward + backward each; how each system accumulates: bench_worker.MicroProbe), and an
+extra table shows each system's peak RSS per rank against accumulation 1, the RSS between micro-steps and, for
+accelerate_zero, the gradient bytes kept between micro-steps and the scheduler's peak of gathered elements.
 
 Loading: a LlamaForCausalLM (~29M parameters) is saved with save_pretrained into --load_dir (once), then loaded at
 --load_world_size processes by `accelerate_zero.from_pretrained(LlamaForCausalLM, dir, config=zero3)` (load_az3)
@@ -68,9 +75,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system (default 20)")
     parser.add_argument("--ds3_steps", type=int, default=None, help="timed steps for ds3 (default: --steps)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--grad_accums",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="run every system at each of these gradient accumulation steps (default: 1 only)",
+    )
     parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"))
     parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out" / "stage3")
     parser.add_argument("--json", type=Path, default=None, help="write the raw readings and summaries here")
+    parser.add_argument(
+        "--accumulation_from_json",
+        type=Path,
+        default=None,
+        help="print the accumulation tables of a run saved with --json (and --grad_accums); run nothing",
+    )
     parser.add_argument("--no_load", action="store_true", help="skip the loading measurement")
     parser.add_argument("--load_only", action="store_true", help="only the loading measurement")
     parser.add_argument("--load_dir", type=Path, default=Path("/tmp/az_stage3_bench_llama"))
@@ -82,12 +102,15 @@ def parse_args() -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------------ training
-def run_world(world_size: int, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+def run_world(world_size: int, args: argparse.Namespace, grad_accum: int = 1) -> dict[str, list[dict[str, Any]]]:
     """Runs every system on `world_size` processes; returns each one's per-rank raw readings."""
     raw: dict[str, list[dict[str, Any]]] = {}
     systems = list(args.systems)
     if "ds3" in systems and not (args.ds_venv / "bin" / "torchrun").exists():
         print(f"no DeepSpeed virtualenv at {args.ds_venv}: skipping ds3")
+        systems.remove("ds3")
+    if "ds3" in systems and grad_accum != 1:
+        print(f"ds_worker.py has no gradient accumulation: skipping ds3 at accumulation {grad_accum}")
         systems.remove("ds3")
     for system in systems:
         steps = args.ds3_steps if system == "ds3" and args.ds3_steps else args.steps
@@ -97,7 +120,8 @@ def run_world(world_size: int, args: argparse.Namespace) -> dict[str, list[dict[
             warmup=args.warmup,
             reduce_bucket_size=None,
             ds_venv=args.ds_venv,
-            out_dir=args.out_dir / f"w{world_size}",
+            out_dir=args.out_dir / (f"w{world_size}" if grad_accum == 1 else f"w{world_size}_accum{grad_accum}"),
+            grad_accum=grad_accum,
         )
         run_args.out_dir.mkdir(parents=True, exist_ok=True)
         ranks = engine_bench.run_system(system, run_args, 0)
@@ -225,6 +249,78 @@ def training_checks(by: dict[str, report.Summary]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------------------------ accumulation
+def _peak_per_rank_mb(ranks: list[dict[str, Any]]) -> list[float]:
+    """VmHWM at the end of the run (reset at the baseline) minus the baseline VmRSS, per rank."""
+    return [(r["after"]["VmHWM"] - r["baseline"]["VmRSS"]) / MB for r in ranks]
+
+
+def _max_micro(ranks: list[dict[str, Any]], key: str) -> float | None:
+    values = [r["extra"].get("micro", {}).get(key) for r in ranks]
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def accumulation_table(by_accum: dict[int, dict[str, list[dict[str, Any]]]]) -> tuple[str, list[str]]:
+    """Peak memory per rank of every system at every accumulation; the check that stage 3's does not grow."""
+    accums = sorted(by_accum)
+    first_accum = accums[0]
+    rows = [
+        "| system | accumulation | peak RSS − baseline per rank (MB, each rank) | peak (MB, max) | peak / same "
+        "system at accumulation "
+        f"{first_accum} | peak / DDP | peak / FSDP2 | RSS between micro-steps (MB, max) | RSS after the run "
+        "(MB, max) | engine gradients kept between micro-steps (MB) | stage-3 units gathered between micro-steps | "
+        "scheduler peak gathered elements (largest unit) | engine peak full-size gradient buffers (MB) | "
+        "engine-held total (MB) |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    peaks = {
+        accum: {system: max(_peak_per_rank_mb(ranks)) for system, ranks in raw.items()}
+        for accum, raw in by_accum.items()
+    }
+    systems = list(dict.fromkeys(system for raw in by_accum.values() for system in raw))
+    for system in systems:
+        for accum in accums:
+            ranks = by_accum[accum].get(system)
+            if ranks is None:
+                continue
+            peak = peaks[accum][system]
+            base = peaks[first_accum].get(system)
+            ddp, fsdp2 = peaks[accum].get("ddp"), peaks[accum].get("fsdp2")
+            between = _max_micro(ranks, "max_rss_between")
+            grads = _max_micro(ranks, "max_engine_grad_bytes_between")
+            gathered = _max_micro(ranks, "max_gathered_units_between")
+            live = _max_micro(ranks, "scheduler_peak_live_numel")
+            unit = _max_micro(ranks, "largest_unit_numel")
+            transient = _max_micro(ranks, "reducer_peak_transient_bytes")
+            breakdowns = [r["extra"].get("memory_breakdown") for r in ranks]
+            held = max(b["total"] for b in breakdowns) / MB if all(breakdowns) else None
+            rows.append(
+                f"| {system} | {accum} | {' / '.join(f'{p:.1f}' for p in _peak_per_rank_mb(ranks))} | {peak:.1f} | "
+                f"{report._ratio(peak, base)} | {report._ratio(peak, ddp)} | {report._ratio(peak, fsdp2)} | "
+                f"{'-' if between is None else f'{between / MB:.1f}'} | "
+                f"{max(r['after']['VmRSS'] - r['baseline']['VmRSS'] for r in ranks) / MB:.1f} | "
+                f"{'-' if grads is None else f'{grads / MB:.1f}'} | {'-' if gathered is None else gathered} | "
+                f"{'-' if live is None else f'{live:,} ({unit:,})'} | "
+                f"{'-' if transient is None else f'{transient / MB:.1f}'} | {report._fmt(held)} |"
+            )
+    lines = []
+    for system in ("az3",):
+        if system not in peaks[first_accum]:
+            continue
+        for accum in accums[1:]:
+            if system in peaks[accum]:
+                ratio = peaks[accum][system] / peaks[first_accum][system]
+                lines.append(
+                    check(
+                        f"stage 3 peak RSS at accumulation {accum} within 10% of accumulation {first_accum}",
+                        abs(ratio - 1) <= 0.10,
+                        f"{peaks[accum][system]:.1f} vs {peaks[first_accum][system]:.1f} MB = {ratio:.3f}",
+                    )
+                )
+    return "\n".join(rows), lines
+
+
 # ------------------------------------------------------------------------------------------------- loading
 def save_llama(folder: Path) -> dict[str, Any]:
     sizes = folder / "bench_sizes.json"
@@ -306,26 +402,52 @@ def run_loading(args: argparse.Namespace) -> tuple[str, list[str], dict[str, Any
     return table, lines, {"raw": raw, "sizes": sizes, "peaks_mb": peaks, "bound_mb": bound}
 
 
+def accumulation_from_json(path: Path) -> None:
+    """Prints the accumulation table of every world size a saved run (`--json`) holds; runs nothing."""
+    worlds = json.loads(path.read_text())["worlds"]
+    by_world: dict[int, dict[int, dict[str, list[dict[str, Any]]]]] = {}
+    for key, world in worlds.items():
+        size, _, accum = str(key).partition("_accum")
+        by_world.setdefault(int(size), {})[int(accum or 1)] = world["raw"]
+    for world_size, by_accum in sorted(by_world.items()):
+        table, lines = accumulation_table(by_accum)
+        print(f"### W = {world_size}: peak memory per rank under gradient accumulation\n\n{table}\n")
+        print("\n".join(lines) + "\n")
+
+
 def main() -> None:
     args = parse_args()
+    if args.accumulation_from_json is not None:
+        accumulation_from_json(args.accumulation_from_json)
+        return
     payload: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "worlds": {}}
     all_lines: list[str] = []
     for world_size in [] if args.load_only else args.world_sizes:
-        print(f"W = {world_size}: {', '.join(args.systems)}", flush=True)
-        raw = run_world(world_size, args)
-        summaries = [report.summarize(system, [ranks]) for system, ranks in raw.items()]
-        if not summaries:
-            continue
-        first = summaries[0]
-        print(
-            f"\n### W = {world_size}, Ψ = {first.params:,} parameters, {first.steps} timed steps "
-            "(ds3: see its row); MB = 10^6 bytes\n"
-        )
-        print(training_tables(summaries))
-        lines = training_checks({s.system: s for s in summaries})
-        print("\n" + "\n".join(lines) + "\n", flush=True)
-        all_lines += lines
-        payload["worlds"][world_size] = {"raw": raw, **report.as_json(summaries, [])}
+        by_accum: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        for accum in args.grad_accums:
+            print(f"W = {world_size}, accumulation {accum}: {', '.join(args.systems)}", flush=True)
+            raw = run_world(world_size, args, accum)
+            summaries = [report.summarize(system, [ranks]) for system, ranks in raw.items()]
+            if not summaries:
+                continue
+            by_accum[accum] = raw
+            first = summaries[0]
+            print(
+                f"\n### W = {world_size}, Ψ = {first.params:,} parameters, {first.steps} timed steps of {accum} "
+                "micro-step(s) (ds3: see its row); MB = 10^6 bytes\n"
+            )
+            print(training_tables(summaries))
+            # The targets (bytes and time per step) were set for one micro-step per optimizer step.
+            lines = training_checks({s.system: s for s in summaries}) if accum == 1 else []
+            print("\n" + "\n".join(lines) + "\n", flush=True)
+            all_lines += lines
+            key = world_size if accum == 1 else f"{world_size}_accum{accum}"
+            payload["worlds"][key] = {"raw": raw, **report.as_json(summaries, [])}
+        if len(by_accum) > 1:
+            table, lines = accumulation_table(by_accum)
+            print(f"\n### W = {world_size}: peak memory per rank under gradient accumulation\n\n{table}\n")
+            print("\n".join(lines) + "\n", flush=True)
+            all_lines += lines
     if not args.no_load:
         table, lines, load_payload = run_loading(args)
         print(f"\n### Loading a saved LlamaForCausalLM\n\n{table}\n\n" + "\n".join(lines))
