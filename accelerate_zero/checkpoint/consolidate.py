@@ -86,13 +86,13 @@ def consolidated_state_dict(checkpoint: str | Path, dtype: torch.dtype = torch.f
     state: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         numel = int(torch.Size(shape).numel())
-        values = _read(reader, name, numel)
         saved_numel = reader.extent(name)
         if saved_numel is not None and saved_numel != numel:
             raise ValueError(
                 f"{folder}/meta.json gives {name} the shape {shape} ({numel} elements) but the rank files hold "
                 f"{saved_numel} elements of it: meta.json does not belong to these files"
             )
+        values = _read(reader, name, numel)
         state[name] = values.reshape(shape).to(dtype if values.is_floating_point() else values.dtype)
     for key in reader.whole:
         if key.endswith("/buffer"):

@@ -1,0 +1,295 @@
+"""Engine checkpoints under injected faults: every case is a clear error naming the file or parameter, never wrong
+values loaded in silence.
+
+One 2-rank group saves the checkpoints (stage 2 with AdamW and with SGD, stage 0); the pytest process damages
+copies of them (flipped data or header bytes, truncated files, rank files of another job); one 1-rank group then
+loads every copy into a fresh engine, and into models of another size and optimizers of another class, and
+returns what happened. `consolidate` is checked on the same copies in the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.dist import run_distributed
+
+
+GLOBAL_BATCH = 4
+
+
+class Toy(nn.Module):
+    """Uneven shapes; `hidden` changes every shape but the names, `extra` adds one layer."""
+
+    def __init__(self, hidden: int = 15, extra: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 3)
+        self.extra = nn.Linear(7, 3) if extra else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+        return y + self.extra(x) if self.extra is not None else y
+
+
+def _engine(stage: int, optimizer: str = "AdamW", hidden: int = 15, extra: bool = False, seed: int = 5) -> Any:
+    import accelerate_zero
+
+    torch.manual_seed(seed)
+    model = Toy(hidden, extra)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if optimizer == "AdamW"
+        else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    )
+    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 60}}
+    return accelerate_zero.initialize(model, opt, config=config)
+
+
+def _train(engine: Any, rank: int, world_size: int, steps: int = 2) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(GLOBAL_BATCH, 7, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+        per = GLOBAL_BATCH // world_size
+        part = slice(rank * per, (rank + 1) * per)
+        engine.backward(nn.functional.mse_loss(engine(x[part]), y[part]))
+        engine.step()
+
+
+def _flat(engine: Any) -> torch.Tensor:
+    return torch.cat([t.float().reshape(-1) for t in engine.full_state_dict().values()])
+
+
+def _save_all(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    out = {}
+    for name, stage, optimizer, extra in (
+        ("adamw", 2, "AdamW", True),
+        ("sgd", 2, "SGD", True),
+        ("stage0", 0, "AdamW", False),
+    ):
+        engine = _engine(stage, optimizer, extra=extra, seed=0)
+        _train(engine, rank, world_size)
+        engine.save_checkpoint(f"{root}/{name}")
+        out[name] = _flat(engine) if rank == 0 else torch.zeros(0)
+        engine.destroy()
+    return out
+
+
+def _outcome(action: Any) -> str:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            action()
+        except Exception as error:  # the message is what the test checks
+            return f"error {type(error).__name__}: {error}"
+    notes = [str(w.message) for w in caught if "checkpoint" in str(w.message) or "lacks" in str(w.message)]
+    return "ok" + "".join(f" | warning: {n}" for n in notes)
+
+
+def _load_all(rank: int, world_size: int, root: str, cases: list[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for case in cases:
+        engine = _engine(2, extra=True)
+        results[case] = _outcome(lambda case=case, engine=engine: engine.load_checkpoint(f"{root}/{case}"))
+        if case == "adamw":
+            results["adamw values"] = _flat(engine)
+    for label, kwargs in (("smaller", {"hidden": 12}), ("larger", {"hidden": 18})):
+        engine = _engine(2, extra=True, **kwargs)
+        results[label] = _outcome(lambda engine=engine: engine.load_checkpoint(f"{root}/adamw"))
+    engine = _engine(2, extra=False)
+    results["model lacks extra"] = _outcome(lambda: engine.load_checkpoint(f"{root}/adamw"))
+    for label, saved, optimizer in (("sgd into adamw", "sgd", "AdamW"), ("adamw into sgd", "adamw", "SGD")):
+        engine = _engine(2, optimizer, extra=True)
+        results[label] = _outcome(lambda engine=engine, saved=saved: engine.load_checkpoint(f"{root}/{saved}"))
+    engine = _engine(2, "AdamW", extra=True)
+    results["sgd weights only"] = _outcome(lambda: engine.load_checkpoint(f"{root}/sgd", load_optimizer_states=False))
+    results["sgd weights only values"] = _flat(engine)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ damage
+def _folder(root: Path, case: str) -> Path:
+    return root / case / "global_step2"
+
+
+def _copy(root: Path, source: str, case: str) -> Path:
+    shutil.copytree(root / source, root / case)
+    return _folder(root, case)
+
+
+def _header_length(path: Path) -> int:
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
+def _flip_data(path: Path, count: int) -> None:
+    data = bytearray(path.read_bytes())
+    start = _header_length(path)
+    for i in range(count):
+        data[start + (i * 7) % (len(data) - start)] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def _rename_in_header(path: Path, old: bytes, new: bytes) -> None:
+    data = path.read_bytes()
+    header = _header_length(path)
+    assert len(old) == len(new) and old in data[:header]
+    path.write_bytes(data[:header].replace(old, new, 1) + data[header:])
+
+
+def _strip_checksums(folder: Path) -> None:
+    """A folder as an older version wrote it (no checksums), to test the checks that do not rely on them."""
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.pop("files", None), meta.pop("meta_sha256", None)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _damage(root: Path) -> None:
+    _flip_data(_copy(root, "adamw", "flipped data") / "rank00001.safetensors", 1000)
+    _rename_in_header(_copy(root, "adamw", "flipped header") / "rank00000.safetensors", b"exp_avg_sq", b"exp_avg_sr")
+    folder = _copy(root, "adamw", "renamed fragment, no checksums")
+    _rename_in_header(folder / "rank00000.safetensors", b"exp_avg_sq", b"exp_avg_sr")
+    _strip_checksums(folder)
+    shard = _copy(root, "adamw", "truncated shard") / "rank00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    folder = _copy(root, "adamw", "truncated shard, no checksums")
+    shard = folder / "rank00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _strip_checksums(folder)
+    meta = _copy(root, "adamw", "truncated meta") / "meta.json"
+    meta.write_text(meta.read_text()[:100])
+    folder = _copy(root, "adamw", "foreign rank files")
+    for rank in (2, 3):  # a killed save of a 4-rank job under the same tag
+        shutil.copy(folder / "rank00001.safetensors", folder / f"rank{rank:05d}.safetensors")
+    folder = _copy(root, "adamw", "edited shapes")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["param_shapes"]["inp.weight"] = [7, 15]  # transposed
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+DAMAGED = [
+    "flipped data",
+    "flipped header",
+    "renamed fragment, no checksums",
+    "truncated shard",
+    "truncated shard, no checksums",
+    "truncated meta",
+    "foreign rank files",
+    "edited shapes",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    root = tmp_path_factory.mktemp("faults")
+    saved = run_distributed(_save_all, 2, str(root))[0]
+    _damage(root)
+    loaded = run_distributed(_load_all, 1, str(root), ["adamw", *DAMAGED])[0]
+    return root, saved, loaded
+
+
+def test_intact_checkpoint_loads_exactly(checkpoints: tuple) -> None:
+    _, saved, loaded = checkpoints
+    assert loaded["adamw"] == "ok"
+    assert torch.equal(loaded["adamw values"], saved["adamw"])
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("flipped data", r"rank00001\.safetensors does not match its checksum"),
+        ("flipped header", r"rank00000\.safetensors does not match its checksum"),
+        ("renamed fragment, no checksums", r"no 'exp_avg_sq' optimizer state for \w+\.\w+\[\d+:\d+\]"),
+        (
+            "truncated shard",
+            r"rank00001\.safetensors does not match its checksum in meta\.json: the file is truncated",
+        ),
+        ("truncated shard, no checksums", r"rank00001\.safetensors is not a readable safetensors file"),
+        ("truncated meta", r"meta\.json is not valid JSON .*truncated"),
+        ("foreign rank files", r"rank00002\.safetensors, rank00003\.safetensors.*the job had 2 ranks"),
+        ("edited shapes", r"meta\.json does not match its own checksum"),
+    ],
+)
+def test_damaged_checkpoint_is_refused_naming_the_file(checkpoints: tuple, case: str, expected: str) -> None:
+    _, _, loaded = checkpoints
+    assert loaded[case].startswith("error ValueError"), loaded[case]
+    assert re.search(expected, loaded[case]), loaded[case]
+
+
+@pytest.mark.parametrize(("case", "model"), [("smaller", "[12, 7]"), ("larger", "[18, 7]")])
+def test_other_hidden_size_is_refused_naming_parameter_and_both_shapes(
+    checkpoints: tuple, case: str, model: str
+) -> None:
+    _, _, loaded = checkpoints
+    assert loaded[case].startswith("error ValueError"), loaded[case]
+    assert f"inp.weight: checkpoint [15, 7], model {model}" in loaded[case]
+
+
+def test_checkpoint_parameters_the_model_lacks_are_named_in_a_warning(checkpoints: tuple) -> None:
+    _, _, loaded = checkpoints
+    assert loaded["model lacks extra"].startswith("ok | warning:"), loaded["model lacks extra"]
+    assert "extra.bias, extra.weight" in loaded["model lacks extra"]
+
+
+def test_optimizer_class_mismatch_is_refused_unless_states_are_skipped(checkpoints: tuple) -> None:
+    _, saved, loaded = checkpoints
+    assert "a SGD optimizer with 1 param groups; this engine's optimizer is a AdamW" in loaded["sgd into adamw"]
+    assert "a AdamW optimizer with 1 param groups; this engine's optimizer is a SGD" in loaded["adamw into sgd"]
+    assert "load_optimizer_states=False" in loaded["sgd into adamw"]
+    assert loaded["sgd weights only"] == "ok"
+    assert torch.equal(loaded["sgd weights only values"], saved["sgd"])
+
+
+# ------------------------------------------------------------------------------------------------ consolidate
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("flipped data", r"rank00001\.safetensors does not match its checksum"),
+        ("truncated shard", r"rank00001\.safetensors does not match its checksum"),
+        ("truncated shard, no checksums", r"rank00001\.safetensors is not a readable safetensors file"),
+        ("truncated meta", r"meta\.json is not valid JSON"),
+        ("foreign rank files", r"rank00002\.safetensors"),
+        ("edited shapes", r"meta\.json does not match its own checksum"),
+    ],
+)
+def test_consolidate_refuses_damaged_checkpoints_with_exit_2(
+    checkpoints: tuple, case: str, expected: str, capsys: pytest.CaptureFixture
+) -> None:
+    import argparse
+
+    from accelerate_zero.cli.consolidate import run
+
+    root, _, _ = checkpoints
+    code = run(argparse.Namespace(checkpoint=str(root / case), output=str(root / f"out {case}"), dtype="fp32"))
+    assert code == 2
+    assert re.search(expected, capsys.readouterr().err)
+
+
+def test_consolidate_checks_meta_shapes_against_the_files(checkpoints: tuple) -> None:
+    from accelerate_zero.checkpoint.consolidate import consolidated_state_dict
+
+    root, _, _ = checkpoints
+    folder = _copy(root, "adamw", "edited shapes, no checksums")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["param_shapes"]["inp.weight"] = [8, 15]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    _strip_checksums(folder)
+    with pytest.warns(UserWarning, match="no checksums"), pytest.raises(ValueError, match=r"inp\.weight the shape"):
+        consolidated_state_dict(root / "edited shapes, no checksums")
+
+
+def test_consolidate_of_a_two_rank_stage0_checkpoint(checkpoints: tuple) -> None:
+    from accelerate_zero.checkpoint.consolidate import consolidated_state_dict
+
+    root, saved, _ = checkpoints
+    state = consolidated_state_dict(root / "stage0")
+    assert torch.equal(torch.cat([t.reshape(-1) for t in state.values()]), saved["stage0"])
