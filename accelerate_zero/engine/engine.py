@@ -547,6 +547,10 @@ class ZeroEngine:
             self.save_checkpoint(save_dir)
             return False
         state = self.full_state_dict(dtype=self.compute_dtype)
+        # A tied parameter is written once, under its first name (the embedding), as save_pretrained does.
+        kept = {name for name, _ in self.module.named_parameters()}
+        aliases = {name for name, _ in self.module.named_parameters(remove_duplicate=False)} - kept
+        state = {k: v for k, v in state.items() if k not in aliases}
         if self.dp.rank == 0:
             folder = Path(save_dir)
             folder.mkdir(parents=True, exist_ok=True)
