@@ -18,6 +18,7 @@ from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.loss_scaler import LossScaler
+from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,18 @@ class ShardedOptimizer:
 
     def switch_param_groups(self) -> None:
         """Points the optimizer's param groups at the master slices."""
-        if self.optimizer.state:
+        # Some optimizers (Adagrad) make state in their constructor: that state is made again for the shards.
+        remake = bool(self.optimizer.state) and has_constructor_state_only(self.optimizer)
+        if self.optimizer.state and not remake:
             raise ValueError(
                 "the optimizer already has state (was it stepped before accelerate_zero.initialize?): pass a fresh "
                 "optimizer; its state would belong to the unsharded parameters"
             )
+        self.optimizer.state.clear()
         for param_group, slices in zip(self.optimizer.param_groups, self.slices_by_group, strict=True):
             param_group["params"] = [s.master for s in slices]
+        if remake:
+            self.optimizer.state.update(constructor_state(self.optimizer))
 
     # -------------------------------------------------------------------- step
     def step(self) -> StepOutcome:

@@ -293,3 +293,36 @@ def test_consolidate_of_a_two_rank_stage0_checkpoint(checkpoints: tuple) -> None
     root, saved, _ = checkpoints
     state = consolidated_state_dict(root / "stage0")
     assert torch.equal(torch.cat([t.reshape(-1) for t in state.values()]), saved["stage0"])
+
+
+# ------------------------------------------------------------------------------------------------ optimizers
+def _adagrad(rank: int, world_size: int) -> torch.Tensor:
+    import accelerate_zero
+
+    torch.manual_seed(0)
+    model = Toy()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    config = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0}
+    engine = accelerate_zero.initialize(model, optimizer, config=config)
+    _train(engine, rank, world_size, steps=3)
+    return _flat(engine) if rank == 0 else torch.zeros(0)
+
+
+def test_adagrad_state_made_by_its_constructor_is_accepted() -> None:
+    torch.manual_seed(0)
+    model = Toy()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    _train_reference(model, optimizer, steps=3)
+    expected = torch.cat([t.reshape(-1) for t in model.state_dict().values()])
+    got = run_distributed(_adagrad, 2)[0]
+    # Same arithmetic up to the order of the gradient average (two halves vs one batch): fp32 rounding.
+    assert (got - expected).abs().max().item() < 1e-6
+
+
+def _train_reference(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(GLOBAL_BATCH, 7, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
