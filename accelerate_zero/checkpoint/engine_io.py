@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
 from accelerate_zero.checkpoint.io import FragmentReader, check_tag, fresh_partial_dir, publish_dir, resolve_tag
 from accelerate_zero.checkpoint.meta import FORMAT, file_digest, rank_file_name, read_meta, verify_files, write_meta
+from accelerate_zero.engine import collectives
 
 
 if TYPE_CHECKING:
@@ -346,5 +347,4 @@ def _validate_tag(engine: ZeroEngine, tag: str) -> None:
 
 
 def _barrier(engine: ZeroEngine) -> None:
-    if engine.dp.world_size > 1:
-        dist.barrier(group=engine.dp.group)
+    collectives.barrier(engine.dp)

@@ -209,7 +209,14 @@ class ZeroEngine:
         if self.offload.nvme_path is not None:
             numel = sum(s.end - s.start for group in slices for s in group)
             grad_numel = sum(b.plan.shard_numel for b in swapped_grads)
-            folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel, grad_numel)
+            folder = check_nvme_path(
+                self.offload.nvme_path,
+                self.dp.rank,
+                numel,
+                grad_numel,
+                world_size=self.dp.world_size,
+                barrier=lambda: collectives.barrier(self.dp),
+            )
             swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
             self.grad_store = NvmeGradStore(folder / "gradients.bin", swapped_grads, self.offload.buffer_count)
             for bucket in swapped_grads:

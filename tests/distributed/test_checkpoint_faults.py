@@ -326,3 +326,55 @@ def _train_reference(model: nn.Module, optimizer: torch.optim.Optimizer, steps: 
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
+
+
+# ------------------------------------------------------------------------------------------------ resources
+def _nvme_engine(nvme_path: str) -> Any:
+    import accelerate_zero
+
+    torch.manual_seed(0)
+    model = Toy()
+    offload = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}
+    zero = {"stage": 2, "offload_optimizer": offload, "sub_group_size": 50, "reduce_bucket_size": 60}
+    return accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters()), config={"zero_optimization": zero})
+
+
+def _nvme_space(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import errno
+    import shutil as shutil_module
+
+    from accelerate_zero.offload import nvme
+
+    engine = _nvme_engine(f"{root}/nvme")
+    need = int((nvme.rank_folder(f"{root}/nvme", rank) / ".bytes_needed").read_text())
+    _train(engine, rank, world_size, steps=1)
+    engine.save_checkpoint(f"{root}/ckpt")
+    real_usage = shutil_module.disk_usage
+    # A disk with room for one rank's files but not for both ranks'.
+    nvme.shutil.disk_usage = lambda path: real_usage(path)._replace(free=need * 3 // 2)
+    results = {"need": need, "too small": _outcome(lambda: _nvme_engine(f"{root}/nvme2"))}
+    nvme.shutil.disk_usage = real_usage
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    nvme.save_file = full  # the disk fills after training started
+    results["fills later"] = _outcome(lambda: _train(engine, rank, world_size, steps=1))
+    return results
+
+
+def test_nvme_space_is_summed_over_the_ranks_sharing_a_disk(tmp_path: Path) -> None:
+    from accelerate_zero.checkpoint.consolidate import consolidated_state_dict
+
+    results = run_distributed(_nvme_space, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        message, need = result["too small"], result["need"]
+        assert message.startswith("error OSError"), message
+        assert f"nvme_path='{tmp_path}/nvme2' has {need * 3 // 2:,} bytes free" in message
+        assert (
+            f"the 2 ranks using it (0, 1) need {results[0]['need'] + results[1]['need']:,} bytes together" in message
+        )
+        filled = result["fills later"]
+        assert filled.startswith("error OSError") and "No space left on device" in filled, filled
+        assert re.search(rf"writing [\d,]+ bytes to {tmp_path}/nvme/accelerate_zero/rank0000{rank}/\S+ failed", filled)
+    assert consolidated_state_dict(tmp_path / "ckpt")  # the checkpoint saved before the disk filled is intact
