@@ -378,3 +378,58 @@ def test_nvme_space_is_summed_over_the_ranks_sharing_a_disk(tmp_path: Path) -> N
         assert filled.startswith("error OSError") and "No space left on device" in filled, filled
         assert re.search(rf"writing [\d,]+ bytes to {tmp_path}/nvme/accelerate_zero/rank0000{rank}/\S+ failed", filled)
     assert consolidated_state_dict(tmp_path / "ckpt")  # the checkpoint saved before the disk filled is intact
+
+
+# ------------------------------------------------------------------------------------------------ accelerate
+def _touch(path: str) -> str:
+    Path(path).write_text("unpickled")
+    return path
+
+
+class _Runs:
+    """Pickles to a call of `_touch`: loading it with weights_only=False would run code from the file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return _touch, (self.marker,)
+
+
+class _Registered:
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def _custom_objects(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+
+    config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}
+    accelerator = ZeroAccelerator(ZeroPlugin(config=config))
+    model = Toy()
+    model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    plain = _Registered({"count": 3, "values": torch.arange(4.0), "name": "ema"})
+    unsafe = _Registered({"payload": _Runs(f"{root}/marker")})
+    accelerator.register_for_checkpointing(plain, unsafe)
+    accelerator.save_state(f"{root}/state")
+    plain.state, unsafe.state = {}, {}
+    outcome = _outcome(lambda: accelerator.load_state(f"{root}/state"))
+    return {"outcome": outcome, "plain": plain.state, "registered": len(accelerator._custom_objects)}
+
+
+def test_load_state_never_unpickles_registered_objects(tmp_path: Path) -> None:
+    result = run_distributed(_custom_objects, 1, str(tmp_path))[0]
+    assert result["outcome"].startswith("error ValueError"), result["outcome"]
+    assert "custom_checkpoint_1.pkl (the state of _Registered" in result["outcome"]
+    assert "never unpickles arbitrary objects" in result["outcome"]
+    assert not (tmp_path / "marker").exists()  # no code from the file ran
+    assert result["plain"]["count"] == 3 and result["plain"]["name"] == "ema"  # plain values load pickle-free
+    assert torch.equal(result["plain"]["values"], torch.arange(4.0))
+    assert result["registered"] == 2
