@@ -375,6 +375,7 @@ class ZeroEngine:
             check_overflow=bool(self.config.fp16.enabled or self.config.bf16.check_overflow),
             publish=publish,
             device=self.device,
+            progress=lambda: self.micro_steps,
         )
 
     # --------------------------------------------------------------- training

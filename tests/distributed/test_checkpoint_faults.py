@@ -433,3 +433,43 @@ def test_load_state_never_unpickles_registered_objects(tmp_path: Path) -> None:
     assert result["plain"]["count"] == 3 and result["plain"]["name"] == "ema"  # plain values load pickle-free
     assert torch.equal(result["plain"]["values"], torch.arange(4.0))
     assert result["registered"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ distributed faults
+def _skipped_micro_step(rank: int, world_size: int) -> dict[str, Any]:
+    import time
+
+    import accelerate_zero
+
+    results = {}
+    for stage in (0, 1):
+        torch.manual_seed(0)
+        model = Toy()
+        config = {"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 2}
+        engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters()), config=config)
+        x, y = torch.randn(2, 7), torch.randn(2, 3)
+
+        def loop(engine: Any = engine, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            for micro in range(4):
+                engine.set_gradient_accumulation_boundary(micro % 2 == 1)  # as accelerate and the Trainer do
+                if rank == 1 and micro == 0:
+                    continue  # this rank caught an exception in its forward and went on
+                engine.backward(nn.functional.mse_loss(engine(x), y))
+                engine.step()
+
+        start = time.perf_counter()
+        results[f"stage {stage}"] = _outcome(loop)
+        results[f"stage {stage} seconds"] = time.perf_counter() - start
+        engine.destroy()
+    return results
+
+
+def test_a_rank_out_of_step_fails_at_once_naming_the_counters() -> None:
+    by_rank = run_distributed(_skipped_micro_step, 2)
+    for rank, results in enumerate(by_rank):
+        for stage in (0, 1):
+            message = results[f"stage {stage}"]
+            assert message.startswith("error RuntimeError: ranks are out of step"), (rank, stage, message)
+            assert "micro-step counters by rank [1, 0]" in message
+            # At the first boundary: far sooner than the process-group timeout (60 s in tests, 30 min by default).
+            assert results[f"stage {stage} seconds"] < 30
