@@ -94,14 +94,15 @@ def consolidated_state_dict(checkpoint: str | Path, dtype: torch.dtype = torch.f
             )
         values = _read(reader, name, numel)
         state[name] = values.reshape(shape).to(dtype if values.is_floating_point() else values.dtype)
+    # Checkpoints written before non-persistent buffers were left out hold rotary `inv_freq` & co: drop them.
+    persistent = set(skeleton.state_dict()) if skeleton is not None else None
     for key in reader.whole:
         if key.endswith("/buffer"):
             name = key[: -len("/buffer")]
+            if persistent is not None and name not in persistent and any(n in persistent for n in shapes):
+                continue
             tensor = reader.read_whole(key)
             state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    if skeleton is not None:  # only what the model's state_dict holds (no non-persistent buffers)
-        keys = set(skeleton.state_dict())
-        state = {k: v for k, v in state.items() if k in keys}
     return state
 
 
