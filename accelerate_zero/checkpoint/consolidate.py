@@ -8,16 +8,15 @@ the rest). Nothing but safetensors, JSON and the model's config is read.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
 import torch
 
-from accelerate_zero.checkpoint.engine_io import FORMAT
 from accelerate_zero.checkpoint.fragments import whole_key
 from accelerate_zero.checkpoint.io import FragmentReader, resolve_tag
+from accelerate_zero.checkpoint.meta import read_meta, verify_files
 
 
 logger = logging.getLogger(__name__)
@@ -69,16 +68,13 @@ def consolidated_state_dict(checkpoint: str | Path, dtype: torch.dtype = torch.f
         ValueError: a rank file is missing, or stage-3 shapes are needed and there is no config.json.
     """
     folder = engine_folder(checkpoint)
-    meta = json.loads((folder / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{folder} is not an accelerate_zero checkpoint (format={meta.get('format')!r})")
-    files = sorted(folder.glob("rank*.safetensors"))
-    if len(files) != meta["world_size"]:
-        raise ValueError(f"{folder} holds {len(files)} rank files, the job had {meta['world_size']} ranks")
+    meta = read_meta(folder)
+    files = verify_files(folder, meta)
     shapes: dict[str, list[int] | None] = meta["param_shapes"]
-    skeleton = _meta_model(Path(checkpoint)) if any(s is None for s in shapes.values()) else None
+    skeleton = _meta_model(Path(checkpoint))
     if skeleton is not None:
         real = {n: list(p.shape) for n, p in skeleton.named_parameters()}
+        _check_shapes(shapes, real, folder)
         shapes = {n: s if s is not None else real.get(n) for n, s in shapes.items()}
     missing = sorted(n for n, s in shapes.items() if s is None)
     if missing:
@@ -90,16 +86,23 @@ def consolidated_state_dict(checkpoint: str | Path, dtype: torch.dtype = torch.f
     state: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         numel = int(torch.Size(shape).numel())
+        saved_numel = reader.extent(name)
+        if saved_numel is not None and saved_numel != numel:
+            raise ValueError(
+                f"{folder}/meta.json gives {name} the shape {shape} ({numel} elements) but the rank files hold "
+                f"{saved_numel} elements of it: meta.json does not belong to these files"
+            )
         values = _read(reader, name, numel)
         state[name] = values.reshape(shape).to(dtype if values.is_floating_point() else values.dtype)
+    # Checkpoints written before non-persistent buffers were left out hold rotary `inv_freq` & co: drop them.
+    persistent = set(skeleton.state_dict()) if skeleton is not None else None
     for key in reader.whole:
         if key.endswith("/buffer"):
             name = key[: -len("/buffer")]
+            if persistent is not None and name not in persistent and any(n in persistent for n in shapes):
+                continue
             tensor = reader.read_whole(key)
             state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    if skeleton is not None:  # only what the model's state_dict holds (no non-persistent buffers)
-        keys = set(skeleton.state_dict())
-        state = {k: v for k, v in state.items() if k in keys}
     return state
 
 
@@ -123,11 +126,26 @@ def consolidate(checkpoint: str | Path, output_dir: str | Path, dtype: str = "fp
         from huggingface_hub import save_torch_state_dict
 
         save_torch_state_dict(state, out)
+    # The user's own files win over the fresh ones save_pretrained writes (generation_config.json, config.json).
     for name in _COPIED:
         source = Path(checkpoint) / name
-        if source.is_file() and not (out / name).exists():
+        if source.is_file():
             shutil.copy2(source, out / name)
     return out
+
+
+def _check_shapes(saved: dict[str, list[int] | None], model: dict[str, list[int]], folder: Path) -> None:
+    wrong = [
+        f"{name}: checkpoint {shape}, config.json model {model[name]}"
+        for name, shape in saved.items()
+        if shape is not None and name in model and list(shape) != model[name]
+    ]
+    if wrong:
+        raise ValueError(
+            f"{folder}/meta.json and the config.json next to it disagree on {len(wrong)} parameter shapes: "
+            + "; ".join(wrong[:10])
+            + ". Put the config.json of the model that was trained next to the checkpoint."
+        )
 
 
 def _read(reader: FragmentReader, name: str, numel: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Layout of `<save_dir>/<tag>/`:
     meta.json                 format, stage, world size, step counters, loss scale, parameter shapes, optimizer
-                              hyperparameters, the resolved config (rank 0)
+                              class and hyperparameters, the resolved config, a SHA-256 of every other file and
+                              of itself (rank 0; [Note: checkpoint integrity] in checkpoint/meta.py)
     rank00000.safetensors     per rank: `<name>@<start>:<end>/master` fp32 values of the parameter ranges it owns,
                               `.../<state>` their optimizer state, `.../param` stage-3 frozen shards; rank 0 also
                               `<name>/full` for parameters no rank shards and `<name>/buffer` for module buffers
@@ -14,7 +15,6 @@ time, and swapped parameter shards through the parameter store, so a checkpoint 
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
-from accelerate_zero.checkpoint.io import FragmentReader, partial_dir, publish_dir, resolve_tag
+from accelerate_zero.checkpoint.io import FragmentReader, check_tag, fresh_partial_dir, publish_dir, resolve_tag
+from accelerate_zero.checkpoint.meta import FORMAT, file_digest, rank_file_name, read_meta, verify_files, write_meta
+from accelerate_zero.engine import collectives
 
 
 if TYPE_CHECKING:
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
     from accelerate_zero.engine.sharded_optimizer import ShardSlice
     from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer
 
-FORMAT = "accelerate_zero/1"
+__all__ = ["FORMAT", "load_engine", "save_engine"]
+_DIGEST_SUFFIX = ".sha256"
 
 
 def _names(engine: ZeroEngine) -> dict[int, str]:
@@ -63,22 +66,35 @@ def _covered(engine: ZeroEngine) -> set[int]:
 def save_engine(engine: ZeroEngine, save_dir: str | Path, tag: str | None, client_state: dict | None) -> Path:
     """Writes every rank's shard and the rank-independent state; returns the checkpoint folder."""
     save_dir = Path(save_dir)
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = check_tag(tag or f"global_step{engine.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
     rank, is_main = engine.dp.rank, engine.dp.rank == 0
-    work = partial_dir(save_dir, tag)
-    if is_main:
-        work.mkdir(parents=True, exist_ok=True)
+    work = fresh_partial_dir(save_dir, tag) if is_main else save_dir / f".{tag}.partial"
     _barrier(engine)
     # At stage 0 every rank holds the same full state: rank 0's file is enough.
     if engine.stage > 0 or is_main:
-        save_file(_rank_tensors(engine, is_main), str(work / f"rank{rank:05d}.safetensors"))
+        path = work / rank_file_name(rank)
+        save_file(_rank_tensors(engine, is_main), str(path))
+        # Each rank hashes its own file (in parallel); rank 0 collects the digests into meta.json.
+        (work / (path.name + _DIGEST_SUFFIX)).write_text(file_digest(path))
+    _barrier(engine)
     if is_main:
-        (work / "meta.json").write_text(json.dumps(_meta(engine), indent=1))
         if engine.lr_scheduler is not None:
             torch.save(engine.lr_scheduler.state_dict(), work / "scheduler.pt")
         torch.save(client_state or {}, work / "client_state.pt")
+        write_meta(work, _meta(engine), _collect_digests(work))
     return publish_dir(save_dir, tag, lambda: _barrier(engine), is_main)
+
+
+def _collect_digests(work: Path) -> dict[str, str]:
+    digests = {}
+    for sidecar in sorted(work.glob("*" + _DIGEST_SUFFIX)):
+        digests[sidecar.name[: -len(_DIGEST_SUFFIX)]] = sidecar.read_text().strip()
+        sidecar.unlink()
+    for name in ("scheduler.pt", "client_state.pt"):
+        if (work / name).is_file():
+            digests[name] = file_digest(work / name)
+    return digests
 
 
 def _rank_tensors(engine: ZeroEngine, is_main: bool) -> dict[str, torch.Tensor]:
@@ -96,9 +112,20 @@ def _rank_tensors(engine: ZeroEngine, is_main: bool) -> dict[str, torch.Tensor]:
         for name, param in engine.module.named_parameters():
             if id(param) not in covered:
                 out[whole_key(name, "full")] = param.detach().clone()
-        for name, buffer in engine.module.named_buffers():
+        for name, buffer in _persistent_buffers(engine.module):
             out[whole_key(name, "buffer")] = buffer.detach().clone()
     return {key: value.contiguous() for key, value in out.items()}
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers `state_dict` holds: non-persistent ones (rotary `inv_freq`) are rebuilt by the model itself, and
+    `save_pretrained` never writes them."""
+    out = []
+    for prefix, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return out
 
 
 def _slice_tensors(engine: ZeroEngine, shard_slice: ShardSlice, names: dict[int, str]) -> dict[str, torch.Tensor]:
@@ -155,19 +182,26 @@ def load_engine(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
 ) -> dict:
-    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage."""
+    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage.
+
+    Raises:
+        ValueError: the checkpoint is corrupted (naming the file), its parameter shapes differ from the model's, or
+            it was saved with another optimizer class and `load_optimizer_states` is True.
+    """
     folder = resolve_tag(Path(load_dir), tag)
-    meta = json.loads((folder / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{folder} is not an accelerate_zero checkpoint (format={meta.get('format')!r})")
-    reader = FragmentReader(sorted(folder.glob("rank*.safetensors")))
+    meta = read_meta(folder)
+    files = verify_files(folder, meta)
+    _check_shapes(engine, meta, folder)
+    if load_optimizer_states:
+        _check_optimizer(engine, meta, folder)
+    reader = FragmentReader(files)
     names = _names(engine)
     with torch.no_grad():
         _load_slices(engine, reader, names, load_optimizer_states)
         _load_frozen(engine, reader, names)
         engine.sharded_optimizer.publish()
     if load_optimizer_states:
-        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=False):
+        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k in group})
         scaler = engine.sharded_optimizer.loss_scaler
         if scaler is not None and meta["loss_scaler"] is not None:
@@ -178,6 +212,47 @@ def load_engine(
     engine.skipped_steps = meta["skipped_steps"]
     engine.zero_grad()
     return torch.load(folder / "client_state.pt", weights_only=True)
+
+
+def _check_shapes(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> None:
+    """Every model parameter is in the checkpoint with the same shape; checkpoint extras only warn."""
+    saved: dict[str, list[int] | None] = meta["param_shapes"]
+    model = _param_shapes(engine)
+    wrong = [
+        f"{name}: checkpoint {saved[name]}, model {shape}"
+        for name, shape in model.items()
+        if name in saved and saved[name] is not None and list(saved[name]) != list(shape)
+    ]
+    if wrong:
+        raise ValueError(
+            f"{folder} was saved from a model with other parameter shapes ({len(wrong)} differ): "
+            + "; ".join(wrong[:10])
+            + ("; ..." if len(wrong) > 10 else "")
+            + ". Build the model with the checkpoint's config."
+        )
+    absent = sorted(set(model) - set(saved))
+    if absent:
+        raise ValueError(
+            f"{folder} has no values for {len(absent)} parameters of the model ({', '.join(absent[:10])}): it was "
+            "saved from another model"
+        )
+    extra = sorted(set(saved) - set(model))
+    if extra:
+        warnings.warn(
+            f"{folder} holds {len(extra)} parameters the model lacks, not loaded: {', '.join(extra[:20])}",
+            stacklevel=4,
+        )
+
+
+def _check_optimizer(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> None:
+    saved, current = meta["optimizer"], type(engine.optimizer).__name__
+    groups, saved_groups = len(engine.optimizer.param_groups), len(meta["param_groups"])
+    if saved != current or groups != saved_groups:
+        raise ValueError(
+            f"{folder} holds the state of a {saved} optimizer with {saved_groups} param groups; this engine's "
+            f"optimizer is a {current} with {groups}: build the same optimizer, or pass load_optimizer_states=False "
+            "to load the weights (and counters) only"
+        )
 
 
 def _values(reader: FragmentReader, frag: Fragment) -> torch.Tensor:
@@ -227,8 +302,12 @@ def _slice_state(
         values = torch.zeros_like(master)
         for frag in fragments:
             piece = reader.read_range(frag.name, kind, frag.start, frag.end)
-            if piece is not None:
-                values[frag.offset : frag.offset + frag.numel].copy_(piece)
+            if piece is None:  # a fragment the plan needs is missing by name: never a silent zero state
+                raise ValueError(
+                    f"the checkpoint has no {kind!r} optimizer state for {frag.name}[{frag.start}:{frag.end}] "
+                    "although other parameters have it: a rank file is corrupted or foreign"
+                )
+            values[frag.offset : frag.offset + frag.numel].copy_(piece)
         state[kind] = values
     return state
 
@@ -278,5 +357,4 @@ def _validate_tag(engine: ZeroEngine, tag: str) -> None:
 
 
 def _barrier(engine: ZeroEngine) -> None:
-    if engine.dp.world_size > 1:
-        dist.barrier(group=engine.dp.group)
+    collectives.barrier(engine.dp)

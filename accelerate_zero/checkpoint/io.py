@@ -1,25 +1,41 @@
 """Checkpoint folders that are never half-written, and lazy reading of fragments from every rank's file.
 
-All ranks write into `<save_dir>/.<tag>.partial`; once every rank is done, rank 0 renames it to `<tag>` (an
-older `<tag>` is moved aside first and deleted after) and then rewrites `latest`. A job killed during a save
-leaves the previous checkpoint and `latest` as they were. Ranks must share the file system holding `save_dir`.
+All ranks write into `<save_dir>/.<tag>.partial`, which rank 0 empties first (files of a killed save, maybe of a
+job with more ranks, are never published). Once every rank is done, rank 0 renames it to `<tag>` and then
+rewrites `latest` (written aside, then renamed over). A save killed at any point leaves `latest` naming a complete
+checkpoint: when `<tag>` already exists (re-saving a fixed tag), a hard-linked copy `.<tag>.old` of it is made
+first and `latest` names that copy while `<tag>` is swapped. The next successful save removes leftovers of killed
+saves. Ranks must share the file system holding `save_dir`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from accelerate_zero.checkpoint.fragments import parse_key
 
 
+LATEST = "latest"
+_LEFTOVER_SUFFIXES = (".partial", ".old", ".trash")
+
+
 def partial_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".{tag}.partial"
+
+
+def fresh_partial_dir(save_dir: Path, tag: str) -> Path:
+    """An empty `.<tag>.partial` (rank 0 only; the other ranks wait for it at a barrier)."""
+    work = partial_dir(save_dir, tag)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
 
 
 def publish_dir(save_dir: Path, tag: str, barrier: Callable[[], None], is_main: bool) -> Path:
@@ -27,36 +43,108 @@ def publish_dir(save_dir: Path, tag: str, barrier: Callable[[], None], is_main: 
     barrier()
     final = save_dir / tag
     if is_main:
-        old = save_dir / f".{tag}.old"
         if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(partial_dir(save_dir, tag), final)
-        shutil.rmtree(old, ignore_errors=True)
-        latest_tmp = save_dir / ".latest.partial"
-        latest_tmp.write_text(tag)
-        os.replace(latest_tmp, save_dir / "latest")
+            _replace_existing(save_dir, tag)
+        else:
+            os.replace(partial_dir(save_dir, tag), final)
+            write_latest(save_dir, tag)
+        _remove_leftovers(save_dir)
     barrier()
     return final
 
 
+def _replace_existing(save_dir: Path, tag: str) -> None:
+    final, keep, trash = save_dir / tag, save_dir / f".{tag}.old", save_dir / f".{tag}.trash"
+    names_tag = _read_latest(save_dir) == tag
+    if names_tag:
+        # `latest` must name a complete folder while `tag` is swapped: a hard-linked copy costs no data copy.
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(final, keep, copy_function=_link_or_copy)
+        write_latest(save_dir, keep.name)
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(final, trash)
+    os.replace(partial_dir(save_dir, tag), final)
+    write_latest(save_dir, tag)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copy2(source, target)
+
+
+def write_latest(save_dir: Path, tag: str) -> None:
+    latest_tmp = save_dir / ".latest.partial"
+    latest_tmp.write_text(tag)
+    os.replace(latest_tmp, save_dir / LATEST)
+
+
+def _read_latest(save_dir: Path) -> str | None:
+    try:
+        return (save_dir / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _remove_leftovers(save_dir: Path) -> None:
+    """Folders of saves that were killed (`.<tag>.partial`, `.<tag>.old`, `.<tag>.trash`), except what `latest`
+    names."""
+    latest = _read_latest(save_dir)
+    for child in save_dir.iterdir():
+        if child.name.startswith(".") and child.name.endswith(_LEFTOVER_SUFFIXES) and child.name != latest:
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def check_tag(tag: str, source: str) -> str:
+    """`tag` if it names a folder directly inside the checkpoint folder; a ValueError otherwise."""
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or os.path.isabs(tag) or "\0" in tag:
+        raise ValueError(
+            f"{source}: tag {tag!r} is not a folder name inside the checkpoint folder (no '/', '..' or absolute "
+            "paths); pass the tag of a checkpoint saved there"
+        )
+    return tag
+
+
 def resolve_tag(load_dir: Path, tag: str | None) -> Path:
+    """The checkpoint folder `load_dir/<tag>` (`tag` None: the one `latest` names).
+
+    Raises:
+        FileNotFoundError: no `latest`, or the folder does not exist.
+        ValueError: the tag would leave `load_dir` (`../x`, an absolute path) or `latest` is not text.
+    """
     if tag is None:
-        latest = load_dir / "latest"
+        latest = load_dir / LATEST
         if not latest.is_file():
             raise FileNotFoundError(f"no 'latest' file in {load_dir}: pass tag=... or check the path")
-        tag = latest.read_text().strip()
+        try:
+            tag = latest.read_bytes().decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{latest} is not a text file naming a checkpoint: pass tag=... or fix it") from None
+        check_tag(tag, str(latest))
+    else:
+        check_tag(tag, "tag")
     folder = load_dir / tag
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     return folder
 
 
+def _open(path: Path) -> object:
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({error}): it is truncated or corrupted"
+        ) from None
+
+
 class FragmentReader:
     """Reads any element range of a saved parameter, from whichever rank files hold its pieces."""
 
     def __init__(self, files: list[Path]) -> None:
-        self._handles = [safe_open(str(path), framework="pt") for path in files]
+        self._handles = [_open(path) for path in files]
         self.pieces: dict[tuple[str, str], list[tuple[int, int, int, str]]] = {}
         self.whole: dict[str, tuple[int, str]] = {}
         for index, handle in enumerate(self._handles):
@@ -69,6 +157,14 @@ class FragmentReader:
                     self.pieces.setdefault((name, kind), []).append((start, end, index, key))
         for pieces in self.pieces.values():
             pieces.sort()
+
+    def extent(self, name: str) -> int | None:
+        """How many elements of `name` the files hold values for (None: none)."""
+        whole = self.whole.get(f"{name}/full")
+        if whole is not None:
+            return math.prod(self._handles[whole[0]].get_slice(whole[1]).get_shape())
+        ends = [piece[1] for kind in ("master", "param") for piece in self.pieces.get((name, kind), [])]
+        return max(ends) if ends else None
 
     def kinds_of(self, name: str) -> set[str]:
         return {kind for (n, kind) in self.pieces if n == name}

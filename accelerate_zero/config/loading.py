@@ -113,6 +113,10 @@ def _read_file(path: Path) -> Any:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ZeroConfigError([f"cannot read config file '{path}': {error.strerror or error}"]) from None
+    except UnicodeDecodeError as error:
+        raise ZeroConfigError(
+            [f"config file '{path}' is not UTF-8 text (byte {error.start}: {error.reason}): save it as UTF-8"]
+        ) from None
     data, duplicates = _parse_json(text, path) if suffix == ".json" else _parse_yaml(text, path)
     if duplicates:
         raise ZeroConfigError(

@@ -175,3 +175,9 @@ def broadcast(
     stats.record("broadcast", _nbytes(tensor), 1.0)
     src = src_rank if dp.group is None else dist.get_global_rank(dp.group, src_rank)
     return Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op))
+
+
+def barrier(dp: DataParallelGroup) -> None:
+    """Returns once every rank of the group has called it (checkpoint folders, shared disk-space tallies)."""
+    if dp.world_size > 1:
+        dist.barrier(group=dp.group)

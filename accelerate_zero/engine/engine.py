@@ -213,7 +213,14 @@ class ZeroEngine:
         if self.offload.nvme_path is not None:
             numel = sum(s.end - s.start for group in slices for s in group)
             grad_numel = sum(b.plan.shard_numel for b in swapped_grads)
-            folder = check_nvme_path(self.offload.nvme_path, self.dp.rank, numel, grad_numel)
+            folder = check_nvme_path(
+                self.offload.nvme_path,
+                self.dp.rank,
+                numel,
+                grad_numel,
+                world_size=self.dp.world_size,
+                barrier=lambda: collectives.barrier(self.dp),
+            )
             swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
             self.grad_store = NvmeGradStore(folder / "gradients.bin", swapped_grads, self.offload.buffer_count)
             for bucket in swapped_grads:
@@ -375,6 +382,7 @@ class ZeroEngine:
             check_overflow=bool(self.config.fp16.enabled or self.config.bf16.check_overflow),
             publish=publish,
             device=self.device,
+            progress=lambda: self.micro_steps,
         )
 
     # --------------------------------------------------------------- training
@@ -554,6 +562,10 @@ class ZeroEngine:
             self.save_checkpoint(save_dir)
             return False
         state = self.full_state_dict(dtype=self.compute_dtype)
+        # A tied parameter is written once, under its first name (the embedding), as save_pretrained does.
+        kept = {name for name, _ in self.module.named_parameters()}
+        aliases = {name for name, _ in self.module.named_parameters(remove_duplicate=False)} - kept
+        state = {k: v for k, v in state.items() if k not in aliases}
         if self.dp.rank == 0:
             folder = Path(save_dir)
             folder.mkdir(parents=True, exist_ok=True)

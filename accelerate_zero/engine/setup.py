@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from typing import Any
 
@@ -166,3 +167,53 @@ def cast_floating_inputs(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {key: cast_floating_inputs(value, dtype) for key, value in obj.items()}
     return obj
+
+
+def has_constructor_state_only(optimizer: torch.optim.Optimizer) -> bool:
+    """True when every state the optimizer holds equals what its constructor makes (Adagrad's `sum` and `step`):
+    such an optimizer was never stepped, and its state can be made again for the shards.
+
+    A fresh optimizer of the same class and param groups is built over zero parameters shaped like the state;
+    anything that differs (a stepped optimizer) or cannot be rebuilt counts as real state.
+    """
+    pairs, groups = [], []
+    for group in optimizer.param_groups:
+        dummies = []
+        for param in group["params"]:
+            tensors = [v for v in optimizer.state.get(param, {}).values() if torch.is_tensor(v) and v.ndim > 0]
+            like = max(tensors, key=torch.Tensor.numel) if tensors else param
+            dummy = nn.Parameter(torch.zeros(like.shape, dtype=like.dtype, device=like.device))
+            dummies.append(dummy)
+            pairs.append((param, dummy))
+        groups.append({**group, "params": dummies})
+    try:
+        fresh = _rebuild(optimizer, groups)
+    except Exception:  # a constructor that does not take param groups: the state cannot be proven fresh
+        return False
+    return all(_same_state(optimizer.state.get(p, {}), fresh.state.get(d, {})) for p, d in pairs)
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if torch.is_tensor(value) != torch.is_tensor(other):
+            return False
+        if torch.is_tensor(value):
+            if value.shape != other.shape or not torch.equal(value.cpu(), other.cpu()):
+                return False
+        elif value != other:
+            return False
+    return True
+
+
+def constructor_state(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    """The state the optimizer's constructor makes for its current parameters (after they became the shards)."""
+    return dict(_rebuild(optimizer, [dict(group) for group in optimizer.param_groups]).state)
+
+
+def _rebuild(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    # Constructors read some values from their arguments, not the groups (Adagrad's initial_accumulator_value).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})

@@ -19,6 +19,7 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.loss_scaler import LossScaler
 from accelerate_zero.engine.norms import sum_of_squares
+from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class ShardedOptimizer:
         check_overflow: bool,
         publish: Callable[[], None],
         device: torch.device,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         """
         Args:
@@ -69,11 +71,13 @@ class ShardedOptimizer:
             sharded: gradients are partitioned over ranks (stages 1-3): the norm needs an all-reduce.
             publish: called after the step to make the updated shards visible as parameters (stages 1 and 2:
                 the all-gather; stage 3: nothing, units gather on use).
+            progress: this rank's micro-step counter, compared across ranks at every step ([Note: ranks out of
+                step]); None: not checked.
         """
         self.optimizer, self.slices_by_group, self.dp, self.stats = optimizer, slices_by_group, dp, stats
         self.sharded, self.gradient_clipping = sharded, gradient_clipping
         self.loss_scaler, self.check_overflow, self.publish = loss_scaler, check_overflow, publish
-        self.device = device
+        self.device, self.progress = device, progress
         """Where the norm is all-reduced (gradients may live in host memory under offload)."""
         self.swapper: Any = None
         """NVMe offload (offload/nvme.py): steps the slices sub-group by sub-group from files."""
@@ -84,13 +88,18 @@ class ShardedOptimizer:
 
     def switch_param_groups(self) -> None:
         """Points the optimizer's param groups at the master slices."""
-        if self.optimizer.state:
+        # Some optimizers (Adagrad) make state in their constructor: that state is made again for the shards.
+        remake = bool(self.optimizer.state) and has_constructor_state_only(self.optimizer)
+        if self.optimizer.state and not remake:
             raise ValueError(
                 "the optimizer already has state (was it stepped before accelerate_zero.initialize?): pass a fresh "
                 "optimizer; its state would belong to the unsharded parameters"
             )
+        self.optimizer.state.clear()
         for param_group, slices in zip(self.optimizer.param_groups, self.slices_by_group, strict=True):
             param_group["params"] = [s.master for s in slices]
+        if remake:
+            self.optimizer.state.update(constructor_state(self.optimizer))
 
     # -------------------------------------------------------------------- step
     def step(self) -> StepOutcome:
@@ -144,8 +153,33 @@ class ShardedOptimizer:
                 sum_sq += bucket.reduced_norm().to(device=self.device, dtype=torch.float64).square()
         if self.sharded:
             # Each element belongs to exactly one rank's shard: summing the squares over ranks gives the full norm.
-            collectives.all_reduce(sum_sq, self.dp, self.stats)
+            sum_sq = self._all_reduce_checking_progress(sum_sq, "all_reduce")
+        elif self.progress is not None and self.dp.world_size > 1:
+            self._all_reduce_checking_progress(torch.zeros((), device=self.device), "progress")
         return sum_sq.sqrt().item()
+
+    def _all_reduce_checking_progress(self, sum_sq: torch.Tensor, kind: str) -> torch.Tensor:
+        """[Note: ranks out of step] A rank that skipped a micro-step (caught an exception and went on) pairs its
+        collectives with the other ranks' next ones: training goes on with mismatched gradients, then hangs until
+        the process-group timeout. Every rank adds its micro-step counter, in its own slot, to the all-reduce the
+        step makes anyway, so every rank sees every counter and all of them fail at once, naming them."""
+        slots = self.dp.world_size if self.progress is not None else 0
+        payload = torch.zeros(1 + slots, dtype=sum_sq.dtype, device=self.device)
+        payload[0] = sum_sq
+        if self.progress is not None:
+            # Modulo 2**24: exact in fp32 (the other slots add zeros).
+            payload[1 + self.dp.rank] = self.progress() % (1 << 24)
+        collectives.all_reduce(payload, self.dp, self.stats, kind=kind)
+        if self.progress is not None:
+            counters = [int(c) for c in payload[1:].tolist()]
+            if len(set(counters)) > 1:
+                raise RuntimeError(
+                    f"ranks are out of step at the optimizer step: micro-step counters by rank {counters} (this is "
+                    f"rank {self.dp.rank}, at {counters[self.dp.rank]}). A rank skipped or repeated a micro-step (e.g. "
+                    "it caught an exception and went on): every rank must run the same forward/backward/step calls; "
+                    "skip a bad batch on every rank, or let the exception end the job"
+                )
+        return payload[0]
 
     def _attach_grads(self, slices: list[ShardSlice], coefficient: float, grads: list[torch.Tensor] | None) -> None:
         if grads is None:

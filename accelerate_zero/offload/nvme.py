@@ -10,7 +10,9 @@ stale ones from an earlier job are removed at start, ours when the engine is des
 from __future__ import annotations
 
 import collections
+import errno
 import os
+import re
 import shutil
 import socket
 import weakref
@@ -46,31 +48,81 @@ def read_at(path: Path, byte_offset: int, target: torch.Tensor) -> None:
 
 def write_at(path: Path, byte_offset: int, values: torch.Tensor) -> None:
     """Writes the raw bytes of `values` into the existing file `path` at `byte_offset`."""
-    with open(path, "r+b") as file:
-        file.seek(byte_offset)
-        file.write(tensor_bytes(values))
+    try:
+        with open(path, "r+b") as file:
+            file.seek(byte_offset)
+            file.write(tensor_bytes(values))
+    except OSError as error:
+        raise write_error(path, values.numel() * values.element_size(), error) from error
+
+
+def write_error(path: Path, nbytes: int, error: OSError) -> OSError:
+    """`error` restated with the file and the bytes being written (a full disk otherwise names neither)."""
+    hint = ": free space on that disk or point nvme_path elsewhere" if error.errno == errno.ENOSPC else ""
+    return OSError(error.errno, f"{socket.gethostname()}: writing {nbytes:,} bytes to {path} failed: {error}{hint}")
 
 
 def rank_folder(nvme_path: str, rank: int) -> Path:
     return Path(nvme_path) / "accelerate_zero" / f"rank{rank:05d}"
 
 
-def check_nvme_path(nvme_path: str, rank: int, numel: int, grad_numel: int = 0) -> Path:
+def check_nvme_path(
+    nvme_path: str,
+    rank: int,
+    numel: int,
+    grad_numel: int = 0,
+    *,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> Path:
     """Creates this rank's optimizer folder (removing stale files) and checks it is writable and has room for
-    `numel` fp32 masters with their optimizer state and `grad_numel` fp32 gradients.
+    `numel` fp32 masters with their optimizer state and `grad_numel` fp32 gradients, and that the file system
+    has room for every rank that uses it (ranks on one node share a disk); every rank must call it.
+
+    Args:
+        world_size: ranks of the job (rank folders at or above it are stale and not counted).
+        barrier: waits for every rank (engine/collectives.py); None: this rank is alone.
 
     Raises:
         OSError: naming the host, the path, the bytes needed and the bytes free.
     """
+    key = "offload_optimizer.nvme_path"
     needed = 4 * numel * (1 + _STATES_PER_ELEMENT) + 4 * grad_numel
-    return check_folder(
-        "offload_optimizer.nvme_path",
-        nvme_path,
-        rank_folder(nvme_path, rank),
-        rank,
-        needed,
-        "its fp32 master weights, optimizer state" + (" and gradients" if grad_numel else ""),
-    )
+    what = "its fp32 master weights, optimizer state" + (" and gradients" if grad_numel else "")
+    folder = check_folder(key, nvme_path, rank_folder(nvme_path, rank), rank, needed, what)
+    if barrier is not None:
+        check_shared_space(key, nvme_path, folder, needed, world_size, barrier)
+    return folder
+
+
+_NEED_FILE = ".bytes_needed"
+
+
+def check_shared_space(
+    key: str, nvme_path: str, folder: Path, needed: int, world_size: int, barrier: Callable[[], None]
+) -> None:
+    """Sums what every rank folder under `nvme_path` needs (a file-based tally: the ranks that see a folder share
+    its file system) and checks the file system holds it all.
+
+    Raises:
+        OSError: naming the host, the path, the ranks, the bytes they need together and the bytes free.
+    """
+    (folder / _NEED_FILE).write_text(str(needed))
+    barrier()
+    needs = {}
+    for sibling in folder.parent.glob("rank*"):
+        match = re.fullmatch(r"rank(\d+)", sibling.name)
+        need_file = sibling / _NEED_FILE
+        if match and int(match[1]) < world_size and need_file.is_file():
+            needs[int(match[1])] = int(need_file.read_text())
+    total, free = sum(needs.values()), shutil.disk_usage(folder).free
+    if len(needs) > 1 and free < total:
+        raise OSError(
+            errno.ENOSPC,
+            f"{socket.gethostname()}: {key}={nvme_path!r} has {free:,} bytes free but the {len(needs)} ranks using "
+            f"it ({', '.join(map(str, sorted(needs)))}) need {total:,} bytes together: free space, point the "
+            "ranks at other disks, or run fewer ranks per node",
+        )
 
 
 def check_folder(key: str, nvme_path: str, folder: Path, rank: int, needed: int, what: str) -> Path:
@@ -136,7 +188,10 @@ class NvmeSwapper:
 
     def _write(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         partial = self.folder / f".subgroup{index:05d}.partial"
-        save_file(tensors, str(partial))
+        try:
+            save_file(tensors, str(partial))
+        except OSError as error:
+            raise write_error(partial, sum(t.numel() * t.element_size() for t in tensors.values()), error) from error
         os.replace(partial, self._file(index))
 
     def step(self, sharded: ShardedOptimizer, coefficient: float) -> None:

@@ -560,13 +560,22 @@ class ZeroAccelerator(Accelerator):
             if key in load_model_func_kwargs
         }
 
+        custom_objects = self._custom_objects
+
         def load_engines(models: list, folder: str) -> None:
             for tag, entry in self._checkpointed():
                 entry.engine.load_checkpoint(folder, tag=tag, **engine_kwargs)
                 entry.optimizer._step_was_skipped = False
+            _load_custom_objects_safely(custom_objects, folder)
 
-        with self._accelerate_state_only("_load_model_state_pre_hook", load_engines):
-            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        # accelerate unpickles registered objects with weights_only=False: they are loaded above instead, and
+        # accelerate sees a stand-in with their count (it checks it against the files) and nothing to load.
+        self._custom_objects = _LoadedByZero(len(custom_objects))
+        try:
+            with self._accelerate_state_only("_load_model_state_pre_hook", load_engines):
+                super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        finally:
+            self._custom_objects = custom_objects
 
     def _checkpointed(self) -> list[tuple[str, PreparedModel]]:
         trained = [entry for entry in self._zero_models if entry.optimizer is not None]
@@ -669,3 +678,42 @@ def _with_models(hook: Callable[..., None], models: list) -> Callable[..., None]
         hook(models, *args)
 
     return call
+
+
+class _LoadedByZero(list):
+    """Stands in for the objects registered for checkpointing while accelerate's `load_state` runs: it has their
+    count and no items, so accelerate unpickles none of their files."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+
+def _load_custom_objects_safely(objects: list, folder: str) -> None:
+    """Loads `custom_checkpoint_<i>.pkl` into each registered object with `weights_only=True`: tensors, numbers,
+    strings and containers (and numpy arrays, as accelerate allows) only; never arbitrary pickled objects.
+
+    Raises:
+        ValueError: a file holds anything else (naming the file and the fix).
+    """
+    import pickle
+
+    from accelerate.utils import load
+
+    for index, obj in enumerate(objects):
+        path = os.path.join(folder, f"custom_checkpoint_{index}.pkl")
+        if not os.path.isfile(path):
+            continue  # accelerate reports a count mismatch itself, after the pre-hook
+        try:
+            state = load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"{path} (the state of {type(obj).__name__}, registered with register_for_checkpointing) holds "
+                f"objects that are not tensors, numbers, strings or containers ({str(error).splitlines()[0]}): "
+                "accelerate_zero never unpickles arbitrary objects. Make its state_dict() return plain values, or "
+                "load the file yourself with torch.load(weights_only=False) if you trust it."
+            ) from None
+        obj.load_state_dict(state)
