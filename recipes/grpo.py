@@ -1,7 +1,7 @@
 """GRPO (group relative policy optimization) with a rule-based reward, in a plain ZeroAccelerator loop.
 
 Usage:
-    accelerate-zero launch --config_file accelerate_configs/zero3.yaml recipes/grpo.py --config recipes/configs/grpo_demo.yaml
+    accelerate-zero launch --config_file accelerate_configs/zero3_demo.yaml recipes/grpo.py --config recipes/configs/grpo_demo.yaml
     accelerate-zero launch --config_file accelerate_configs/zero2.yaml recipes/grpo.py \
         --config recipes/configs/grpo_demo.yaml --model_name_or_path recipes/assets/tiny-llama --max_steps 5
 

@@ -1,7 +1,7 @@
 """Supervised fine-tuning of a causal LM on chat data, trained with ZeRO through the Trainer integration.
 
 Usage:
-    accelerate-zero launch --config_file accelerate_configs/zero3.yaml recipes/sft.py --config recipes/configs/sft_demo.yaml
+    accelerate-zero launch --config_file accelerate_configs/zero3_demo.yaml recipes/sft.py --config recipes/configs/sft_demo.yaml
     accelerate-zero launch --config_file accelerate_configs/zero2.yaml recipes/sft.py \
         --config recipes/configs/sft_demo.yaml --max_steps 50 --packing true --output_dir out/sft-packed
 

@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export PATH="${VENV:-$PWD/.venv}/bin:$PATH"
-exec accelerate-zero launch --config_file accelerate_configs/zero3.yaml recipes/sft.py --config recipes/configs/sft_demo.yaml "$@"
+exec accelerate-zero launch --config_file accelerate_configs/zero3_demo.yaml recipes/sft.py --config recipes/configs/sft_demo.yaml "$@"

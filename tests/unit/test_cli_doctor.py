@@ -25,7 +25,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_deepspeed_accelerate_config_under_each_launcher(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", str(CONFIGS / "zero3.yaml")]) == 0
+    assert main(["doctor", str(CONFIGS / "zero3_demo.yaml")]) == 0
     out = capsys.readouterr().out
     assert "an accelerate config file" in out
     assert "starts 2 processes" in out and "ZeRO stage 3, every parameter sharded, fp32" in out

@@ -71,7 +71,9 @@ def test_batch_rule_is_still_checked_beside_autos(tmp_path: Path, capsys: pytest
     assert "train_batch_size=32 != train_micro_batch_size_per_gpu=4 * gradient_accumulation_steps=8" in err
 
 
-@pytest.mark.parametrize("name", ["zero1.yaml", "zero2.yaml", "zero3.yaml", "zero3_offload.yaml", "zero3_nvme.yaml"])
+@pytest.mark.parametrize(
+    "name", ["zero1.yaml", "zero2.yaml", "zero3.yaml", "zero3_demo.yaml", "zero3_offload.yaml", "zero3_nvme.yaml"]
+)
 def test_accelerate_configs_are_read_as_the_launcher_reads_them(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     block = yaml.safe_load((CONFIGS / name).read_text())["deepspeed_config"]
     assert main(["validate", str(CONFIGS / name)]) == 0
