@@ -77,7 +77,10 @@ def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = Non
 
 
 def _parse_config(dataclass_types: tuple[type, ...], argv: list[str]) -> tuple[Any, ...]:
-    parser = HfArgumentParser(dataclass_types)
+    # argparse's generated usage lists every TrainingArguments field (~130 lines) above a one-line error
+    parser = HfArgumentParser(
+        dataclass_types, usage="%(prog)s [--config FILE] [--FIELD VALUE ...] (--help lists them)"
+    )
     parser.add_argument("--config", type=str, default=None, help="flat YAML file of field: value")
     for action in parser._actions:
         if action.dest != "help":

@@ -171,7 +171,10 @@ def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) 
         case "test_sh":
             if not _venv_runs_demo_sh():
                 pytest.skip("scripts/test.sh would install packages into this environment")
-            run(["bash", "scripts/test.sh", "tests/unit/test_shard_plan.py", "-q"], {**_env(), "VENV": sys.prefix})
+            # test.sh always passes `tests`: collecting the unit tests checks the command without running the suite
+            short = ["--collect-only", "-q", "--ignore=tests/integration", "--ignore=tests/distributed"]
+            output = run(["bash", "scripts/test.sh", *short], {**_env(), "VENV": sys.prefix})
+            assert "tests/unit/test_shard_plan.py" in output
         case "pytest_collect":
             run([sys.executable, *words[1:], "--collect-only", "-q"])
         case "build_assets":
@@ -213,7 +216,8 @@ def _check_launch(words: list[str], tmp_path: Path) -> None:
     from accelerate_zero.integrations.accelerate import launcher
 
     multi_gpu = tmp_path / "multi_gpu.yaml"
-    multi_gpu.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU"}))
+    cluster = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2}
+    multi_gpu.write_text(yaml.safe_dump(cluster))  # as `accelerate config` writes one
     stand_ins = {"multi_gpu.yaml": str(multi_gpu), "ds_config.json": "accelerate_configs/ds_config.json"}
     args = launch_command_parser().parse_args([stand_ins.get(w, w) for w in words[2:]])
     prepared = launcher.prepare_launch(args)
@@ -235,4 +239,4 @@ def test_mistyped_recipe_flag_is_one_usage_and_one_line() -> None:
     assert output.count("error: unrecognized arguments: --maxsteps 5") == 1  # rank 0 only
     assert output.count("usage:") == 1
     assert "the script exited with code 2 (command-line error) on rank 0, 1" in output
-    assert "Root Cause" not in output and len(output.splitlines()) < 40, output
+    assert "Root Cause" not in output and len(output.splitlines()) < 15, output
