@@ -91,3 +91,28 @@ def test_resolve_leaving_auto_keeps_autos_and_checks_the_rest() -> None:
         resolve_leaving_auto(
             {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": "auto"}, 3
         )
+
+
+@pytest.mark.parametrize(
+    ("exit_codes", "expected"),
+    [((2, 2), 2), ((2, -15), 2), ((1, -15), 1), ((2, 1), 1)],
+)
+def test_a_command_line_error_of_the_script_is_one_line(
+    exit_codes: tuple[int, int], expected: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import argparse
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from accelerate_zero.integrations.accelerate import launcher
+
+    failures = {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>") for rank, code in enumerate(exit_codes)}
+
+    def failing_launch(args: object) -> None:
+        raise ChildFailedError("train.py", failures)
+
+    monkeypatch.setattr(launcher, "launch_command", failing_launch)
+    assert launcher._run_accelerate_launcher(argparse.Namespace()) == expected
+    one_line = "the script exited with code 2 (command-line error) on rank 0" in caplog.text
+    assert one_line == (expected == 2)
+    assert ("Root Cause" in caplog.text) == (expected != 2)

@@ -149,8 +149,9 @@ def _run_accelerate_launcher(args: argparse.Namespace) -> int:
         launch_command(args)
     except ChildFailedError as error:
         codes = {failure.exitcode for failure in error.failures.values()}
-        if codes == {USAGE_EXIT_CODE}:  # argparse rejected the command line: its message above says why
-            ranks = ", ".join(str(rank) for rank in sorted(error.failures))
+        # argparse rejected the command line (its message is above); ranks the launcher then stopped show -SIGTERM
+        if USAGE_EXIT_CODE in codes and codes <= {USAGE_EXIT_CODE, -signal.SIGTERM}:
+            ranks = ", ".join(str(r) for r, f in sorted(error.failures.items()) if f.exitcode == USAGE_EXIT_CODE)
             logger.error(
                 "accelerate-zero launch: the script exited with code 2 (command-line error) on rank %s", ranks
             )
