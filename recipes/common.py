@@ -4,8 +4,12 @@ answer check, and the exact-match evaluation that runs on every rank (ZeRO-3 nee
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,39 @@ EMBEDDED_TRAIN = str(ASSETS / "data" / "letters_train.jsonl")
 EMBEDDED_EVAL = str(ASSETS / "data" / "letters_eval.jsonl")
 
 
+# ------------------------------------------------------------------------------------------------------ noise
+class _DropMessage(logging.Filter):
+    """Drops the log records of one logger whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_known_noise() -> None:
+    """Silences messages every recipe run would print on every rank although nothing is wrong, and nothing else.
+
+    * bitsandbytes (imported by peft, which transformers' Trainer imports) logs a warning on CPUs with AVX512-BF16
+      that its optional `kernels` package is missing; its plain CPU kernels are used instead.
+    * peft's `prepare_model_for_kbit_training` calls transformers' `gradient_checkpointing_enable` and
+      `is_gradient_checkpointing`, which transformers 5 deprecates in favour of `activation_checkpointing_*`.
+    Runs when this module is imported, which every recipe does before importing transformers' Trainer or peft.
+    """
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        _DropMessage("Failed to load CPU gemm_4bit_forward from kernels-community")
+    )
+    for old in ("gradient_checkpointing_enable", "is_gradient_checkpointing"):
+        warnings.filterwarnings(
+            "ignore", message=f"`{old}` is deprecated and will be removed in v6", category=FutureWarning
+        )
+
+
+quiet_known_noise()
+
+
 # ----------------------------------------------------------------------------------------------------- config
 def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = None) -> tuple[Any, ...]:
     """Fills `dataclass_types` from `--config FILE` (a flat YAML mapping field -> value), then the command line.
@@ -31,7 +68,19 @@ def parse_config(dataclass_types: tuple[type, ...], argv: list[str] | None = Non
     which wins); a YAML key that no dataclass has, or an unknown flag, is an error.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(dataclass_types)
+    # Every rank parses the same command line: only rank 0 prints usage, help and errors (the others exit with the
+    # same code, which the launcher reports in one line).
+    if os.environ.get("RANK", "0") != "0":
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            return _parse_config(dataclass_types, argv)
+    return _parse_config(dataclass_types, argv)
+
+
+def _parse_config(dataclass_types: tuple[type, ...], argv: list[str]) -> tuple[Any, ...]:
+    # argparse's generated usage lists every TrainingArguments field (~130 lines) above a one-line error
+    parser = HfArgumentParser(
+        dataclass_types, usage="%(prog)s [--config FILE] [--FIELD VALUE ...] (--help lists them)"
+    )
     parser.add_argument("--config", type=str, default=None, help="flat YAML file of field: value")
     for action in parser._actions:
         if action.dest != "help":

@@ -1,7 +1,7 @@
 """GRPO (group relative policy optimization) with a rule-based reward, in a plain ZeroAccelerator loop.
 
 Usage:
-    accelerate-zero launch --config_file accelerate_configs/zero3.yaml recipes/grpo.py --config recipes/configs/grpo_demo.yaml
+    accelerate-zero launch --config_file accelerate_configs/zero3_demo.yaml recipes/grpo.py --config recipes/configs/grpo_demo.yaml
     accelerate-zero launch --config_file accelerate_configs/zero2.yaml recipes/grpo.py \
         --config recipes/configs/grpo_demo.yaml --model_name_or_path recipes/assets/tiny-llama --max_steps 5
 
@@ -218,11 +218,9 @@ def main() -> None:
     torch.manual_seed(config.seed + accelerator.process_index)  # each rank samples differently, reproducibly
     results["rewards"] = train(accelerator, model, ref_model, optimizer, loader, tokenizer, config)
 
-    state_dict = accelerator.get_state_dict(model)  # every rank: stage 3 gathers unit by unit
-    accelerator.unwrap_model(model).save_pretrained(
-        config.output_dir, state_dict=state_dict, is_main_process=accelerator.is_main_process
-    )
-    if accelerator.is_main_process:
+    state_dict = accelerator.get_state_dict(model)  # every rank takes part: stage 3 gathers unit by unit to rank 0
+    if accelerator.is_main_process:  # the other ranks hold no full state dict (their parameters are shards)
+        accelerator.unwrap_model(model).save_pretrained(config.output_dir, state_dict=state_dict)
         tokenizer.save_pretrained(config.output_dir)
     accelerator.print(f"saved the model and tokenizer to {config.output_dir}")
     if held_out is not None:

@@ -68,7 +68,7 @@ def main() -> None:
     path = script_args.model_name_or_path or EMBEDDED_MODEL
     tokenizer = load_tokenizer(script_args, path)
     model = with_adapters(
-        load_quantized(path, script_args.bnb_4bit_quant_type), script_args, training_args.gradient_checkpointing
+        load_quantized(path, script_args.bnb_4bit_quant_type), script_args, training_args.activation_checkpointing
     )
     if training_args.process_index == 0:
         model.print_trainable_parameters()

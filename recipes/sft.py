@@ -1,7 +1,7 @@
 """Supervised fine-tuning of a causal LM on chat data, trained with ZeRO through the Trainer integration.
 
 Usage:
-    accelerate-zero launch --config_file accelerate_configs/zero3.yaml recipes/sft.py --config recipes/configs/sft_demo.yaml
+    accelerate-zero launch --config_file accelerate_configs/zero3_demo.yaml recipes/sft.py --config recipes/configs/sft_demo.yaml
     accelerate-zero launch --config_file accelerate_configs/zero2.yaml recipes/sft.py \
         --config recipes/configs/sft_demo.yaml --max_steps 50 --packing true --output_dir out/sft-packed
 
@@ -124,19 +124,49 @@ class Collator:
         return batch
 
 
+def all_ranks(value: Any) -> list[Any]:
+    """`value` from every rank, in rank order (called on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 class ThroughputMemoryCallback(TrainerCallback):
-    """Adds tokens/s since the previous log and each rank's memory (MB) to every training log.
+    """Prints the parameters each rank holds when training starts; adds tokens/s since the previous log and each
+    rank's memory (MiB) to every training log.
 
     The memory is what the ZeRO engines hold on that rank (`engine.memory_breakdown()["total"]`) when the trainer
     has engines, else the process's resident memory. Logs happen on every rank at the same steps, so the per-rank
     values are all-gathered there."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_numel: int, model_bytes: int) -> None:
         self.trainer: Any = None
+        self.model_numel, self.model_bytes = model_numel, model_bytes
         self._last = (time.perf_counter(), 0)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._last = (time.perf_counter(), state.num_input_tokens_seen)
+        engines = getattr(getattr(self.trainer, "accelerator", None), "zero_engines", None) or []
+        if engines:
+            self._print_parameters_held(engines)
+
+    def _print_parameters_held(self, engines: list[Any]) -> None:
+        """How many of the model's parameters each rank holds between gathers (stage 3: about 1/W of them)."""
+        held_bytes = 0
+        for engine in engines:
+            breakdown = engine.memory_breakdown()
+            held_bytes += breakdown["parameters"] + breakdown.get("host_parameters", 0)
+        per_rank = all_ranks(held_bytes)
+        bytes_per_element = self.model_bytes / max(self.model_numel, 1)
+        stage = engines[0].config.zero_optimization.stage
+        print_rank0(f"parameters held by each rank at ZeRO stage {stage} (the model has {self.model_numel:,}):")
+        for rank, held in enumerate(per_rank):
+            share = held / max(self.model_bytes, 1)
+            print_rank0(
+                f"  rank {rank}: {round(held / bytes_per_element):>12,}  ({share:.1%}; 1/W = {1 / len(per_rank):.1%})"
+            )
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if logs is None or "loss" not in logs:
@@ -146,13 +176,9 @@ class ThroughputMemoryCallback(TrainerCallback):
         self._last = (now, tokens)
         engines = getattr(getattr(self.trainer, "accelerator", None), "zero_engines", None) or []
         held = sum(engine.memory_breakdown()["total"] for engine in engines) if engines else rss_bytes()
-        per_rank = [held]
-        if dist.is_available() and dist.is_initialized():
-            per_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, held)
         kind = "zero" if engines else "rss"
-        for rank, value in enumerate(per_rank):
-            logs[f"mem_{kind}_rank{rank}_MB"] = round(value / 2**20, 2)
+        for rank, value in enumerate(all_ranks(held)):
+            logs[f"mem_{kind}_rank{rank}_MiB"] = round(value / 2**20, 2)
 
 
 def load_tokenizer(script_args: SFTScriptArguments, model_path: str) -> Any:
@@ -201,8 +227,10 @@ def train_and_evaluate(
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         return exact_match(model, tokenizer, held_out, script_args.eval_batch_size, script_args.eval_max_new_tokens)
 
+    model_numel = sum(p.numel() for p in model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     before = evaluate(baseline() if baseline is not None else model) if held_out is not None else None
-    callback = ThroughputMemoryCallback()
+    callback = ThroughputMemoryCallback(model_numel, model_bytes)
     trainer = Trainer(
         model=model,
         args=training_args,

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/python -m pytest tests "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest tests "$@"

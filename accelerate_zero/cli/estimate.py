@@ -162,8 +162,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deepspeed_config",
         metavar="PATH",
-        help="a DeepSpeed config for the bucket sizes, stage 3 thresholds, overlap_comm and data types "
-        "(its stage and offload are ignored: every one is estimated)",
+        help="a DeepSpeed config, or an accelerate config file, for the bucket sizes, stage 3 thresholds, "
+        "overlap_comm and data types (its stage and offload are ignored: every one is estimated)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON (schema in the module docstring)")
 
@@ -272,12 +272,16 @@ def _setup_from(
     args: argparse.Namespace, world_size: int, architecture: est.Architecture | None
 ) -> tuple[est.TrainingSetup, list[str]]:
     """The run's knobs: the flags, and the --deepspeed_config for buckets, thresholds and dtypes."""
+    from accelerate_zero.cli.validate import config_from_accelerate_file, is_accelerate_config
     from accelerate_zero.config import ZeroConfig
     from accelerate_zero.config.schema import ZeroOptimizationConfig, is_auto
 
     if args.deepspeed_config is None:
         return est.TrainingSetup(world_size, args.mixed_precision or "bf16", args.optimizer), []
-    config = ZeroConfig.from_any(args.deepspeed_config)
+    if is_accelerate_config(args.deepspeed_config):  # what `accelerate-zero launch --config_file` would run
+        config, _ = config_from_accelerate_file(args.deepspeed_config)
+    else:
+        config = ZeroConfig.from_any(args.deepspeed_config)
     if architecture is not None:
         config = config.fill_auto({key: fill(architecture.hidden_size) for key, fill in _HIDDEN_SIZE_AUTOS.items()})
     raw, defaults = config.zero_optimization.to_dict(), ZeroOptimizationConfig().to_dict()
@@ -432,6 +436,8 @@ def _notes(
             "or allow more --cpu_memory / --nvme_space"
         )
     if args.offload in ("all", "nvme"):
-        notes.append("nvme offload is estimated at stage 3 only (DeepSpeed treats it as cpu at stages 1 and 2)")
-    notes.append("the engine does not offload yet: offload rows say what DeepSpeed's offload would hold")
+        notes.append(
+            "the nvme rows (optimizer and parameter shards in files) are stage 3 only; NVMe optimizer offload at "
+            "stages 1-2 is not estimated"
+        )
     return notes

@@ -5,6 +5,7 @@ Usage:
     accelerate-zero validate CONFIG [--world_size N]
     accelerate-zero estimate --params 7e9 --num_gpus 8 --gpu_memory 80GB
     accelerate-zero launch --config_file accelerate_configs/zero2.yaml script.py
+    accelerate-zero doctor accelerate_configs/zero3.yaml
     accelerate-zero consolidate out/checkpoint-500 out/consolidated
 """
 
@@ -20,12 +21,13 @@ def _build_parser() -> argparse.ArgumentParser:
         description="ZeRO (stages 0-3, offload) in pure PyTorch for Accelerate and the transformers Trainer.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from accelerate_zero.cli import consolidate, estimate, launch, validate
+    from accelerate_zero.cli import consolidate, doctor, estimate, launch, validate
 
     validate.register(subcommands)
     estimate.register(subcommands)
     launch.register(subcommands)
     consolidate.register(subcommands)
+    doctor.register(subcommands)
     return parser
 
 

@@ -2,8 +2,13 @@
 
 Usage:
     accelerate-zero validate ds_config.json --world_size 8
+    accelerate-zero validate accelerate_configs/zero3.yaml
 
-Prints the resolved config as JSON and exits 0, or prints every problem to stderr and exits 2.
+CONFIG is a DeepSpeed config (.json, or .yaml/.yml with the same structure) or an accelerate config file (a YAML or
+JSON with `distributed_type`, as `accelerate config` writes it), which is read as `accelerate-zero launch` reads it:
+the DeepSpeed config it builds is checked at its `num_processes`. Prints the resolved config as JSON on stdout
+("auto" values kept) and, on stderr, the "auto" values and what fills them at run time; exits 0. Or prints every
+problem to stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -11,37 +16,111 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
+import yaml
+
+from accelerate_zero.config import ZeroConfig, ZeroConfigError
 
 
 INVALID_CONFIG_EXIT_CODE = 2
+
+# What fills each "auto" at run time: the Trainer (transformers' rules, integrations/transformers/auto_values.py)
+# or `ZeroAccelerator.prepare` (integrations/accelerate/auto_fill.py). Keys not listed get the generic sentence.
+_FILLED_BY = {
+    "train_batch_size": "world size x per_device_train_batch_size x gradient_accumulation_steps",
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size (Trainer) or the dataloader's batch size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps (TrainingArguments or ZeroAccelerator)",
+    "gradient_clipping": "max_grad_norm (Trainer); 1.0 under ZeroAccelerator",
+    "fp16.enabled": "fp16 / fp16_full_eval (Trainer) or mixed_precision (accelerate)",
+    "bf16.enabled": "bf16 / bf16_full_eval (Trainer) or mixed_precision (accelerate)",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": "[adam_beta1, adam_beta2]",
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.warmup_min_lr": "0",
+    "scheduler.params.warmup_max_lr": "learning_rate",
+    "scheduler.params.warmup_num_steps": "the Trainer's warmup steps, when training starts",
+    "scheduler.params.total_num_steps": "the number of training steps, when training starts",
+    "zero_optimization.reduce_bucket_size": "hidden_size^2 of the model",
+    "zero_optimization.stage3_prefetch_bucket_size": "0.9 x hidden_size^2 of the model",
+    "zero_optimization.stage3_param_persistence_threshold": "10 x hidden_size of the model",
+}
 
 
 def register(subcommands: Any) -> None:
     """Adds the `validate` subcommand to `subcommands` (the object `add_subparsers()` returns)."""
     parser = subcommands.add_parser(
         "validate",
-        help="check a DeepSpeed-format ZeRO config and print its resolved values",
-        description="Load CONFIG (.json, .yaml or .yml), resolve it for --world_size ranks and print it as JSON. "
-        'Values still "auto" are reported: the Trainer/accelerate integration fills them at run time.',
+        help="check a DeepSpeed-format ZeRO config (or an accelerate config file) and print its resolved values",
+        description="Load CONFIG (a DeepSpeed .json/.yaml, or an accelerate config file, read as `accelerate-zero "
+        'launch` reads it), resolve it for --world_size ranks and print it as JSON. Values still "auto" are '
+        "kept and listed with what fills them: the Trainer or ZeroAccelerator.prepare, when the run starts.",
     )
     parser.add_argument("config", metavar="CONFIG", help="path to the config file")
     parser.add_argument(
-        "--world_size", type=int, default=1, metavar="N", help="data-parallel world size to resolve for (default: 1)"
+        "--world_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data-parallel world size to resolve for (default: an accelerate config's num_processes, else 1)",
     )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `validate`; returns 0 for a valid config, 2 (problems on stderr) otherwise."""
+    from accelerate_zero.integrations.accelerate.launch_config import resolve_leaving_auto
+
     try:
-        resolved = resolve_config(ZeroConfig.from_any(args.config), world_size=args.world_size)
+        if is_accelerate_config(args.config):
+            label = f"accelerate config {args.config}"
+            config, world_size = config_from_accelerate_file(args.config, args.world_size)
+        else:
+            label = f"ZeRO config {args.config}"
+            config, world_size = ZeroConfig.from_any(args.config), args.world_size or 1
+        resolved = resolve_leaving_auto(config, world_size)
     except ZeroConfigError as error:
-        print(f"accelerate-zero: invalid ZeRO config {args.config}:", file=sys.stderr)
+        print(f"accelerate-zero: invalid {label}:", file=sys.stderr)
         for problem in error.problems:
             print(f"  - {problem}", file=sys.stderr)
         return INVALID_CONFIG_EXIT_CODE
-    print(json.dumps(resolved.to_dict(), indent=2))
+    print(json.dumps(resolved.config, indent=2))
+    print(f"accelerate-zero: {label} is valid for world size {world_size}.", file=sys.stderr)
+    if resolved.auto_keys:
+        print('"auto" values, filled when the run starts:', file=sys.stderr)
+        generic = "filled by the Trainer or ZeroAccelerator.prepare"
+        for key in resolved.auto_keys:
+            print(f"  {key:<55} <- {_FILLED_BY.get(key, generic)}", file=sys.stderr)
     return 0
+
+
+def is_accelerate_config(path: str) -> bool:
+    """True for an accelerate config file (a mapping with `distributed_type` or `compute_environment`)."""
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False  # ZeroConfig.from_any reports the unreadable file
+    return isinstance(data, dict) and ("distributed_type" in data or "compute_environment" in data)
+
+
+def config_from_accelerate_file(path: str, world_size: int | None = None) -> tuple[ZeroConfig, int]:
+    """The DeepSpeed config `accelerate-zero launch --config_file path` would hand the ranks, and its world size.
+
+    Raises:
+        ZeroConfigError: the problems the launcher would report before starting anything.
+    """
+    from accelerate.commands.launch import launch_command_parser
+
+    from accelerate_zero.integrations.accelerate.launcher import LaunchError, prepare_launch
+
+    args = launch_command_parser().parse_args(["--config_file", path, "script.py"])
+    if world_size is not None:
+        args.num_processes = world_size
+    try:
+        prepared = prepare_launch(args)
+    except LaunchError as error:
+        raise ZeroConfigError([str(error)]) from None
+    return prepared.built.zero_config, prepared.num_processes

@@ -232,5 +232,5 @@ def test_validate_unreadable_file_is_a_config_error(
 def test_validate_reports_unfilled_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "auto.json"
     path.write_text(json.dumps({"gradient_clipping": "auto"}))
-    assert main(["validate", str(path)]) == 2
-    assert '"gradient_clipping" is "auto" and nothing filled it' in capsys.readouterr().err
+    assert main(["validate", str(path)]) == 0  # the Trainer / ZeroAccelerator fill it: reported, not refused
+    assert "gradient_clipping" in capsys.readouterr().err

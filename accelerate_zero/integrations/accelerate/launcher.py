@@ -39,18 +39,23 @@ from accelerate.utils import ComputeEnvironment, DistributedType, patch_environm
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from accelerate_zero.config import ZeroConfigError
 from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.launch_config import (
     MOE_ENV,
     BuiltConfig,
     build_deepspeed_config,
+    nvme_path_problems,
     plugin_env,
+    resolve_leaving_auto,
     settings_from_accelerate,
 )
 
 
 logger = logging.getLogger(__name__)
 
+USAGE_EXIT_CODE = 2
+"""argparse's exit code for a rejected command line: reported in one line instead of torch's failure block."""
 _UNSUPPORTED_TYPES = (DistributedType.FSDP, DistributedType.XLA, DistributedType.MEGATRON_LM)
 _UNSUPPORTED_FLAGS = {"use_fsdp": "--use_fsdp", "tpu": "--tpu", "use_megatron_lm": "--use_megatron_lm"}
 
@@ -105,6 +110,7 @@ def prepare_launch(args: argparse.Namespace) -> PreparedLaunch:
         )
     num_processes, num_machines = _process_counts(args, cluster)
     _check_multinode_launcher(args, block, num_machines)
+    _check_before_spawn(built, num_processes)
     env = plugin_env(built)
     moe_names = args.deepspeed_moe_layer_cls_names or block.get("deepspeed_moe_layer_cls_names")
     if moe_names:
@@ -142,6 +148,14 @@ def _run_accelerate_launcher(args: argparse.Namespace) -> int:
     try:
         launch_command(args)
     except ChildFailedError as error:
+        codes = {failure.exitcode for failure in error.failures.values()}
+        # argparse rejected the command line (its message is above); ranks the launcher then stopped show -SIGTERM
+        if USAGE_EXIT_CODE in codes and codes <= {USAGE_EXIT_CODE, -signal.SIGTERM}:
+            ranks = ", ".join(str(r) for r, f in sorted(error.failures.items()) if f.exitcode == USAGE_EXIT_CODE)
+            logger.error(
+                "accelerate-zero launch: the script exited with code 2 (command-line error) on rank %s", ranks
+            )
+            return USAGE_EXIT_CODE
         logger.error("accelerate-zero launch: %s", error)
         return 1
     except SignalException as error:  # the launcher was told to stop; torch's launcher stopped the ranks
@@ -214,6 +228,18 @@ def _process_counts(args: argparse.Namespace, cluster: ClusterConfig | None) -> 
             "machines, each machine starts num_processes / num_machines"
         )
     return num_processes, num_machines
+
+
+def _check_before_spawn(built: BuiltConfig, world_size: int) -> None:
+    """What would stop every rank at startup, found here instead: the batch rule at the world size about to start
+    (its "auto" values aside: the integration fills them) and NVMe folders that cannot exist on this machine."""
+    problems = nvme_path_problems(built.deepspeed_config)
+    try:
+        resolve_leaving_auto(built.zero_config, world_size)
+    except ZeroConfigError as error:
+        problems = [*error.problems, *problems]
+    if problems:
+        raise ZeroConfigError(problems)
 
 
 def _check_multinode_launcher(args: argparse.Namespace, block: dict[str, Any], num_machines: int) -> None:

@@ -1,0 +1,242 @@
+"""Every command README.md and recipes/README.md show runs, in a short form, so a stale claim fails here.
+
+The commands are read from the documents themselves: each line of a ```bash block (and each `accelerate-zero ...`
+in a table row). Each must match one of the short forms below, else the first test fails and names it:
+
+* `validate`, `estimate`, `doctor` run as written;
+* recipe launches run with few steps (`--max_steps 2`, 4 eval prompts, a temporary output folder); the demo
+  (`bash scripts/demo.sh`, the same command as the SFT launch) runs once and the other commands reuse its output
+  (GRPO starts from it, `consolidate` merges its checkpoint);
+* launches of a placeholder script (`train.py`) are checked as `accelerate-zero launch` checks them before starting
+  anything (flags, config, batch rule), without starting processes;
+* `pip install` lines are not run (they install packages; this environment was installed by scripts/install.sh).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+
+REPO = Path(__file__).resolve().parents[2]
+DOCUMENTS = ("README.md", "recipes/README.md")
+DEMO = "accelerate-zero launch --config_file accelerate_configs/zero3_demo.yaml recipes/sft.py --config recipes/configs/sft_demo.yaml"
+SHORT_SFT = ["--max_steps", "2", "--eval_samples", "4", "--logging_steps", "1"]
+SHORT_GRPO = ["--max_steps", "1", "--prompts_per_rank", "2", "--num_generations", "2", "--eval_samples", "4"]
+SHORT_GRPO += ["--probe_prompts", "2"]
+RECIPE_FLAGS = {
+    "sft.py": SHORT_SFT,
+    "qlora.py": SHORT_SFT,
+    "grpo.py": SHORT_GRPO,
+    "accelerate_hello.py": ["--steps", "2"],
+}
+NOISE = ("Failed to load CPU gemm_4bit_forward", "FutureWarning", "Traceback")
+TIMEOUT = 240
+
+
+def _commands_of(text: str) -> list[str]:
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split("  #")[0].split(" # ")[0].strip()
+            if command:
+                commands.append(command)
+    for row in (line for line in text.splitlines() if line.startswith("|")):
+        commands += [c for c in re.findall(r"`(accelerate-zero [^`]+)`", row)]
+    return commands
+
+
+@functools.cache
+def readme_commands() -> list[str]:
+    """Every documented command, once, in document order."""
+    seen: dict[str, None] = {}
+    for name in DOCUMENTS:
+        for command in _commands_of((REPO / name).read_text()):
+            seen.setdefault(command, None)
+    return list(seen)
+
+
+def kind_of(command: str) -> str:
+    """The short form a documented command runs as (see the module docstring); "" when there is none."""
+    words = shlex.split(command.replace("[", "").replace("]", ""))
+    if words[:2] == ["pip", "install"]:
+        return "not_run"
+    if command in ("bash scripts/demo.sh", DEMO):
+        return "demo"
+    if words[:2] == ["bash", "scripts/test.sh"]:
+        return "test_sh"
+    if words[0].endswith("python") and words[1:3] == ["-m", "pytest"]:
+        return "pytest_collect"
+    if words[0] == "python" and words[1] == "recipes/assets/build_assets.py":
+        return "build_assets"
+    if words[:2] == ["accelerate-zero", "launch"]:
+        script = next((w for w in words[2:] if w.endswith(".py")), "")
+        return "recipe" if (REPO / script).is_file() else "launch_checks"
+    if words[:2] == ["accelerate-zero", "consolidate"]:
+        return "consolidate"
+    if words[0] == "accelerate-zero" and words[1] in ("validate", "estimate", "doctor"):
+        return "as_written"
+    return ""
+
+
+def test_every_documented_command_has_a_short_form() -> None:
+    commands = readme_commands()
+    assert DEMO in commands and "bash scripts/demo.sh" in commands
+    assert DEMO in (REPO / "scripts" / "demo.sh").read_text(), "scripts/demo.sh must run the documented command"
+    missing = [command for command in commands if not kind_of(command)]
+    assert not missing, f"README commands without a short form in this test (add one): {missing}"
+
+
+# ---- running ---------------------------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO_", "ACCELERATE_USE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["ACCELERATE_ZERO_PG_TIMEOUT"] = "60"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def run(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Runs `argv` in the repository; returns stdout + stderr; fails the test on a non-zero exit."""
+    argv = [*[sys.executable, "-m", "accelerate_zero.cli.main"], *argv[1:]] if argv[0] == "accelerate-zero" else argv
+    done = subprocess.run(
+        argv, cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=TIMEOUT, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def _launch_port(words: list[str]) -> list[str]:
+    """Port 0 (a free one) unless the command names one: other launches may be running on this machine."""
+    return words if "--main_process_port" in words else [*words[:2], "--main_process_port", "0", *words[2:]]
+
+
+def _venv_runs_demo_sh() -> bool:
+    """scripts/demo.sh installs into VENV when its import check fails: only run it where nothing would install."""
+    needed = ("accelerate_zero", "pytest", "bitsandbytes", "trl")
+    return (Path(sys.prefix) / "bin" / "accelerate-zero").is_file() and all(
+        importlib.util.find_spec(name) is not None for name in needed
+    )
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The demo once, short: `bash scripts/demo.sh` (the documented SFT command) saving a checkpoint at step 2."""
+    out = tmp_path_factory.mktemp("demo") / "sft"
+    flags = [*SHORT_SFT, "--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "2"]
+    if _venv_runs_demo_sh():
+        env = {**_env(), "VENV": sys.prefix}
+        output = run(["bash", "scripts/demo.sh", *flags], env)
+    else:  # demo.sh would install packages here: run the command it runs
+        output = run(_launch_port(shlex.split(DEMO)) + flags)
+    return {"out": out, "output": output}
+
+
+def test_demo_shards_and_prints_what_each_rank_holds(demo: dict[str, Any]) -> None:
+    output = demo["output"]
+    assert "parameters held by each rank at ZeRO stage 3 (the model has 825,600):" in output
+    assert output.count("412,800  (50.0%; 1/W = 50.0%)") == 2, output[-3000:]
+    assert "mem_zero_rank0_MiB" in output and "_MB'" not in output
+    assert "held-out exact match (4 prompts, greedy):" in output
+    assert not [noise for noise in NOISE if noise in output], output[-3000:]
+    assert (demo["out"] / "model.safetensors").is_file() and (demo["out"] / "checkpoint-2").is_dir()
+
+
+@pytest.mark.parametrize("command", [c for c in readme_commands() if kind_of(c) not in ("demo", "not_run")])
+def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) -> None:
+    words = shlex.split(command.replace("[", "").replace("]", ""))
+    match kind_of(command):
+        case "as_written":
+            run([w if w != "ds_config.json" else "accelerate_configs/ds_config.json" for w in words])
+        case "recipe":
+            _run_recipe(words, demo, tmp_path)
+        case "launch_checks":
+            _check_launch(words, tmp_path)
+        case "consolidate":
+            run(["accelerate-zero", "consolidate", str(demo["out"] / "checkpoint-2"), str(tmp_path / "merged")])
+            assert (tmp_path / "merged" / "config.json").is_file()
+        case "test_sh":
+            if not _venv_runs_demo_sh():
+                pytest.skip("scripts/test.sh would install packages into this environment")
+            # test.sh always passes `tests`: collecting the unit tests checks the command without running the suite
+            short = ["--collect-only", "-q", "--ignore=tests/integration", "--ignore=tests/distributed"]
+            output = run(["bash", "scripts/test.sh", *short], {**_env(), "VENV": sys.prefix})
+            assert "tests/unit/test_shard_plan.py" in output
+        case "pytest_collect":
+            run([sys.executable, *words[1:], "--collect-only", "-q"])
+        case "build_assets":
+            flags = ["--out", str(tmp_path / "assets"), "--n_train", "50", "--n_eval", "10"]
+            output = run([sys.executable, words[1], *[w for w in _drop(words[2:], "--out", "--n_train")], *flags])
+            assert (tmp_path / "assets" / "tiny-llama" / "config.json").is_file(), output
+
+
+def _drop(words: list[str], *flags: str) -> list[str]:
+    """`words` without the named flags and their values (the short form sets them)."""
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        else:
+            kept.append(word)
+    return kept
+
+
+def _run_recipe(words: list[str], demo: dict[str, Any], tmp_path: Path) -> None:
+    script = Path(next(w for w in words if w.endswith(".py"))).name
+    if script == "qlora.py" and importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("the qlora recipe needs the qlora extra (bitsandbytes)")
+    flags = [*RECIPE_FLAGS[script]]
+    if script != "accelerate_hello.py":
+        flags += ["--output_dir", str(tmp_path / "out")]
+    if script == "grpo.py":  # it starts from the SFT demo's output, as documented
+        flags += ["--model_name_or_path", str(demo["out"])]
+    output = run(_launch_port(words) + flags)
+    assert not [noise for noise in NOISE if noise in output], output[-3000:]
+
+
+def _check_launch(words: list[str], tmp_path: Path) -> None:
+    """What `accelerate-zero launch` checks before it starts anything, for a launch of a placeholder script."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from accelerate_zero.integrations.accelerate import launcher
+
+    multi_gpu = tmp_path / "multi_gpu.yaml"
+    cluster = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_processes": 2}
+    multi_gpu.write_text(yaml.safe_dump(cluster))  # as `accelerate config` writes one
+    stand_ins = {"multi_gpu.yaml": str(multi_gpu), "ds_config.json": "accelerate_configs/ds_config.json"}
+    args = launch_command_parser().parse_args([stand_ins.get(w, w) for w in words[2:]])
+    prepared = launcher.prepare_launch(args)
+    assert prepared.num_processes >= 1 and prepared.env["ACCELERATE_ZERO_CONFIG"]
+
+
+def test_mistyped_recipe_flag_is_one_usage_and_one_line() -> None:
+    done = subprocess.run(
+        [*[sys.executable, "-m", "accelerate_zero.cli.main"], *_launch_port(shlex.split(DEMO))[1:], "--maxsteps", "5"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    assert output.count("error: unrecognized arguments: --maxsteps 5") == 1  # rank 0 only
+    assert output.count("usage:") == 1
+    assert "the script exited with code 2 (command-line error) on rank 0" in output
+    assert "Root Cause" not in output and len(output.splitlines()) < 15, output

@@ -1,0 +1,118 @@
+"""`accelerate-zero launch` refuses, before starting any process, what would stop every rank at startup."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from accelerate_zero.cli.main import main
+from accelerate_zero.config import ZeroConfigError
+from accelerate_zero.integrations.accelerate.launch_config import nvme_path_problems, resolve_leaving_auto
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher.default_config_file", "/nonexistent.yaml")
+
+
+def _fail_if_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    def started(args: object) -> int:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher._run_accelerate_launcher", started)
+
+
+def test_batch_rule_at_the_launch_world_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fail_if_started(monkeypatch)
+    ds = tmp_path / "ds.json"
+    ds.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 32,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 8,
+                "zero_optimization": {"stage": 2},
+            }
+        )
+    )
+    flags = ["launch", "--num_processes", "2", "--deepspeed_config_file", str(ds), "train.py"]
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert "nothing was started" in err
+    assert (
+        "train_batch_size=32 != train_micro_batch_size_per_gpu=4 * gradient_accumulation_steps=8 * world_size=2" in err
+    )
+    # the same file holds at world size 1 (32 = 4 x 8 x 1): then the launch goes ahead
+    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher._run_accelerate_launcher", lambda args: 0)
+    assert main(["launch", "--num_processes", "1", "--deepspeed_config_file", str(ds), "train.py"]) == 0
+
+
+def test_nvme_path_below_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fail_if_started(monkeypatch)
+    blocker = tmp_path / "weights.bin"
+    blocker.write_text("not a folder")
+    flags = ["launch", "--num_processes", "2", "--zero_stage", "2", "--offload_optimizer_device", "nvme"]
+    assert main([*flags, "--offload_optimizer_nvme_path", str(blocker / "swap"), "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"zero_optimization.offload_optimizer.nvme_path='{blocker / 'swap'}'" in err
+    assert f"'{blocker}' is a file" in err
+
+
+def test_nvme_path_problems_only_for_paths_that_cannot_be_folders(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+
+    def config(path: Path) -> dict:
+        return {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(path)}}}
+
+    assert nvme_path_problems(config(tmp_path / "dir" / "not" / "yet")) == []
+    assert nvme_path_problems(config(tmp_path / "dir")) == []
+    assert len(nvme_path_problems(config(tmp_path / "file"))) == 1
+    assert len(nvme_path_problems(config(tmp_path / "file" / "a" / "b"))) == 1
+
+
+def test_resolve_leaving_auto_keeps_autos_and_checks_the_rest() -> None:
+    resolved = resolve_leaving_auto({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}, 3)
+    assert resolved.auto_keys == ["gradient_accumulation_steps"]
+    assert resolved.config["gradient_accumulation_steps"] == "auto"
+    assert resolved.config["train_batch_size"] == 12  # inferred with accumulation 1
+    with pytest.raises(ZeroConfigError, match="world_size=3"):
+        resolve_leaving_auto(
+            {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": "auto"}, 3
+        )
+
+
+@pytest.mark.parametrize(
+    ("exit_codes", "expected"),
+    [((2, 2), 2), ((2, -15), 2), ((1, -15), 1), ((2, 1), 1)],
+)
+def test_a_command_line_error_of_the_script_is_one_line(
+    exit_codes: tuple[int, int], expected: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import argparse
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from accelerate_zero.integrations.accelerate import launcher
+
+    failures = {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>") for rank, code in enumerate(exit_codes)}
+
+    def failing_launch(args: object) -> None:
+        raise ChildFailedError("train.py", failures)
+
+    monkeypatch.setattr(launcher, "launch_command", failing_launch)
+    assert launcher._run_accelerate_launcher(argparse.Namespace()) == expected
+    one_line = "the script exited with code 2 (command-line error) on rank 0" in caplog.text
+    assert one_line == (expected == 2)
+    assert ("Root Cause" in caplog.text) == (expected != 2)
