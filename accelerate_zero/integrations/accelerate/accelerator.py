@@ -37,6 +37,7 @@ from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
 from accelerate_zero.config.schema import is_auto
 from accelerate_zero.engine.engine import ZeroEngine, initialize
 from accelerate_zero.engine.groups import has_accelerator, process_group_timeout
+from accelerate_zero.engine.setup import forward_input_dtype
 from accelerate_zero.integrations.accelerate.auto_fill import (
     hidden_size_values,
     micro_batch_size,
@@ -46,10 +47,10 @@ from accelerate_zero.integrations.accelerate.auto_fill import (
 from accelerate_zero.integrations.accelerate.launch_config import build_deepspeed_config
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import (
+    CastForwardInputs,
     PreparedModel,
     ZeroOptimizerWrapper,
     ZeroSchedulerWrapper,
-    cast_inputs_to_fp16,
     is_zero_wrapper,
 )
 
@@ -277,10 +278,10 @@ class ZeroAccelerator(Accelerator):
             self._optimizers.append(wrapper)
             wrapper._is_accelerate_prepared = True
         hooks = []
-        if engine.config.fp16.enabled and engine.config.fp16.auto_cast:
-            # DeepSpeed's engine forward casts floating inputs to fp16 (`fp16.auto_cast`); the model is returned
-            # unwrapped, so a forward pre-hook does it.
-            hooks.append(model.register_forward_pre_hook(cast_inputs_to_fp16, with_kwargs=True))
+        input_dtype = forward_input_dtype(engine.config)
+        if input_dtype is not None:
+            # The model is returned unwrapped: a pre-hook casts its inputs as `engine(...)` would.
+            hooks.append(model.register_forward_pre_hook(CastForwardInputs(input_dtype), with_kwargs=True))
         entry = PreparedModel(model, engine, wrapper, hooks, requires_grad)
         self._zero_models.append(entry)
         self._models.append(model)
