@@ -3,8 +3,11 @@ disagree, and accelerate's documented stage-3 save snippet on every rank."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,3 +90,55 @@ def test_accelerate_stage3_save_snippet_works_on_every_rank(tmp_path: Path) -> N
     assert "model.safetensors" in main["files"] and "config.json" in main["files"]
     assert main["keys"] == other["keys"] and other["devices"] == ["meta"] and main["devices"] == ["cpu"]
     assert main["shapes_match_main"] and other["shapes_match_main"]
+
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "tests" / "integration" / "scripts"
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def _launch_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    return {**env, "PYTHONPATH": str(REPO), "ACCELERATE_ZERO_PG_TIMEOUT": "120"}
+
+
+def _check_trained_with_our_engine(out: Path, stage: int) -> None:
+    for rank in range(2):
+        run = json.loads((out / f"trainer_rank{rank}.json").read_text())
+        assert (run["stage"], run["world_size"], run["deepspeed_plugin"]) == (stage, 2, False)
+        assert run["distributed_type"] in ("DistributedType.MULTI_CPU", "DistributedType.MULTI_GPU")
+        assert not run["deepspeed_imported"] and len(run["losses"]) == 2
+
+
+def test_accelerate_deepspeed_launch_environment_trains_with_our_engine(tmp_path: Path) -> None:
+    """What `accelerate launch --config_file zero3.yaml` gives the ranks with deepspeed installed, replayed with
+    accelerate's own functions (scripts/accelerate_deepspeed_launch.py), so this runs without deepspeed too."""
+    command = [sys.executable, str(SCRIPTS / "accelerate_deepspeed_launch.py"), "--main_process_port", "0"]
+    command += ["--config_file", str(REPO / "accelerate_configs" / "zero3.yaml")]
+    command += [str(SCRIPTS / "trainer_tiny.py"), "--out", str(tmp_path)]
+    done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training with accelerate_zero's ZeRO engine (stage 3); deepspeed is not used" in done.stderr
+    _check_trained_with_our_engine(tmp_path, stage=3)
+
+
+@pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed: `accelerate launch` refuses a DEEPSPEED config"
+)
+def test_literal_accelerate_launch_with_deepspeed_installed(tmp_path: Path) -> None:
+    config = tmp_path / "zero3.yaml"  # the seeds' tutorial zero3_config.yaml: bf16, 8 processes (2 on the line)
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndeepspeed_config:\n  zero_stage: 3\n  stage3_prefetch_bucket_size: 5e8\n"
+        "  stage3_param_persistence_threshold: 1e6\n  overlap_comm: true\n  offload_optimizer_device: none\n"
+        "distributed_type: DEEPSPEED\nnum_processes: 8\nmixed_precision: bf16\n"
+    )
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2"]
+    launch += ["--main_process_port", "0"]
+    for script in ("trainer_tiny.py", "accelerate_loop.py"):
+        command = [*launch, str(SCRIPTS / script), "--out", str(tmp_path)]
+        done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    _check_trained_with_our_engine(tmp_path, stage=3)
+    for rank in range(2):
+        run = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (run["stage"], run["param_dtype"], run["deepspeed_imported"]) == (3, "torch.bfloat16", False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -57,6 +58,8 @@ def main() -> None:
         "stage": engine.stage,
         "world_size": accelerator.num_processes,
         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+        "distributed_type": str(accelerator.distributed_type),
+        "deepspeed_imported": "deepspeed" in sys.modules,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
