@@ -134,11 +134,13 @@ def test_literal_accelerate_launch_with_deepspeed_installed(tmp_path: Path) -> N
     )
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2"]
     launch += ["--main_process_port", "0"]
-    for script in ("trainer_tiny.py", "accelerate_loop.py"):
-        command = [*launch, str(SCRIPTS / script), "--out", str(tmp_path)]
+    for script in ("trainer_tiny.py --bf16", "accelerate_loop.py"):  # the Trainer's bf16 must agree with the YAML
+        name, *flags = script.split()
+        command = [*launch, str(SCRIPTS / name), "--out", str(tmp_path), *flags]
         done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     _check_trained_with_our_engine(tmp_path, stage=3)
     for rank in range(2):
+        assert json.loads((tmp_path / f"trainer_rank{rank}.json").read_text())["param_dtype"] == "torch.bfloat16"
         run = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (run["stage"], run["param_dtype"], run["deepspeed_imported"]) == (3, "torch.bfloat16", False)

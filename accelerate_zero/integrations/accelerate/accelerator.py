@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, is_compiled_module
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without deepspeed
 from torch import nn
 
@@ -622,6 +622,23 @@ class ZeroAccelerator(Accelerator):
         finally:
             self._models, self._optimizers, self._schedulers = saved[:3]
             setattr(self, hooks_attr, saved[3])
+
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> nn.Module:
+        """The model without the wrappers a user may have added: DDP/DataParallel, and torch.compile's unless
+        `keep_torch_compile`. `prepare` returns models unwrapped, and accelerate adds no fp32 autocast wrapper here
+        (it gets mixed_precision "no"), so `keep_fp32_wrapper` has nothing to act on.
+
+        accelerate's own unwrap imports deepspeed whenever it is installed, to recognise a DeepSpeedEngine; none
+        exists here, and the training path must not import deepspeed ([Note: adopting accelerate's DeepSpeed
+        launch] in deepspeed_env.py).
+        """
+        while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        if not keep_torch_compile and is_compiled_module(model):
+            model = model._orig_mod
+        return model
 
     def release_model(self, model: nn.Module) -> None:
         """Undoes `prepare` of `model` (e.g. to train a model prepared for inference): its engine is destroyed, its

@@ -1,7 +1,7 @@
 """Train a tiny random Llama for 2 steps with accelerate_zero's Trainer, ZeRO settings from the launcher.
 
 Usage (what tests/integration/test_migration.py runs, with deepspeed installed):
-    accelerate launch --config_file zero3.yaml tests/integration/scripts/trainer_tiny.py --out OUT_DIR
+    accelerate launch --config_file zero3.yaml tests/integration/scripts/trainer_tiny.py --out OUT_DIR [--bf16]
 
 Each rank writes OUT_DIR/trainer_rank<R>.json: the stage its engine trains at, what accelerate sees, the losses,
 and whether deepspeed was imported.
@@ -23,6 +23,7 @@ from accelerate_zero import Trainer, TrainingArguments
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--bf16", action="store_true", help="as the accelerate config's mixed_precision: bf16")
     args = parser.parse_args()
     torch.set_num_threads(1)
     training_args = TrainingArguments(
@@ -34,6 +35,7 @@ def main() -> None:
         report_to=[],
         save_strategy="no",
         disable_tqdm=True,
+        bf16=args.bf16,
     )
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -50,6 +52,7 @@ def main() -> None:
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "deepspeed_plugin": training_args.deepspeed_plugin is not None,
+        "param_dtype": str(next(model.parameters()).dtype),
         "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
         "deepspeed_imported": "deepspeed" in sys.modules,
     }
