@@ -35,9 +35,10 @@ from accelerate_zero.engine.loss_scaler import build_loss_scaler
 from accelerate_zero.engine.setup import (
     build_lr_scheduler_for,
     build_optimizer_for,
-    cast_floating_inputs,
+    cast_forward_inputs,
     check_implemented,
     dtype_from_name,
+    forward_input_dtype,
     trainable_param_groups,
 )
 from accelerate_zero.engine.shard_plan import plan_group
@@ -387,9 +388,11 @@ class ZeroEngine:
 
     # --------------------------------------------------------------- training
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the model's forward (fp16 `auto_cast` casts floating inputs to fp16 first)."""
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = cast_floating_inputs((args, kwargs), torch.float16)
+        """Runs the model's forward; under bf16 (fp16: with `auto_cast`) floating inputs are cast to it first,
+        `labels=` excepted ([Note: casting forward inputs] in engine/setup.py)."""
+        dtype = forward_input_dtype(self.config)
+        if dtype is not None:
+            args, kwargs = cast_forward_inputs(args, kwargs, dtype)
         with self.step_log.timed("forward"):
             return self.module(*args, **kwargs)
 

@@ -159,7 +159,7 @@ def build_lr_scheduler_for(optimizer: torch.optim.Optimizer, lr_scheduler: Any, 
 
 
 def cast_floating_inputs(obj: Any, dtype: torch.dtype) -> Any:
-    """Casts every floating-point tensor inside nested tuples, lists and dicts to `dtype`."""
+    """Casts every floating-point tensor inside nested tuples, lists and dicts to `dtype` (other values as given)."""
     if torch.is_tensor(obj):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, (list, tuple)):
@@ -217,3 +217,41 @@ def _rebuild(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.opti
     # Constructors read some values from their arguments, not the groups (Adagrad's initial_accumulator_value).
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
+
+
+TARGET_KWARGS = frozenset({"labels", "label"})
+"""Keyword arguments of a forward that `cast_forward_inputs` leaves in their dtype: they hold targets, not inputs."""
+
+
+def forward_input_dtype(config: ZeroConfig) -> torch.dtype | None:
+    """The dtype floating-point forward inputs are cast to ([Note: casting forward inputs]); None: no cast.
+
+    bf16 casts always; fp16 when `fp16.auto_cast` is true (accelerate's `mixed_precision="fp16"` sets it).
+    """
+    if config.bf16.enabled:
+        return torch.bfloat16
+    if config.fp16.enabled and config.fp16.auto_cast:
+        return torch.float16
+    return None
+
+
+def cast_forward_inputs(args: tuple, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[tuple, dict[str, Any]]:
+    """The forward's arguments with their floating-point tensors cast to `dtype`, targets (`TARGET_KWARGS`) kept.
+
+    [Note: casting forward inputs] The engine keeps the model's weights in the 16-bit compute dtype (as DeepSpeed
+    does), so a float32 tensor reaching the first layer fails ("mat1 and mat2 must have the same dtype"). What the
+    others do: DeepSpeed's engine casts floating inputs to fp16 under `fp16.auto_cast` only, and nothing under bf16
+    (transformers' vision models cast `pixel_values` to the weight dtype themselves for that reason); accelerate's
+    DeepSpeed path adds no cast; transformers' Trainer under DeepSpeed casts every floating tensor of the batch,
+    labels included. We cast at the model's entry, under bf16 always and under fp16 as `auto_cast` says:
+    - every floating-point tensor in the positional and keyword arguments (nested tuples, lists, dicts), so a
+      plain module fed float32 batches from a DataLoader works at every stage;
+    - integer and bool tensors (token ids, masks, class labels) are never touched;
+    - keyword targets (`labels=`) keep their dtype: torch's losses promote 16-bit outputs with float32 targets to
+      float32, while a cast would round regression targets to bf16's 8 significant bits (3.14159 -> 3.140625);
+    - only the entry: tensors the model computes inside keep the dtype it gives them (a model that keeps its
+      residual stream in float32 still can), and a sub-module called directly gets its inputs as passed.
+    """
+    kept = {key: value for key, value in kwargs.items() if key in TARGET_KWARGS}
+    cast = cast_floating_inputs({key: value for key, value in kwargs.items() if key not in TARGET_KWARGS}, dtype)
+    return cast_floating_inputs(args, dtype), {key: kept[key] if key in kept else cast[key] for key in kwargs}

@@ -216,7 +216,7 @@ def _save_model(rank: int, world_size: int, folder: Path) -> dict[str, Any]:
         logits = model(input_ids=PROBE).logits
     accelerator.save_model(model, str(folder), max_shard_size="40KB")
     state = accelerator.get_state_dict(model)  # every rank calls it: stage 3 gathers
-    out: dict[str, Any] = {"main_only": (state is not None) == (rank == 0)}
+    out: dict[str, Any] = {"main_only": {t.device.type for t in state.values()} == {"cpu" if rank == 0 else "meta"}}
     if rank == 0:
         model.config.save_pretrained(folder)
         out["files"] = sorted(p.name for p in folder.iterdir())

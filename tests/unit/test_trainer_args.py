@@ -89,7 +89,7 @@ def test_every_mismatch_in_one_error_worded_as_transformers(tmp_path: Path) -> N
     )
 
 
-def test_command_line_and_refused_deepspeed_argument(tmp_path: Path) -> None:
+def test_command_line_and_deepspeed_argument(tmp_path: Path) -> None:
     from transformers import HfArgumentParser
 
     path = tmp_path / "ds.json"
@@ -98,8 +98,7 @@ def test_command_line_and_refused_deepspeed_argument(tmp_path: Path) -> None:
         ["--output_dir", str(tmp_path), "--zero_config", str(path), "--use_cpu", "--report_to", "none"]
     )
     assert args.zero_stage == 3 and args.place_model_on_device is False
-    with pytest.raises(ValueError, match=r"deepspeed='ds.json'.*pass the same DeepSpeed config as zero_config"):
-        _args(tmp_path, deepspeed="ds.json")
+    assert _args(tmp_path, deepspeed=str(path)).zero_stage == 3  # read as zero_config (issue 17)
 
 
 def test_launcher_config_is_used_when_the_script_gives_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,7 +106,10 @@ def test_launcher_config_is_used_when_the_script_gives_none(tmp_path: Path, monk
     monkeypatch.setenv("ACCELERATE_ZERO_CONFIG", json.dumps(launched))
     args = _args(tmp_path, per_device_train_batch_size=5)
     assert args.zero_stage == 1 and args.zero_fill.config["train_micro_batch_size_per_gpu"] == 5
-    assert _args(tmp_path, zero_config={"zero_optimization": {"stage": 3}}).zero_stage == 3  # the script's wins
+    script = _args(tmp_path, zero_config={"zero_optimization": {"stage": 1, "reduce_bucket_size": 10}})
+    assert script.zero_fill.config["zero_optimization"]["reduce_bucket_size"] == 10  # the script's, agreeing
+    with pytest.raises(ValueError, match="zero_optimization.stage=3 vs launcher zero_optimization.stage=1"):
+        _args(tmp_path, zero_config={"zero_optimization": {"stage": 3}})  # two sources that disagree
 
 
 def test_bad_config_fails_when_the_arguments_are_made(tmp_path: Path) -> None:

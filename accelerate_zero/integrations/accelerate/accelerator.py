@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, is_compiled_module
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without deepspeed
 from torch import nn
 
@@ -37,19 +37,22 @@ from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
 from accelerate_zero.config.schema import is_auto
 from accelerate_zero.engine.engine import ZeroEngine, initialize
 from accelerate_zero.engine.groups import has_accelerator, process_group_timeout
+from accelerate_zero.engine.setup import forward_input_dtype
 from accelerate_zero.integrations.accelerate.auto_fill import (
     hidden_size_values,
     micro_batch_size,
+    optimizer_params,
     pair_optimizers,
     without_optimizer_blocks,
 )
+from accelerate_zero.integrations.accelerate.deepspeed_env import adopt_accelerate_deepspeed_launch
 from accelerate_zero.integrations.accelerate.launch_config import build_deepspeed_config
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import (
+    CastForwardInputs,
     PreparedModel,
     ZeroOptimizerWrapper,
     ZeroSchedulerWrapper,
-    cast_inputs_to_fp16,
     is_zero_wrapper,
 )
 
@@ -189,6 +192,7 @@ class ZeroAccelerator(Accelerator):
 
     def _prepare_zero_objects(self, args: tuple, result: list) -> set[int]:
         """Builds the engines of the models in `args`; writes the returned objects into `result`."""
+        self._release_models_to_train(args)
         owned = {i for i, obj in enumerate(args) if self._entry_of(obj) is not None or is_zero_wrapper(obj)}
         for i, obj in enumerate(args):
             wrapper = next(
@@ -222,6 +226,16 @@ class ZeroAccelerator(Accelerator):
             if index not in owned:
                 raise ValueError("a DummyScheduler was passed without the model and optimizer it belongs to")
         return owned
+
+    def _release_models_to_train(self, args: tuple) -> None:
+        """A model prepared for inference earlier, passed now with an optimizer over its parameters: release it
+        (full weights and `requires_grad` back), so it is prepared for training."""
+        optimizers = [o for o in args if isinstance(o, (torch.optim.Optimizer, DummyOptim)) and not is_zero_wrapper(o)]
+        held = {id(p) for optimizer in optimizers for p in optimizer_params(optimizer)}
+        for obj in args:
+            entry = self._entry_of(obj) if isinstance(obj, nn.Module) else None
+            if entry is not None and entry.optimizer is None and any(id(p) in held for p in obj.parameters()):
+                self.release_model(obj)
 
     def _check_objects(self, args: tuple, optimizer: Any, scheduler: DummyScheduler | None) -> None:
         """accelerate's DeepSpeed checks between the config and the optimizer/scheduler objects (same messages)."""
@@ -277,10 +291,10 @@ class ZeroAccelerator(Accelerator):
             self._optimizers.append(wrapper)
             wrapper._is_accelerate_prepared = True
         hooks = []
-        if engine.config.fp16.enabled and engine.config.fp16.auto_cast:
-            # DeepSpeed's engine forward casts floating inputs to fp16 (`fp16.auto_cast`); the model is returned
-            # unwrapped, so a forward pre-hook does it.
-            hooks.append(model.register_forward_pre_hook(cast_inputs_to_fp16, with_kwargs=True))
+        input_dtype = forward_input_dtype(engine.config)
+        if input_dtype is not None:
+            # The model is returned unwrapped: a pre-hook casts its inputs as `engine(...)` would.
+            hooks.append(model.register_forward_pre_hook(CastForwardInputs(input_dtype), with_kwargs=True))
         entry = PreparedModel(model, engine, wrapper, hooks, requires_grad)
         self._zero_models.append(entry)
         self._models.append(model)
@@ -490,9 +504,9 @@ class ZeroAccelerator(Accelerator):
     ) -> dict[str, torch.Tensor] | None:
         """The full state dict of `model` in its compute dtype (16-bit under mixed precision) on the main process.
 
-        Every rank must call it (at stage 3 the parameters are gathered unit by unit). Other ranks get None, which
-        makes accelerate's `save_model` write nothing there. `only` keeps just these keys (see
-        `ZeroEngine.full_state_dict`); accelerate's own path ignores it.
+        Every rank must call it (at stage 3 the parameters are gathered unit by unit). The other ranks get the same
+        keys with meta tensors of the same shapes and dtypes ([Note: state dict on the other ranks]). `only` keeps
+        just these keys (see `ZeroEngine.full_state_dict`); accelerate's own path ignores it.
 
         Raises:
             ValueError: at stage 3 when `stage3_gather_16bit_weights_on_model_save` is false (accelerate's
@@ -513,7 +527,21 @@ class ZeroAccelerator(Accelerator):
                 "`accelerator.save_state(save_dir)`: every rank writes its shards."
             )
         state_dict = entry.engine.full_state_dict(only=only)
-        return state_dict if self.is_main_process else None
+        return state_dict if self.is_main_process else _placeholder_state_dict(entry.engine, only)
+
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """accelerate's `save_model` (the main process writes the 16-bit weights); the other ranks take part in the
+        gather and write nothing. Every rank must call it."""
+        if self._entry_of(model) is None or self.is_main_process:
+            super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        else:
+            self.get_state_dict(model)
 
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
@@ -604,6 +632,23 @@ class ZeroAccelerator(Accelerator):
             self._models, self._optimizers, self._schedulers = saved[:3]
             setattr(self, hooks_attr, saved[3])
 
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> nn.Module:
+        """The model without the wrappers a user may have added: DDP/DataParallel, and torch.compile's unless
+        `keep_torch_compile`. `prepare` returns models unwrapped, and accelerate adds no fp32 autocast wrapper here
+        (it gets mixed_precision "no"), so `keep_fp32_wrapper` has nothing to act on.
+
+        accelerate's own unwrap imports deepspeed whenever it is installed, to recognise a DeepSpeedEngine; none
+        exists here, and the training path must not import deepspeed ([Note: adopting accelerate's DeepSpeed
+        launch] in deepspeed_env.py).
+        """
+        while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        if not keep_torch_compile and is_compiled_module(model):
+            model = model._orig_mod
+        return model
+
     def release_model(self, model: nn.Module) -> None:
         """Undoes `prepare` of `model` (e.g. to train a model prepared for inference): its engine is destroyed, its
         full parameters (the compute dtype's values; fp32 masters and optimizer state are dropped) and
@@ -623,13 +668,24 @@ class ZeroAccelerator(Accelerator):
         model._is_accelerate_prepared = False
 
     def free_memory(self, *objects: Any) -> Any:
-        """Destroys the engines and gives each model back whole (`release_model`), then releases accelerate's
-        references. The transformers Trainer calls it when `train()` starts, so a model evaluated (or trained)
-        before is prepared again from its full weights."""
+        """Destroys the training engines and gives their models back whole (`release_model`), then releases
+        accelerate's references. Models prepared for inference stay prepared (sharded at stage 3).
+
+        [Note: side models survive free_memory] The transformers Trainer calls `free_memory()` when `train()`
+        starts. TRL prepares its frozen reference and reward models for inference before that (`prepare_model(...,
+        evaluation_mode=True)`); under DeepSpeed their engines live outside accelerate's bookkeeping and stay
+        sharded. Releasing them here made every rank hold each whole reference model from the first step. A model
+        prepared for inference that is then passed to `prepare` with an optimizer is released there first, and the
+        Trainer releases its own model before it trains it.
+        """
+        kept = [entry for entry in self._zero_models if entry.optimizer is None]
         for entry in self._zero_models:
-            entry.release()
-        self._zero_models, self._held_engines = [], set()
-        return super().free_memory(*objects)
+            if entry.optimizer is not None:
+                entry.release()
+        self._zero_models, self._held_engines = kept, set()
+        result = super().free_memory(*objects)
+        self._models.extend(entry.model for entry in kept)
+        return result
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -641,11 +697,7 @@ def _refuse_other_backends(kwargs: dict[str, Any]) -> None:
         given.append("parallelism_config")
     if given:
         raise ValueError(f"ZeroAccelerator trains with accelerate_zero's ZeRO engine: remove {given}")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        raise ValueError(
-            "ACCELERATE_USE_DEEPSPEED=true: the script was started by `accelerate launch` with a DeepSpeed config. "
-            "Start it with `accelerate-zero launch` (same flags and config file), which runs it without deepspeed"
-        )
+    adopt_accelerate_deepspeed_launch()  # `accelerate launch` with a DeepSpeed config: train with our engine
 
 
 def _config_with_precision(plugin: ZeroPlugin, mixed_precision: str) -> ZeroConfig:
@@ -671,6 +723,32 @@ def _with_process_group_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
         handlers.append(InitProcessGroupKwargs(timeout=process_group_timeout()))
     kwargs["kwargs_handlers"] = handlers
     return kwargs
+
+
+def _placeholder_state_dict(engine: ZeroEngine, only: Collection[str] | None) -> dict[str, torch.Tensor]:
+    """[Note: state dict on the other ranks] accelerate's documented stage-3 save,
+    `unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save,
+    state_dict=accelerator.get_state_dict(model))`, runs on every rank. Under DeepSpeed the other ranks get None and
+    `save_pretrained` falls back to `model.state_dict()`, which there holds empty partitions; here that call refuses
+    placeholders (they would become empty weight files), so a None made those ranks raise while the main process
+    went on to its next collective (a hang until the timeout). They get meta tensors instead: the keys, shapes and
+    dtypes `save_pretrained` works through (tied weights, shard plan) without holding the weights, and it writes
+    nothing with them (`is_main_process=False`). Gathering every weight to every rank would cost a full 16-bit
+    copy per rank for nothing."""
+    views = {
+        id(p): view
+        for unit in engine.units
+        for flat in unit.flats
+        for p, view in zip(flat.params, flat.views, strict=True)
+    }
+    guard = engine._state_dict_guard
+    with guard.disabled() if guard is not None else contextlib.nullcontext():
+        local = engine.module.state_dict(keep_vars=True)
+    return {
+        name: torch.empty(views.get(id(t), t).shape, dtype=views.get(id(t), t).dtype, device="meta")
+        for name, t in local.items()
+        if only is None or name in only
+    }
 
 
 def _with_models(hook: Callable[..., None], models: list) -> Callable[..., None]:

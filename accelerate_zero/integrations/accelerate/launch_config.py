@@ -448,7 +448,7 @@ def _from_config(settings: ZeroSettings, values: Mapping[str, Any], problems: li
             continue  # as accelerate: a value the config does not have is not added
         if is_auto(node[key]):
             node[key] = values[name]
-        elif name in settings.fields and not _same(node[key], values[name]):
+        elif name in settings.fields and not same_value(node[key], values[name]):
             where = settings.sources.get(name, name)
             problems.append(
                 f'{where}={values[name]!r} contradicts {path}={node[key]!r} in {label}: set {path} to "auto" '
@@ -549,7 +549,8 @@ def _set_path(config: dict[str, Any], path: str, value: Any) -> None:
     node[key] = value
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as DeepSpeed config values: numbers by value ("5e8" == 500000000), strings case-insensitively."""
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     number_a, number_b = parse_number(a), parse_number(b)

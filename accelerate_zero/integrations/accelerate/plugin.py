@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.integrations.accelerate.deepspeed_env import adopt_accelerate_deepspeed_launch
 from accelerate_zero.integrations.accelerate.launch_config import (
     CONFIG_ENV,
     PLUGIN_FIELDS,
@@ -87,6 +88,7 @@ class ZeroPlugin:
     _config_from_env: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        adopt_accelerate_deepspeed_launch()  # started by `accelerate launch` with a DeepSpeed config: its settings
         explicit = {name: getattr(self, name) for name in PLUGIN_FIELDS if getattr(self, name) is not None}
         typed = coerce_fields(explicit, {name: f"ZeroPlugin({name}=...)" for name in explicit})
         env_fields, env_config = read_env(os.environ)

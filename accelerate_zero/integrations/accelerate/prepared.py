@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.engine.gathered import GatheredParameters
-from accelerate_zero.engine.setup import cast_floating_inputs
+from accelerate_zero.engine.setup import cast_forward_inputs
 
 
 class ZeroOptimizerWrapper(AcceleratedOptimizer):
@@ -64,7 +64,7 @@ class PreparedModel:
     optimizer: ZeroOptimizerWrapper | None
     """None: prepared for inference (frozen, no optimizer state; sharded at stage 3)."""
     hooks: list[RemovableHandle]
-    """Hooks this accelerator added to the model (fp16 `auto_cast`)."""
+    """Hooks this accelerator added to the model (the input cast under bf16/fp16)."""
     requires_grad: list[bool]
     """Each parameter's `requires_grad` before prepare (a model prepared for inference is frozen)."""
 
@@ -95,5 +95,13 @@ def is_zero_wrapper(obj: Any) -> bool:
     return isinstance(obj, (ZeroOptimizerWrapper, ZeroSchedulerWrapper))
 
 
-def cast_inputs_to_fp16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return cast_floating_inputs(args, torch.float16), cast_floating_inputs(kwargs, torch.float16)
+class CastForwardInputs:
+    """A forward pre-hook casting the model's floating-point inputs to the compute dtype, as `ZeroEngine.__call__`
+    does ([Note: casting forward inputs] in engine/setup.py): the model is returned unwrapped, so its own forward
+    must accept what the engine's would."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        return cast_forward_inputs(args, kwargs, self.dtype)

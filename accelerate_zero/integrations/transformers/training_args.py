@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -10,8 +11,11 @@ from typing import Any
 from transformers import TrainingArguments
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.config.loading import ALIASES
+from accelerate_zero.config.schema import is_auto
 from accelerate_zero.engine.groups import has_accelerator
-from accelerate_zero.integrations.accelerate.launch_config import CONFIG_ENV, read_deepspeed_config
+from accelerate_zero.integrations.accelerate.deepspeed_env import adopt_accelerate_deepspeed_launch
+from accelerate_zero.integrations.accelerate.launch_config import CONFIG_ENV, read_deepspeed_config, same_value
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.transformers.auto_values import AutoFill, fill_from_training_args
 
@@ -41,11 +45,8 @@ class ZeroArgumentsMixin:
     )
 
     def __post_init__(self) -> None:
-        if getattr(self, "deepspeed", None):
-            raise ValueError(
-                f"deepspeed={self.deepspeed!r}: accelerate_zero's TrainingArguments do not use the `deepspeed` argument "
-                "(it needs the deepspeed package); pass the same DeepSpeed config as zero_config=..."
-            )
+        adopt_accelerate_deepspeed_launch()  # before transformers builds a DeepSpeedPlugin from the environment
+        self._take_deepspeed_argument()
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # arguments are serialised to JSON (logging, hub)
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not has_accelerator():
@@ -54,6 +55,25 @@ class ZeroArgumentsMixin:
             self.use_cpu = True
         super().__post_init__()  # type: ignore[misc]
         self.fill_zero_config()
+
+    def _take_deepspeed_argument(self) -> None:
+        """`deepspeed=` (and `--deepspeed`, which transformers' parser still offers) is a DeepSpeed config, the
+        format `zero_config` reads: take it as `zero_config`, so transformers never builds its DeepSpeed objects
+        (they import deepspeed)."""
+        deepspeed = getattr(self, "deepspeed", None)
+        if not deepspeed:
+            return
+        if self.zero_config is not None and _as_dict(self.zero_config) != _as_dict(deepspeed):
+            raise ValueError(
+                f"deepspeed={deepspeed!r} and zero_config={self.zero_config!r} are two different ZeRO configs: "
+                "deepspeed= is read as zero_config=, so pass only one of them"
+            )
+        self.zero_config, self.deepspeed = deepspeed, None
+        if int(os.environ.get("RANK", "0")) == 0:
+            logger.warning(
+                "deepspeed=%r is used as zero_config: accelerate_zero's ZeRO engine trains with it (no deepspeed)",
+                deepspeed,
+            )
 
     def fill_zero_config(self) -> None:
         """Fills the config's "auto" values from these arguments (again after a hyperparameter-search trial changed
@@ -64,10 +84,12 @@ class ZeroArgumentsMixin:
 
     def _written_zero_config(self) -> dict[str, Any]:
         """The DeepSpeed config as written: this object's, else the launcher's, else accelerate's generated one."""
-        if isinstance(self.zero_config, dict):
-            return dict(self.zero_config)
         if self.zero_config is not None:
-            return read_deepspeed_config(self.zero_config)
+            written = _as_dict(self.zero_config)
+            launcher = os.environ.get(CONFIG_ENV)
+            if launcher is not None:
+                _refuse_conflicts(written, json.loads(launcher), self.zero_config)
+            return written
         plugin = ZeroPlugin()
         if os.environ.get(CONFIG_ENV) is None:
             logger.info("no zero_config and no `accelerate-zero launch` config: ZeRO stage %s", plugin.zero_stage or 2)
@@ -90,3 +112,46 @@ class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
     Use with `accelerate_zero.Trainer`. On the command line (`HfArgumentParser`) the config is `--zero_config PATH`.
     The `deepspeed` argument is refused (it needs the deepspeed package): give the same config as `zero_config`.
     """
+
+
+def _as_dict(config: dict | str | os.PathLike[str] | ZeroConfig) -> dict[str, Any]:
+    if isinstance(config, ZeroConfig):
+        return config.to_dict()
+    if isinstance(config, dict):
+        return dict(config)
+    if isinstance(config, str) and config.lstrip().startswith("{"):
+        return json.loads(config)  # transformers also takes the config as a JSON string
+    return read_deepspeed_config(config)
+
+
+def _refuse_conflicts(written: dict[str, Any], launcher: dict[str, Any], source: Any) -> None:
+    """[Note: two config sources] `zero_config` (or `deepspeed`) and the config `accelerate-zero launch` exported
+    (ACCELERATE_ZERO_CONFIG) both describe the run. The arguments' config is used; a key both set to different
+    values (neither "auto") is an error naming both values, as transformers reports its "auto" mismatches. A key only
+    one of them sets is no conflict (the launcher writes e.g. fp16/bf16 for every launch)."""
+    ours, theirs = _leaves(written), _leaves(launcher)
+    conflicts = [
+        f"- zero_config {path}={ours[path]!r} vs launcher {path}={theirs[path]!r}"
+        for path in sorted(ours.keys() & theirs.keys())
+        if not is_auto(ours[path]) and not is_auto(theirs[path]) and not same_value(ours[path], theirs[path])
+    ]
+    if conflicts:
+        listed = "\n".join(conflicts)
+        raise ValueError(
+            f"The ZeRO config in the training arguments ({source!r}) and the one `accelerate-zero launch` exported "
+            f"({CONFIG_ENV}, from its --config_file and flags) disagree:\n{listed}\nMake them agree, set these keys "
+            'to "auto" in one of them, or drop one source (remove --zero_config/--deepspeed to use the launcher\'s).'
+        )
+
+
+def _leaves(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Key path -> value of every non-dict value, DeepSpeed's aliases written as their names; None values left out."""
+    aliases = ALIASES.get(prefix.rstrip("."), {})
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        path = prefix + aliases.get(key, key)
+        if isinstance(value, dict):
+            out.update(_leaves(value, path + "."))
+        elif value is not None:
+            out[path] = value
+    return out

@@ -1,0 +1,94 @@
+"""TRL's SFT, DPO and GRPO trainers composed with `ZeroTrainerMixin`, plus what TRL only does for DeepSpeed.
+
+TRL keys two things on DeepSpeed ZeRO-3 (`trl.distributed.DistributedBackend.is_zero3`, which reads accelerate's
+DeepSpeed plugin and imports deepspeed):
+
+* gathering parameters (`DistributedBackend.gather_params`, e.g. to merge a PEFT adapter or to sync vLLM):
+  `ZeroDistributedBackend` gathers with our `GatheredParameters` instead, keeping `is_zero3` False so no path
+  that imports deepspeed is taken;
+* gathering the whole model once per generate call (`unwrap_model_for_generation(...,
+  gather_deepspeed3_params=args.ds3_gather_for_generation)`): `ZeroGRPOTrainer._generate_single_turn` runs TRL's
+  generation inside one `GatheredParameters` over the policy when `ds3_gather_for_generation` is true (TRL's
+  default) at stage 3. Otherwise every decoding step gathers each unit again (less memory, many more collectives).
+
+Frozen reference and reward models are prepared for inference (sharded at stage 3) and stay so for the whole run
+([Note: side models survive free_memory] in integrations/accelerate/accelerator.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl.distributed import DistributedBackend
+
+from accelerate_zero.engine.gathered import GatheredParameters
+from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
+from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
+
+
+class ZeroDistributedBackend(DistributedBackend):
+    """TRL's backend facts with our gather: `gather_params` gathers parameters the ZeRO engine sharded (any stage;
+    unsharded parameters are left as they are). `is_zero3` stays False: TRL's ZeRO-3 paths import deepspeed."""
+
+    @contextlib.contextmanager
+    def gather_params(self, params: Iterable[torch.nn.Parameter]) -> Iterator[None]:
+        with GatheredParameters(list(params)):
+            yield
+
+
+class ZeroTRLMixin(ZeroTrainerMixin):
+    """`ZeroTrainerMixin` for TRL trainers: TRL's distributed backend gets our gather (`ZeroDistributedBackend`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if hasattr(self, "_dist"):
+            self._dist = ZeroDistributedBackend(self.accelerator)
+
+    @contextlib.contextmanager
+    def gathered_for_generation(self) -> Iterator[None]:
+        """The whole policy gathered once (stage 3, `args.ds3_gather_for_generation` true): generate's decoding steps
+        then run without collectives. Every rank must enter it (TRL generates on every rank at the same step)."""
+        engine = self.zero_engine
+        gather = getattr(self.args, "ds3_gather_for_generation", True)
+        if engine is None or engine.stage != 3 or not gather or getattr(self, "use_vllm", False):
+            yield
+            return
+        with torch.no_grad(), GatheredParameters(list(self.model.parameters())):
+            yield
+
+
+@dataclass
+class ZeroSFTConfig(ZeroArgumentsMixin, SFTConfig):
+    """TRL's `SFTConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`)."""
+
+
+class ZeroSFTTrainer(ZeroTRLMixin, SFTTrainer):
+    """TRL's `SFTTrainer` on the ZeRO engine."""
+
+
+@dataclass
+class ZeroDPOConfig(ZeroArgumentsMixin, DPOConfig):
+    """TRL's `DPOConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`)."""
+
+
+class ZeroDPOTrainer(ZeroTRLMixin, DPOTrainer):
+    """TRL's `DPOTrainer` on the ZeRO engine; the reference model stays sharded at stage 3 for the whole run."""
+
+
+@dataclass
+class ZeroGRPOConfig(ZeroArgumentsMixin, GRPOConfig):
+    """TRL's `GRPOConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`)."""
+
+
+class ZeroGRPOTrainer(ZeroTRLMixin, GRPOTrainer):
+    """TRL's `GRPOTrainer` on the ZeRO engine: generation gathers the policy once per call at stage 3 (TRL's
+    `ds3_gather_for_generation`, default true); the reference model stays sharded."""
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        with self.gathered_for_generation():
+            return super()._generate_single_turn(*args, **kwargs)

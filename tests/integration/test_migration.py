@@ -1,0 +1,146 @@
+"""Migrating without edits (issue 17): `deepspeed=` / `--deepspeed` as zero_config, two config sources that
+disagree, and accelerate's documented stage-3 save snippet on every rank."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.dist import run_distributed
+from tests.integration import migration_checks
+
+
+def ds_config(stage: int = 3, **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": stage}, **extra}
+
+
+def training_args(tmp_path: Path, **kwargs: Any) -> Any:
+    from accelerate_zero import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACCELERATE_ZERO_CONFIG", raising=False)
+
+
+def test_deepspeed_argument_is_read_as_zero_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds_config()))
+    with caplog.at_level(logging.WARNING):
+        args = training_args(tmp_path, deepspeed=str(path))
+    assert (args.zero_config, args.deepspeed, args.zero_stage) == (str(path), None, 3)
+    assert args.zero_fill.config["train_micro_batch_size_per_gpu"] == args.per_device_train_batch_size
+    notices = [r.getMessage() for r in caplog.records if "zero_config" in r.getMessage()]
+    assert len(notices) == 1 and "\n" not in notices[0]
+    assert "deepspeed" not in sys.modules
+
+
+def test_deepspeed_command_line_flag(tmp_path: Path) -> None:
+    from transformers import HfArgumentParser
+
+    from accelerate_zero import TrainingArguments
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds_config(stage=1)))
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "out"), "--deepspeed", str(path), "--use_cpu", "--report_to", "none"]
+    )
+    assert (args.deepspeed, args.zero_stage) == (None, 1)
+
+
+def test_deepspeed_and_a_different_zero_config_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="two different ZeRO configs"):
+        training_args(tmp_path, deepspeed=ds_config(stage=3), zero_config=ds_config(stage=2))
+    assert training_args(tmp_path, deepspeed=ds_config(stage=2), zero_config=ds_config(stage=2)).zero_stage == 2
+
+
+def test_zero_config_conflicting_with_the_launcher_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launcher = ds_config(stage=3, bf16={"enabled": False}, gradient_clipping="auto")
+    launcher["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e8
+    monkeypatch.setenv("ACCELERATE_ZERO_CONFIG", json.dumps(launcher))
+    with pytest.raises(ValueError) as error:
+        training_args(tmp_path, zero_config=ds_config(stage=2, gradient_clipping=0.5))
+    message = str(error.value)
+    assert "- zero_config zero_optimization.stage=2 vs launcher zero_optimization.stage=3" in message
+    assert "- zero_config gradient_clipping" not in message  # "auto" on one side is no conflict
+    # the same values (an alias, a number written as a string) and keys only one side sets are no conflict
+    agreeing = ds_config(stage=3)
+    agreeing["zero_optimization"]["prefetch_bucket_size"] = "5e8"
+    assert training_args(tmp_path, zero_config=agreeing).zero_stage == 3
+    with pytest.raises(ValueError, match="- zero_config bf16.enabled=True vs launcher bf16.enabled=False"):
+        training_args(tmp_path, deepspeed=ds_config(stage=3, bfloat16={"enabled": True}))
+
+
+def test_accelerate_stage3_save_snippet_works_on_every_rank(tmp_path: Path) -> None:
+    ranks = run_distributed(migration_checks.save_snippet, 2, str(tmp_path))
+    main, other = ranks
+    assert main["max_diff"] == 0.0  # fp32: the saved weights are the trained ones exactly
+    assert "model.safetensors" in main["files"] and "config.json" in main["files"]
+    assert main["keys"] == other["keys"] and other["devices"] == ["meta"] and main["devices"] == ["cpu"]
+    assert main["shapes_match_main"] and other["shapes_match_main"]
+
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "tests" / "integration" / "scripts"
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def _launch_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    return {**env, "PYTHONPATH": str(REPO), "ACCELERATE_ZERO_PG_TIMEOUT": "120"}
+
+
+def _check_trained_with_our_engine(out: Path, stage: int) -> None:
+    for rank in range(2):
+        run = json.loads((out / f"trainer_rank{rank}.json").read_text())
+        assert (run["stage"], run["world_size"], run["deepspeed_plugin"]) == (stage, 2, False)
+        assert run["distributed_type"] in ("DistributedType.MULTI_CPU", "DistributedType.MULTI_GPU")
+        assert not run["deepspeed_imported"] and len(run["losses"]) == 2
+
+
+def test_accelerate_deepspeed_launch_environment_trains_with_our_engine(tmp_path: Path) -> None:
+    """What `accelerate launch --config_file zero3.yaml` gives the ranks with deepspeed installed, replayed with
+    accelerate's own functions (scripts/accelerate_deepspeed_launch.py), so this runs without deepspeed too."""
+    command = [sys.executable, str(SCRIPTS / "accelerate_deepspeed_launch.py"), "--main_process_port", "0"]
+    command += ["--config_file", str(REPO / "accelerate_configs" / "zero3.yaml")]
+    command += [str(SCRIPTS / "trainer_tiny.py"), "--out", str(tmp_path)]
+    done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training with accelerate_zero's ZeRO engine (stage 3); deepspeed is not used" in done.stderr
+    _check_trained_with_our_engine(tmp_path, stage=3)
+
+
+@pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed: `accelerate launch` refuses a DEEPSPEED config"
+)
+def test_literal_accelerate_launch_with_deepspeed_installed(tmp_path: Path) -> None:
+    config = tmp_path / "zero3.yaml"  # the seeds' tutorial zero3_config.yaml: bf16, 8 processes (2 on the line)
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndeepspeed_config:\n  zero_stage: 3\n  stage3_prefetch_bucket_size: 5e8\n"
+        "  stage3_param_persistence_threshold: 1e6\n  overlap_comm: true\n  offload_optimizer_device: none\n"
+        "distributed_type: DEEPSPEED\nnum_processes: 8\nmixed_precision: bf16\n"
+    )
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2"]
+    launch += ["--main_process_port", "0"]
+    for script in ("trainer_tiny.py --bf16", "accelerate_loop.py"):  # the Trainer's bf16 must agree with the YAML
+        name, *flags = script.split()
+        command = [*launch, str(SCRIPTS / name), "--out", str(tmp_path), *flags]
+        done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    _check_trained_with_our_engine(tmp_path, stage=3)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"trainer_rank{rank}.json").read_text())["param_dtype"] == "torch.bfloat16"
+        run = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (run["stage"], run["param_dtype"], run["deepspeed_imported"]) == (3, "torch.bfloat16", False)

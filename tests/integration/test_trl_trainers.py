@@ -1,0 +1,50 @@
+"""The ready-made TRL trainers (`accelerate_zero.integrations.trl`) at stage 3 on 2 ranks: SFT, DPO and GRPO train;
+the DPO/GRPO reference model stays sharded for the whole run; GRPO's generation gathers the policy once per generate
+call with `ds3_gather_for_generation` (TRL's default) and per decoding step without it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.helpers.dist import run_distributed
+
+
+pytest.importorskip("trl")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests.integration import trl_trainer_checks
+
+    results = run_distributed(trl_trainer_checks.all_checks, 2, str(tmp_path_factory.mktemp("trl")))
+    print("TRL measurements:", json.dumps(results))  # pytest -s shows them (generate times, bytes held)
+    return results
+
+
+def test_sft_trains_at_stage_3(ranks: Any) -> None:
+    for run in (r["sft"] for r in ranks):
+        assert (run["stage"], run["steps"]) == (3, 2)
+
+
+def test_dpo_reference_model_stays_sharded(ranks: Any) -> None:
+    for run in (r["dpo"] for r in ranks):
+        assert run["steps"] == 2 and run["policy_stage"] == 3 and run["ref_prepared"]
+        held = run["ref_held_during_training"]
+        assert len(held) == 2  # after each step
+        for seen in held:
+            # every parameter is sharded over 2 ranks: about half of the fp32 weights (plus padding), nothing
+            # materialised between steps
+            assert seen["data"] + seen["shards"] <= 0.55 * seen["full_fp32"], seen
+
+
+def test_grpo_generation_gathers_once_per_call(ranks: Any) -> None:
+    for rank in ranks:
+        once, per_step = rank["grpo_gather"], rank["grpo_no_gather"]
+        assert once["steps"] == per_step["steps"] == 2 and once["ref_sharded"]
+        assert once["generate"] and per_step["generate"]
+        for call in once["generate"]:
+            assert call["collectives"] <= once["units"]  # one gather per unit for the whole generate call
+        assert min(c["collectives"] for c in per_step["generate"]) > once["units"]
