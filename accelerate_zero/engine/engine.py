@@ -32,6 +32,7 @@ from accelerate_zero.engine.gathered import GatheredParameters, register_engine_
 from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
+from accelerate_zero.engine.progress import BackwardPositionCheck
 from accelerate_zero.engine.setup import (
     build_lr_scheduler_for,
     build_optimizer_for,
@@ -132,6 +133,7 @@ class ZeroEngine:
         self.comm_stats_counter = CommStats()
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        self._position_check = BackwardPositionCheck(dp, self.comm_stats_counter, device)
         self._global_grad_norm: float | None = None
         self._init_module()
         self.optimizer = build_optimizer_for(module, optimizer, config)
@@ -406,13 +408,18 @@ class ZeroEngine:
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
-        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
+        boundary = self.is_gradient_accumulation_boundary()
+        if self.reducer.partitioned and self.dp.world_size > 1:  # [Note: ranks out of step] in engine/progress.py
+            self._position_check.start(self.micro_steps, boundary)
+        self.reducer.begin_backward(boundary=boundary)
         with self.step_log.timed("backward"):
             try:
                 scaled.backward(retain_graph=retain_graph)
             except BaseException:
                 self.reducer.abort_backward()
+                self._position_check.finish()
                 raise
+            self._position_check.finish()
             self.reducer.end_backward()
             if self.scheduler is not None:
                 self.scheduler.end_backward()

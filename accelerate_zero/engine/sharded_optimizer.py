@@ -19,6 +19,7 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.loss_scaler import LossScaler
 from accelerate_zero.engine.norms import sum_of_squares
+from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
 from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 
 
@@ -159,26 +160,15 @@ class ShardedOptimizer:
         return sum_sq.sqrt().item()
 
     def _all_reduce_checking_progress(self, sum_sq: torch.Tensor, kind: str) -> torch.Tensor:
-        """[Note: ranks out of step] A rank that skipped a micro-step (caught an exception and went on) pairs its
-        collectives with the other ranks' next ones: training goes on with mismatched gradients, then hangs until
-        the process-group timeout. Every rank adds its micro-step counter, in its own slot, to the all-reduce the
-        step makes anyway, so every rank sees every counter and all of them fail at once, naming them."""
-        slots = self.dp.world_size if self.progress is not None else 0
-        payload = torch.zeros(1 + slots, dtype=sum_sq.dtype, device=self.device)
-        payload[0] = sum_sq
-        if self.progress is not None:
-            # Modulo 2**24: exact in fp32 (the other slots add zeros).
-            payload[1 + self.dp.rank] = self.progress() % (1 << 24)
+        """All-reduces `sum_sq` with every rank's micro-step counter beside it ([Note: ranks out of step] in
+        engine/progress.py): every rank fails at once, naming the counters, when they differ."""
+        if self.progress is None:
+            collectives.all_reduce(sum_sq, self.dp, self.stats, kind=kind)
+            return sum_sq
+        counters = slots_with(self.progress(), self.dp.rank, self.dp.world_size, self.device, sum_sq.dtype)
+        payload = torch.cat([sum_sq.reshape(1), counters])
         collectives.all_reduce(payload, self.dp, self.stats, kind=kind)
-        if self.progress is not None:
-            counters = [int(c) for c in payload[1:].tolist()]
-            if len(set(counters)) > 1:
-                raise RuntimeError(
-                    f"ranks are out of step at the optimizer step: micro-step counters by rank {counters} (this is "
-                    f"rank {self.dp.rank}, at {counters[self.dp.rank]}). A rank skipped or repeated a micro-step (e.g. "
-                    "it caught an exception and went on): every rank must run the same forward/backward/step calls; "
-                    "skip a bad batch on every rank, or let the exception end the job"
-                )
+        raise_if_out_of_step(payload[1:], self.dp.rank, "at the optimizer step")
         return payload[0]
 
     def _attach_grads(self, slices: list[ShardSlice], coefficient: float, grads: list[torch.Tensor] | None) -> None:

@@ -442,7 +442,7 @@ def _skipped_micro_step(rank: int, world_size: int) -> dict[str, Any]:
     import accelerate_zero
 
     results = {}
-    for stage in (0, 1):
+    for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
         model = Toy()
         config = {"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 2}
@@ -467,9 +467,12 @@ def _skipped_micro_step(rank: int, world_size: int) -> dict[str, Any]:
 def test_a_rank_out_of_step_fails_at_once_naming_the_counters() -> None:
     by_rank = run_distributed(_skipped_micro_step, 2)
     for rank, results in enumerate(by_rank):
-        for stage in (0, 1):
+        for stage in (0, 1, 2, 3):
             message = results[f"stage {stage}"]
             assert message.startswith("error RuntimeError: ranks are out of step"), (rank, stage, message)
-            assert "micro-step counters by rank [1, 0]" in message
+            if stage < 2:  # caught at the optimizer step: rank 1 reached the boundary one micro-step early
+                assert "at the optimizer step: micro-step counters by rank [1, 0]" in message
+            else:  # stages 2 and 3 reduce every backward: caught at the first one (rank 1 is on the boundary)
+                assert "at backward: positions" in message and "by rank [0, 1]" in message
             # At the first boundary: far sooner than the process-group timeout (60 s in tests, 30 min by default).
             assert results[f"stage {stage} seconds"] < 30
