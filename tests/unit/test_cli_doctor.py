@@ -14,14 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "accelerate_configs"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for name in list(os.environ):
-        if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher.default_config_file", "/nonexistent.yaml")
+pytestmark = pytest.mark.usefixtures("clean_launch_env")  # tests/unit/conftest.py
 
 
 def test_deepspeed_accelerate_config_under_each_launcher(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,14 +12,7 @@ from accelerate_zero.config import ZeroConfigError
 from accelerate_zero.integrations.accelerate.launch_config import nvme_path_problems, resolve_leaving_auto
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for name in list(os.environ):
-        if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher.default_config_file", "/nonexistent.yaml")
+pytestmark = pytest.mark.usefixtures("clean_launch_env")  # tests/unit/conftest.py
 
 
 def _fail_if_started(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,15 +18,7 @@ FIXTURES = REPO / "tests" / "fixtures"
 CONFIGS = REPO / "accelerate_configs"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No launcher environment, and no user default accelerate config."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher.default_config_file", "/nonexistent.yaml")
+pytestmark = pytest.mark.usefixtures("clean_launch_env")  # tests/unit/conftest.py
 
 
 @pytest.mark.parametrize("name", ["ds_config_zero2.json", "ds_config_zero3.json"])

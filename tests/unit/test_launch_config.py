@@ -24,15 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "accelerate_configs"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests must not see a launcher's environment (nor the user's default accelerate config)."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher.default_config_file", "/nonexistent.yaml")
+pytestmark = pytest.mark.usefixtures("clean_launch_env")  # tests/unit/conftest.py
 
 
 def build(block: dict[str, Any], **flags: Any) -> dict[str, Any]:
