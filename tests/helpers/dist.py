@@ -26,6 +26,7 @@ import atexit
 import faulthandler
 import io
 import os
+import queue
 import signal
 import socket
 import sys
@@ -45,11 +46,14 @@ import torch.multiprocessing as mp
 
 PG_TIMEOUT_SECONDS = 60
 DEFAULT_TIMEOUT_SECONDS = 300.0
-"""Deadline of one `run_distributed` call on an idle machine (the slowest body takes ~30 s idle)."""
+"""Default deadline of one `run_distributed` body (an idle machine runs the slowest in ~30 s; a machine whose 2
+cores are shared by several suites ran it in ~120 s): a hang is reported after it, not after the CI limit."""
 TIMEOUT_SCALE_ENV = "ACCELERATE_ZERO_TEST_TIMEOUT_SCALE"
 FRESH_ENV = "ACCELERATE_ZERO_TEST_FRESH_RANKS"
 """Set to 1 to start new ranks for every call (the behaviour before the pool), e.g. to bisect a leak."""
 _STACK_GRACE_SECONDS = 3.0
+_PEER_REPORT_GRACE_SECONDS = 5.0
+_STARTUP_SECONDS = 60.0
 _SPAWNS = {"processes": 0}
 """Ranks started in this session (tests/conftest.py prints it)."""
 
@@ -132,7 +136,7 @@ def _rank_loop(rank: int, world_size: int, tasks: Any, results: Any, stack_file:
     while True:
         try:
             task = tasks.get(timeout=5.0)
-        except Exception:  # queue.Empty: stop when pytest is gone
+        except queue.Empty:  # stop when pytest is gone
             if os.getppid() != parent:
                 return
             continue
@@ -234,6 +238,35 @@ def _pool(world_size: int, fresh: bool) -> _Pool:
     return pool
 
 
+def _collect(
+    pool: _Pool, call_id: tuple, deadline: float, deadline_seconds: float
+) -> tuple[dict[int, tuple[str, Any]], str | None]:
+    """Waits for every rank's answer to `call_id`; returns them by rank and what went wrong, if anything."""
+    received: dict[int, tuple[str, Any]] = {}
+    problem = None
+    while len(received) < pool.world_size:
+        try:
+            got_call, rank, status, value = pool.results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(pool.processes) if not p.is_alive() and r not in received]
+            if dead:
+                return received, f"rank(s) {dead} exited (exit codes {[pool.processes[r].exitcode for r in dead]})"
+            if time.monotonic() > deadline:
+                return (
+                    received,
+                    problem or f"deadline of {deadline_seconds:.0f} s passed ({TIMEOUT_SCALE_ENV} scales it)",
+                )
+            continue
+        if got_call != call_id:
+            continue  # a late answer from an earlier call (cannot happen after a restart, kept for safety)
+        received[rank] = (status, value)
+        if status == "error" and problem is None:
+            # The others usually fail soon after (their peer left): wait briefly so the report has their tracebacks.
+            problem = f"rank {rank} failed"
+            deadline = min(deadline, time.monotonic() + _PEER_REPORT_GRACE_SECONDS)
+    return received, problem
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None, fresh: bool = False
 ) -> list[Any]:
@@ -252,33 +285,16 @@ def run_distributed(
         AssertionError: with every failing rank's traceback and the stack of every rank that had not finished.
     """
     pool = _pool(world_size, fresh)
+    # Starting the ranks (importing torch) is not the body's work: it gets its own allowance.
+    startup = _STARTUP_SECONDS if pool.calls == 0 else 0.0
     pool.calls += 1
     call_id = (os.getpid(), id(pool), pool.calls)
     port = free_port()
     for tasks in pool.tasks:
         tasks.put((call_id, port, fn, args))
     deadline_seconds = (DEFAULT_TIMEOUT_SECONDS if timeout is None else timeout) * timeout_scale()
-    deadline = time.monotonic() + deadline_seconds
-    received: dict[int, tuple[str, Any]] = {}
-    problem = None
-    while len(received) < world_size:
-        try:
-            got_call, rank, status, value = pool.results.get(timeout=0.2)
-        except Exception:  # queue.Empty
-            dead = [r for r, p in enumerate(pool.processes) if not p.is_alive() and r not in received]
-            if dead:
-                problem = f"rank(s) {dead} exited (exit codes {[pool.processes[r].exitcode for r in dead]})"
-            elif time.monotonic() > deadline:
-                problem = f"deadline of {deadline_seconds:.0f} s passed ({TIMEOUT_SCALE_ENV} scales it)"
-            if problem is None:
-                continue
-            break
-        if got_call != call_id:
-            continue  # a late answer from an earlier call (cannot happen after a restart, kept for safety)
-        received[rank] = (status, value)
-        if status == "error" and len(received) < world_size:
-            problem = f"rank {rank} failed"
-            break
+    deadline = time.monotonic() + deadline_seconds + startup * timeout_scale()
+    received, problem = _collect(pool, call_id, deadline, deadline_seconds)
     failed = problem is not None or any(status == "error" for status, _ in received.values())
     if failed:
         waiting = [r for r in range(world_size) if r not in received]

@@ -1,9 +1,10 @@
 """The transformers Trainer on the ZeRO engine (`accelerate_zero.Trainer` / `TrainingArguments(zero_config=...)`),
 against the plain Trainer in one process on the full batch.
 
-One spawned group of 2 ranks (tests/integration/trainer_checks.py) runs: training at stages 1, 2 and 3, evaluation
-before training at stage 3, transformers' own DeepSpeed test configs unchanged, the config's optimizer/scheduler
-blocks, save_model -> from_pretrained, checkpoint + resume, LoRA with gradient checkpointing at stages 2 and 3.
+The shared 2 ranks of tests/helpers/dist.py run, one body per part (tests/integration/trainer_checks.py):
+training at stages 1, 2 and 3, evaluation before training at stage 3, transformers' own DeepSpeed test configs
+unchanged, the config's optimizer/scheduler blocks, save_model -> from_pretrained, checkpoint + resume, LoRA with
+gradient checkpointing at stages 2 and 3.
 A group of 3 ranks then resumes the 2-rank checkpoint; `accelerate-zero consolidate` turns it into weights.
 """
 
@@ -38,10 +39,32 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("trainer")
 
 
+class _SharedRuns:
+    """The module's 2-rank runs (trainer_checks.PARTS), each run once, when a test first reads it: `ranks[r][part]`
+    is rank r's result. Running parts separately keeps every run within its own deadline (and the pytest
+    timeout), and a test reading one part does not wait for the others."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.results = folder, {}
+
+    def part(self, rank: int, name: str) -> Any:
+        if name not in self.results:
+            self.results[name] = run_distributed(checks.run_part, WORLD_SIZE, str(self.folder), name)
+        return self.results[name][rank]
+
+
+class _RankView:
+    def __init__(self, runs: _SharedRuns, rank: int) -> None:
+        self.runs, self.rank = runs, rank
+
+    def __getitem__(self, name: str) -> Any:
+        return self.runs.part(self.rank, name)
+
+
 @pytest.fixture(scope="module")
-def ranks(folder: Path) -> list[dict[str, Any]]:
-    paths = run_distributed(checks.all_checks, WORLD_SIZE, str(folder))
-    return [torch.load(path, weights_only=True) for path in paths]
+def ranks(folder: Path) -> list[_RankView]:
+    runs = _SharedRuns(folder)
+    return [_RankView(runs, rank) for rank in range(WORLD_SIZE)]
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +155,9 @@ def test_resume_continues_exactly(ranks: Any) -> None:
 
 
 def test_resume_on_a_different_number_of_processes(ranks: Any, folder: Path) -> None:
+    uninterrupted = ranks[0]["resume"]["a"]  # the 2-rank run whose checkpoint is resumed
     results = run_distributed(checks.resume_on_three, 3, str(folder))
     assert results[0]["engine_world_size"] == 3
-    uninterrupted = ranks[0]["resume"]["a"]
     assert results[0]["losses"] == pytest.approx(uninterrupted["losses"], abs=1e-5)
     assert _max_diff(results[0]["state"], uninterrupted["state"]) < 1e-6
 
@@ -143,6 +166,7 @@ def test_consolidate_equals_the_gathered_weights(ranks: Any, folder: Path, tmp_p
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
+    ranks[0]["resume"]  # the 2-rank run that wrote the checkpoint
     checkpoint = folder / "resume" / "a" / "checkpoint-2"
     result = subprocess.run(
         [sys.executable, "-m", "accelerate_zero.cli.main", "consolidate", str(checkpoint), str(tmp_path / "out")],
