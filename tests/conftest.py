@@ -22,6 +22,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    from tests.helpers.dist import spawned_rank_count
+    from tests.helpers.dist import pool_statistics
 
-    terminalreporter.write_line(f"rank processes started for distributed tests: {spawned_rank_count()}")
+    stats = pool_statistics()
+    if stats["calls"]:
+        terminalreporter.write_line(
+            f"distributed tests: {stats['calls']} bodies on {stats['rank_bodies']} ranks, "
+            f"{stats['processes']} rank processes started"
+        )

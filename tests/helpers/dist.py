@@ -7,10 +7,11 @@ the assertions happen in the pytest process.
 
 [Note: what a pooled rank resets between test bodies]
 Each body gets a fresh default process group (a new port; the group the code under test created from the
-environment is destroyed after the body), the environment variables, working directory, torch seed, default dtype,
-grad mode and thread count the rank started with, and accelerate's and transformers' process-wide singletons
-(`PartialState`/`AcceleratorState`/`GradientState`, the Trainer's DeepSpeed config reference) cleared. Module
-globals a body changes are not reset: such a test passes `fresh=True` and gets ranks of its own.
+environment is destroyed after the body), the environment variables, working directory, sys.path, torch seed,
+default dtype, grad mode and thread count the rank started with, and accelerate's and transformers'
+process-wide singletons (`PartialState`/`AcceleratorState`/`GradientState`, the Trainer's DeepSpeed config
+reference) cleared. Module globals a body changes are not reset: such a test passes `fresh=True` and gets ranks
+of its own.
 
 [Note: how a hang is reported]
 Every call has a deadline (`timeout`, scaled by ACCELERATE_ZERO_TEST_TIMEOUT_SCALE for slow machines). When it
@@ -54,8 +55,9 @@ FRESH_ENV = "ACCELERATE_ZERO_TEST_FRESH_RANKS"
 _STACK_GRACE_SECONDS = 3.0
 _PEER_REPORT_GRACE_SECONDS = 5.0
 _STARTUP_SECONDS = 60.0
-_SPAWNS = {"processes": 0}
-"""Ranks started in this session (tests/conftest.py prints it)."""
+_SPAWNS = {"processes": 0, "calls": 0, "rank_bodies": 0}
+"""Ranks started, `run_distributed` calls and rank-bodies run in this session (tests/conftest.py prints them);
+without the pool every rank-body started a process."""
 
 
 def free_port() -> int:
@@ -67,6 +69,11 @@ def free_port() -> int:
 def spawned_rank_count() -> int:
     """How many rank processes this pytest process has started so far."""
     return _SPAWNS["processes"]
+
+
+def pool_statistics() -> dict[str, int]:
+    """Rank processes started, `run_distributed` calls, and rank-bodies run (the processes a pool-less run starts)."""
+    return dict(_SPAWNS)
 
 
 def timeout_scale() -> float:
@@ -105,6 +112,7 @@ def _run_body(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
     os.environ.update(baseline["environ"])
     os.environ.update(MASTER_PORT=str(port))
     os.chdir(baseline["cwd"])
+    sys.path[:] = baseline["path"]
     torch.manual_seed(baseline["seed"])
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
@@ -131,7 +139,7 @@ def _rank_loop(rank: int, world_size: int, tasks: Any, results: Any, stack_file:
     stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.enable(file=stacks)  # a segfault in a rank writes its Python stack there
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the parent asks on a hang
-    baseline = {"environ": dict(os.environ), "cwd": os.getcwd(), "seed": torch.initial_seed()}
+    baseline = {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path), "seed": torch.initial_seed()}
     parent = os.getppid()
     while True:
         try:
@@ -285,6 +293,8 @@ def run_distributed(
         AssertionError: with every failing rank's traceback and the stack of every rank that had not finished.
     """
     pool = _pool(world_size, fresh)
+    _SPAWNS["calls"] += 1
+    _SPAWNS["rank_bodies"] += world_size
     # Starting the ranks (importing torch) is not the body's work: it gets its own allowance.
     startup = _STARTUP_SECONDS if pool.calls == 0 else 0.0
     pool.calls += 1
@@ -311,3 +321,39 @@ def run_distributed(
     if pool is not _POOLS.get(world_size):
         pool.stop()
     return [torch.load(io.BytesIO(received[rank][1]), weights_only=True) for rank in range(world_size)]
+
+
+class SharedParts:
+    """A module's expensive distributed checks, split into named parts that many tests read.
+
+    `shared_parts(fn, world_size, *args)[rank][part]` runs `fn(rank, world_size, *args, part)` on the pool once,
+    the first time any test reads `part`, and returns rank `rank`'s result. One part per body keeps every run
+    within its own deadline (a module fixture running them all did not stay within the pytest timeout on a busy
+    machine), and a test that reads one part does not wait for the others.
+    """
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, timeouts: dict[str, float]) -> None:
+        self.fn, self.world_size, self.args, self.timeouts = fn, world_size, args, timeouts
+        self.results: dict[str, list[Any]] = {}
+
+    def result(self, rank: int, part: str) -> Any:
+        if part not in self.results:
+            timeout = self.timeouts.get(part)
+            self.results[part] = run_distributed(self.fn, self.world_size, *self.args, part, timeout=timeout)
+        return self.results[part][rank]
+
+
+class _RankParts:
+    def __init__(self, shared: SharedParts, rank: int) -> None:
+        self.shared, self.rank = shared, rank
+
+    def __getitem__(self, part: str) -> Any:
+        return self.shared.result(self.rank, part)
+
+
+def shared_parts(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeouts: dict[str, float] | None = None
+) -> list[_RankParts]:
+    """One view per rank of `SharedParts(fn, world_size, args)`; `timeouts` maps a part to its deadline (seconds)."""
+    shared = SharedParts(fn, world_size, args, timeouts or {})
+    return [_RankParts(shared, rank) for rank in range(world_size)]
