@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import run_distributed, shared_parts
 from tests.integration import trainer_checks as checks
 
 
@@ -39,32 +39,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("trainer")
 
 
-class _SharedRuns:
-    """The module's 2-rank runs (trainer_checks.PARTS), each run once, when a test first reads it: `ranks[r][part]`
-    is rank r's result. Running parts separately keeps every run within its own deadline (and the pytest
-    timeout), and a test reading one part does not wait for the others."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.results = folder, {}
-
-    def part(self, rank: int, name: str) -> Any:
-        if name not in self.results:
-            self.results[name] = run_distributed(checks.run_part, WORLD_SIZE, str(self.folder), name)
-        return self.results[name][rank]
-
-
-class _RankView:
-    def __init__(self, runs: _SharedRuns, rank: int) -> None:
-        self.runs, self.rank = runs, rank
-
-    def __getitem__(self, name: str) -> Any:
-        return self.runs.part(self.rank, name)
-
-
 @pytest.fixture(scope="module")
-def ranks(folder: Path) -> list[_RankView]:
-    runs = _SharedRuns(folder)
-    return [_RankView(runs, rank) for rank in range(WORLD_SIZE)]
+def ranks(folder: Path) -> list[Any]:
+    """`ranks[r][part]`: rank r's result of the 2-rank check `part` (trainer_checks.PARTS), run when first read."""
+    return shared_parts(checks.run_part, WORLD_SIZE, str(folder))
 
 
 @pytest.fixture(scope="module")
