@@ -151,6 +151,7 @@ def test_consolidate_equals_the_gathered_weights(ranks: Any, folder: Path, tmp_p
         capture_output=True,
         text=True,
         check=False,
+        timeout=300,  # a few seconds idle: a hang fails this test, not the whole session
     )
     assert result.returncode == 0, result.stderr
     gathered = load_file(checkpoint / "model.safetensors")  # save_model's gathered weights at that step
