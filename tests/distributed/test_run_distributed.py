@@ -32,6 +32,8 @@ def _look(rank: int, world_size: int) -> dict[str, Any]:
         "pid": os.getpid(),
         "group_left": dist.is_initialized(),
         "env_left": "ACCELERATE_ZERO_TEST_LEAK" in os.environ,
+        "from_parent": os.environ.get("ACCELERATE_ZERO_TEST_FROM_PARENT"),
+        "cwd": os.getcwd(),
         "dtype": str(torch.get_default_dtype()),
         "draw": torch.rand(1),
         "accelerate_left": _accelerate_initialized(),
@@ -73,6 +75,14 @@ def test_bodies_share_ranks_but_not_state() -> None:
     fresh = run_distributed(_look, 2, fresh=True)
     assert spawned_rank_count() == started + 2
     assert {r["pid"] for r in fresh}.isdisjoint(r["pid"] for r in second)
+
+
+def test_bodies_see_pytest_environment_at_the_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    run_distributed(_look, 2)  # the ranks exist before the variable is set
+    monkeypatch.setenv("ACCELERATE_ZERO_TEST_FROM_PARENT", "7")
+    monkeypatch.chdir(tmp_path)
+    for r in run_distributed(_look, 2):
+        assert r["from_parent"] == "7" and r["cwd"] == str(tmp_path)
 
 
 def test_a_failure_reports_every_rank_and_the_next_body_runs() -> None:

@@ -7,8 +7,9 @@ the assertions happen in the pytest process.
 
 [Note: what a pooled rank resets between test bodies]
 Each body gets a fresh default process group (a new port; the group the code under test created from the
-environment is destroyed after the body), the environment variables, working directory, sys.path, torch seed,
-default dtype, grad mode and thread count the rank started with, and accelerate's and transformers'
+environment is destroyed after the body), pytest's environment variables and working directory at the time of
+the call (as a newly spawned rank would see them), and the sys.path, torch seed, default dtype, grad mode and
+thread count the rank started with, and accelerate's and transformers'
 process-wide singletons (`PartialState`/`AcceleratorState`/`GradientState`, the Trainer's DeepSpeed config
 reference) cleared. Module globals a body changes are not reset: such a test passes `fresh=True` and gets ranks
 of its own.
@@ -28,6 +29,7 @@ import faulthandler
 import io
 import os
 import queue
+import random
 import signal
 import socket
 import sys
@@ -60,8 +62,24 @@ _SPAWNS = {"processes": 0, "calls": 0, "rank_bodies": 0}
 without the pool every rank-body started a process."""
 
 
+# Below Linux's ephemeral range (32768-60999 by default): a port the kernel hands to outgoing connections can be
+# taken by any process on a busy machine between our check and a rank binding it, and a body that creates its
+# process group several times binds the same port again after every destroy.
+_PORT_RANGE = (15000, 32000)
+_PORTS = random.SystemRandom()  # not the global generator: tests seed it, and their draws must not change
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port nobody listens on now, outside the range the kernel picks for outgoing connections."""
+    for _ in range(200):
+        port = _PORTS.randrange(*_PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # the range is crowded: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -107,11 +125,24 @@ def _reset_singletons() -> None:
         dist.destroy_process_group()
 
 
-def _run_body(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, baseline: dict) -> bytes:
+def _rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "ACCELERATE_ZERO_PG_TIMEOUT": str(PG_TIMEOUT_SECONDS),
+    }
+
+
+def _run_body(rank: int, world_size: int, task: tuple, baseline: dict) -> bytes:
+    _, port, fn, args, parent_environ, parent_cwd = task
+    # As a freshly spawned rank would: pytest's environment and folder at the time of the call, plus the rank's.
     os.environ.clear()
-    os.environ.update(baseline["environ"])
-    os.environ.update(MASTER_PORT=str(port))
-    os.chdir(baseline["cwd"])
+    os.environ.update(parent_environ)
+    os.environ.update(_rank_environment(rank, world_size, port))
+    os.chdir(parent_cwd)
     sys.path[:] = baseline["path"]
     torch.manual_seed(baseline["seed"])
     torch.set_default_dtype(torch.float32)
@@ -128,18 +159,12 @@ def _run_body(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
 
 
 def _rank_loop(rank: int, world_size: int, tasks: Any, results: Any, stack_file: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        ACCELERATE_ZERO_PG_TIMEOUT=str(PG_TIMEOUT_SECONDS),
-    )
+    os.environ.update(_rank_environment(rank, world_size, port=0))
     torch.set_num_threads(1)
     stacks = open(stack_file, "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.enable(file=stacks)  # a segfault in a rank writes its Python stack there
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # the parent asks on a hang
-    baseline = {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path), "seed": torch.initial_seed()}
+    baseline = {"path": list(sys.path), "seed": torch.initial_seed()}
     parent = os.getppid()
     while True:
         try:
@@ -150,9 +175,9 @@ def _rank_loop(rank: int, world_size: int, tasks: Any, results: Any, stack_file:
             continue
         if task is None:
             return
-        call_id, port, fn, args = task
+        call_id = task[0]
         try:
-            results.put((call_id, rank, "ok", _run_body(rank, world_size, port, fn, args, baseline)))
+            results.put((call_id, rank, "ok", _run_body(rank, world_size, task, baseline)))
         except BaseException:
             results.put((call_id, rank, "error", traceback.format_exc()))
 
@@ -301,7 +326,7 @@ def run_distributed(
     call_id = (os.getpid(), id(pool), pool.calls)
     port = free_port()
     for tasks in pool.tasks:
-        tasks.put((call_id, port, fn, args))
+        tasks.put((call_id, port, fn, args, dict(os.environ), os.getcwd()))
     deadline_seconds = (DEFAULT_TIMEOUT_SECONDS if timeout is None else timeout) * timeout_scale()
     deadline = time.monotonic() + deadline_seconds + startup * timeout_scale()
     received, problem = _collect(pool, call_id, deadline, deadline_seconds)
