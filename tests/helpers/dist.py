@@ -30,6 +30,7 @@ import io
 import os
 import queue
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -243,6 +244,8 @@ class _Pool:
         for process in self.processes:
             process.join(timeout=10)
         self.processes.clear()
+        if self.stack_files:
+            shutil.rmtree(Path(self.stack_files[0]).parent, ignore_errors=True)
 
 
 _POOLS: dict[int, _Pool] = {}
