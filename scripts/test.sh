@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs (once) and runs the test suite: unit tests and multi-process gloo tests on the CPU.
+# Installs (once) and runs the test suite: unit tests and multi-process gloo tests on the CPU, then lists the
+# 20 slowest tests. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` (the fast tier).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec "${VENV:-.venv}/bin/python" -m pytest tests "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest tests --durations=20 "$@"

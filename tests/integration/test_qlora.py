@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import plain_torchrun_environment, run_distributed
+from tests.helpers.dist import plain_torchrun_environment, shared_parts
 
 
 pytest.importorskip("bitsandbytes")
@@ -37,9 +37,9 @@ def _recipe_modules() -> tuple[Any, Any]:
     return qlora, sft
 
 
-def _ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+def _stage(rank: int, world_size: int, folder: str, stage: int) -> dict[str, Any]:
     plain_torchrun_environment()
-    return {stage: _train(rank, stage, Path(folder) / f"stage{stage}") for stage in (2, 3)}
+    return _train(rank, stage, Path(folder) / f"stage{stage}")
 
 
 def _train(rank: int, stage: int, folder: Path) -> dict[str, Any]:
@@ -102,8 +102,9 @@ def _train(rank: int, stage: int, folder: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_distributed(_ranks, 2, str(tmp_path_factory.mktemp("qlora")))
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """`ranks[r][stage]`: rank r's QLoRA run at `stage` (2 or 3), each its own body, run when a test first reads it."""
+    return shared_parts(_stage, 2, str(tmp_path_factory.mktemp("qlora")))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

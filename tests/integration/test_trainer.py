@@ -1,9 +1,10 @@
 """The transformers Trainer on the ZeRO engine (`accelerate_zero.Trainer` / `TrainingArguments(zero_config=...)`),
 against the plain Trainer in one process on the full batch.
 
-One spawned group of 2 ranks (tests/integration/trainer_checks.py) runs: training at stages 1, 2 and 3, evaluation
-before training at stage 3, transformers' own DeepSpeed test configs unchanged, the config's optimizer/scheduler
-blocks, save_model -> from_pretrained, checkpoint + resume, LoRA with gradient checkpointing at stages 2 and 3.
+The shared 2 ranks of tests/helpers/dist.py run, one body per part (tests/integration/trainer_checks.py):
+training at stages 1, 2 and 3, evaluation before training at stage 3, transformers' own DeepSpeed test configs
+unchanged, the config's optimizer/scheduler blocks, save_model -> from_pretrained, checkpoint + resume, LoRA with
+gradient checkpointing at stages 2 and 3.
 A group of 3 ranks then resumes the 2-rank checkpoint; `accelerate-zero consolidate` turns it into weights.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import run_distributed, shared_parts
 from tests.integration import trainer_checks as checks
 
 
@@ -39,9 +40,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ranks(folder: Path) -> list[dict[str, Any]]:
-    paths = run_distributed(checks.all_checks, WORLD_SIZE, str(folder))
-    return [torch.load(path, weights_only=True) for path in paths]
+def ranks(folder: Path) -> list[Any]:
+    """`ranks[r][part]`: rank r's result of the 2-rank check `part` (trainer_checks.PARTS), run when first read."""
+    return shared_parts(checks.run_part, WORLD_SIZE, str(folder))
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +133,9 @@ def test_resume_continues_exactly(ranks: Any) -> None:
 
 
 def test_resume_on_a_different_number_of_processes(ranks: Any, folder: Path) -> None:
+    uninterrupted = ranks[0]["resume"]["a"]  # the 2-rank run whose checkpoint is resumed
     results = run_distributed(checks.resume_on_three, 3, str(folder))
     assert results[0]["engine_world_size"] == 3
-    uninterrupted = ranks[0]["resume"]["a"]
     assert results[0]["losses"] == pytest.approx(uninterrupted["losses"], abs=1e-5)
     assert _max_diff(results[0]["state"], uninterrupted["state"]) < 1e-6
 
@@ -143,12 +144,14 @@ def test_consolidate_equals_the_gathered_weights(ranks: Any, folder: Path, tmp_p
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
+    ranks[0]["resume"]  # the 2-rank run that wrote the checkpoint
     checkpoint = folder / "resume" / "a" / "checkpoint-2"
     result = subprocess.run(
         [sys.executable, "-m", "accelerate_zero.cli.main", "consolidate", str(checkpoint), str(tmp_path / "out")],
         capture_output=True,
         text=True,
         check=False,
+        timeout=300,  # a few seconds idle: a hang fails this test, not the whole session
     )
     assert result.returncode == 0, result.stderr
     gathered = load_file(checkpoint / "model.safetensors")  # save_model's gathered weights at that step

@@ -1,9 +1,9 @@
 """ZeroAccelerator: accelerate training loops on the ZeRO engine, against a single-process reference.
 
-One spawned group of 2 ranks (tests/integration/zero_accelerator_checks.py) runs every distributed check in a
-torchrun-style environment without accelerate's variables: training with `accumulate()` at stages 1, 2 and 3 plus a
-frozen model prepared in the same call, save_state/load_state with fp16 at stage 3, save_model -> from_pretrained,
-and bf16. One real `accelerate-zero launch` runs recipes/accelerate_hello.py.
+The shared 2 ranks (tests/helpers/dist.py) run each check of tests/integration/zero_accelerator_checks.py as its own
+body, in a torchrun-style environment without accelerate's variables: training with `accumulate()` at stages 1, 2
+and 3 plus a frozen model prepared in the same call, save_state/load_state with fp16 at stage 3, save_model ->
+from_pretrained, and bf16. One real `accelerate-zero launch` runs recipes/accelerate_hello.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import shared_parts
 from tests.integration import zero_accelerator_checks as checks
 
 
@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    paths = run_distributed(checks.all_checks, WORLD_SIZE, str(tmp_path_factory.mktemp("zero_accelerator")))
-    return [torch.load(path, weights_only=True) for path in paths]
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """`ranks[r][part]`: rank r's result of the 2-rank check `part` (zero_accelerator_checks.run_part)."""
+    return shared_parts(checks.run_part, WORLD_SIZE, str(tmp_path_factory.mktemp("zero_accelerator")))
 
 
 @pytest.fixture(scope="module")

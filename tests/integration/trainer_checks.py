@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tests.helpers.dist import plain_torchrun_environment
 from tests.helpers.models import tiny_llama_config
@@ -114,21 +113,39 @@ def _lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # --------------------------------------------------------------------------------------------------- in the ranks
-def all_checks(rank: int, world_size: int, folder: str) -> str:
-    """Runs every check of the 2-rank group; writes this rank's results to `<folder>/rank<R>.pt`."""
+PARTS = (
+    "stage1",
+    "stage2",
+    "stage3",
+    "eval_first",
+    "reference_configs",
+    "optimizer_blocks",
+    "resume",
+    "lora",
+    "hp_search",
+)
+"""The 2-rank checks; each runs as its own body on the shared ranks, when a test first reads it."""
+
+
+def run_part(rank: int, world_size: int, folder: str, part: str) -> Any:
+    """Runs the check `part` (one of PARTS) on this rank; its files go under `<folder>/<part>`."""
     plain_torchrun_environment()
     root = Path(folder)
-    out: dict[str, Any] = {f"stage{stage}": _parity(rank, stage, root / f"stage{stage}") for stage in (1, 2, 3)}
-    out["eval_first"] = _eval_then_train(root / "eval_first")
-    out["reference_configs"] = {name: _reference_config(name, root / name) for name in ("zero2", "zero3")}
-    out["optimizer_blocks"] = _optimizer_blocks(root / "blocks")
-    out["resume"] = _resume(root / "resume")
-    out["lora"] = {stage: _lora_run(rank, stage, root / f"lora{stage}") for stage in (2, 3)}
-    out["hp_search"] = _hp_search(root / "hp")
-    path = root / f"rank{rank}.pt"
-    torch.save(out, path)
-    dist.barrier()
-    return str(path)
+    if part.startswith("stage"):
+        return _parity(rank, int(part.removeprefix("stage")), root / part)
+    if part == "eval_first":
+        return _eval_then_train(root / "eval_first")
+    if part == "reference_configs":
+        return {name: _reference_config(name, root / name) for name in ("zero2", "zero3")}
+    if part == "optimizer_blocks":
+        return _optimizer_blocks(root / "blocks")
+    if part == "resume":
+        return _resume(root / "resume")
+    if part == "lora":
+        return {stage: _lora_run(rank, stage, root / f"lora{stage}") for stage in (2, 3)}
+    if part == "hp_search":
+        return _hp_search(root / "hp")
+    raise ValueError(f"{part=} is not one of {PARTS}")
 
 
 def resume_on_three(rank: int, world_size: int, folder: str) -> dict[str, Any]:

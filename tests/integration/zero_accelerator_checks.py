@@ -56,18 +56,18 @@ def reference(world_size: int) -> tuple[torch.nn.Module, list[float]]:
     return model, norms
 
 
-def all_checks(rank: int, world_size: int, folder: str) -> str:
-    """Runs every check; writes this rank's results to `<folder>/rank<R>.pt` and returns that path (the results
-    are too big for run_distributed's result queue, whose pipe is only read once every rank has exited)."""
+def run_part(rank: int, world_size: int, folder: str, part: str) -> Any:
+    """Runs one check (stage1..3, resume, save_model, bf16) on this rank; each is its own body on the shared ranks."""
     plain_torchrun_environment()
-    out: dict[str, Any] = {f"stage{stage}": _parity(rank, world_size, stage) for stage in (1, 2, 3)}
-    out["resume"] = _resume(rank, world_size, Path(folder) / "state")
-    out["save_model"] = _save_model(rank, world_size, Path(folder) / "model")
-    out["bf16"] = _bf16(world_size)
-    path = Path(folder) / f"rank{rank}.pt"
-    torch.save(out, path)
-    dist.barrier()
-    return str(path)
+    if part.startswith("stage"):
+        return _parity(rank, world_size, int(part.removeprefix("stage")))
+    if part == "resume":
+        return _resume(rank, world_size, Path(folder) / "state")
+    if part == "save_model":
+        return _save_model(rank, world_size, Path(folder) / "model")
+    if part == "bf16":
+        return _bf16(world_size)
+    raise ValueError(f"{part=} is not stage1, stage2, stage3, resume, save_model or bf16")
 
 
 def zero_config(stage: int, **zero: Any) -> dict[str, Any]:

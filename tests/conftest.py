@@ -1,0 +1,32 @@
+"""Session-wide test setup: the `slow` tier and how many rank processes the session started
+(tests/helpers/dist.py keeps a pool of ranks per world size, so this stays a few per world size unless a test
+failed or asked for fresh ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Integration tests start real launches and Trainer runs: minutes together. `-m "not slow"` leaves them out
+    # for a quick development loop; the default command runs everything.
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    from tests.helpers.dist import pool_statistics
+
+    stats = pool_statistics()
+    if stats["calls"]:
+        terminalreporter.write_line(
+            f"distributed tests: {stats['calls']} bodies on {stats['rank_bodies']} ranks, "
+            f"{stats['processes']} rank processes started"
+        )

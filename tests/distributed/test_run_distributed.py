@@ -1,0 +1,105 @@
+"""The rank pool of tests/helpers/dist.py: bodies share ranks without sharing state, a failing or hanging body
+reports what every rank was doing, and the next body gets working ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.dist import run_distributed, spawned_rank_count
+
+
+def _dirty(rank: int, world_size: int) -> dict[str, Any]:
+    from accelerate_zero.engine.groups import init_data_parallel_group
+
+    init_data_parallel_group(torch.device("cpu"))
+    os.environ["ACCELERATE_ZERO_TEST_LEAK"] = "1"
+    torch.manual_seed(1234)
+    torch.set_default_dtype(torch.float64)
+    from accelerate import PartialState
+
+    PartialState()
+    return {"pid": os.getpid(), "accelerate_set": _accelerate_initialized(), "draw": torch.rand(1)}
+
+
+def _look(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "group_left": dist.is_initialized(),
+        "env_left": "ACCELERATE_ZERO_TEST_LEAK" in os.environ,
+        "from_parent": os.environ.get("ACCELERATE_ZERO_TEST_FROM_PARENT"),
+        "cwd": os.getcwd(),
+        "dtype": str(torch.get_default_dtype()),
+        "draw": torch.rand(1),
+        "accelerate_left": _accelerate_initialized(),
+    }
+
+
+def _accelerate_initialized() -> bool:
+    from accelerate.state import PartialState
+
+    return PartialState._shared_state != {}
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> None:
+    from accelerate_zero.engine.groups import init_data_parallel_group
+
+    init_data_parallel_group(torch.device("cpu"))
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.barrier()  # rank 0 waits here for a rank that will never come
+
+
+def _sleep_forever(rank: int, world_size: int) -> None:
+    time.sleep(3600)
+
+
+def test_bodies_share_ranks_but_not_state() -> None:
+    first = run_distributed(_dirty, 2)
+    started = spawned_rank_count()
+    second = run_distributed(_look, 2)
+    assert spawned_rank_count() == started  # no new processes for the second body
+    for a, b in zip(first, second, strict=True):
+        assert a["pid"] == b["pid"]
+        assert not (b["group_left"] or b["env_left"] or b["accelerate_left"]), b
+        assert b["dtype"] == "torch.float32"
+    assert all(r["accelerate_set"] for r in first)  # so there was a singleton to clear
+    run_distributed(_dirty, 2)  # seeds 1234 again
+    for b, again in zip(second, run_distributed(_look, 2), strict=True):
+        assert torch.equal(b["draw"], again["draw"])  # every body starts from the rank's initial seed
+    fresh = run_distributed(_look, 2, fresh=True)
+    assert spawned_rank_count() == started + 2
+    assert {r["pid"] for r in fresh}.isdisjoint(r["pid"] for r in second)
+
+
+def test_bodies_see_pytest_environment_at_the_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    run_distributed(_look, 2)  # the ranks exist before the variable is set
+    monkeypatch.setenv("ACCELERATE_ZERO_TEST_FROM_PARENT", "7")
+    monkeypatch.chdir(tmp_path)
+    for r in run_distributed(_look, 2):
+        assert r["from_parent"] == "7" and r["cwd"] == str(tmp_path)
+
+
+def test_a_failure_reports_every_rank_and_the_next_body_runs() -> None:
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_fail_on_rank_1, 2, timeout=120.0)
+    message = str(info.value)
+    assert "rank 1 raised" in message and "rank 1 gives up" in message
+    # rank 0 either still waits in the barrier (its stack) or failed there when rank 1 left (its traceback)
+    assert "rank 0" in message and "barrier" in message and "_fail_on_rank_1" in message
+    assert all(not r["group_left"] for r in run_distributed(_look, 2))
+
+
+def test_a_hang_reports_where_each_rank_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_ZERO_TEST_TIMEOUT_SCALE", "1")
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_sleep_forever, 2, timeout=3.0)
+    message = str(info.value)
+    assert "deadline of 3 s passed" in message
+    assert message.count("_sleep_forever") >= 2  # both ranks' stacks
+    assert len(run_distributed(_look, 2)) == 2
