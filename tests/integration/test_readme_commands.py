@@ -48,7 +48,8 @@ def _commands_of(text: str) -> list[str]:
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            command = line.split("  #")[0].split(" # ")[0].strip()
+            # `.venv/bin/accelerate-zero` runs the same entry point as `accelerate-zero` in an activated venv
+            command = line.split("  #")[0].split(" # ")[0].strip().removeprefix(".venv/bin/")
             if command:
                 commands.append(command)
     for row in (line for line in text.splitlines() if line.startswith("|")):
