@@ -349,17 +349,21 @@ def _nvme_space(rank: int, world_size: int, root: str) -> dict[str, Any]:
     need = int((nvme.rank_folder(f"{root}/nvme", rank) / ".bytes_needed").read_text())
     _train(engine, rank, world_size, steps=1)
     engine.save_checkpoint(f"{root}/ckpt")
-    real_usage = shutil_module.disk_usage
-    # A disk with room for one rank's files but not for both ranks'.
-    nvme.shutil.disk_usage = lambda path: real_usage(path)._replace(free=need * 3 // 2)
-    results = {"need": need, "too small": _outcome(lambda: _nvme_engine(f"{root}/nvme2"))}
-    nvme.shutil.disk_usage = real_usage
+    real_usage, real_save_file = shutil_module.disk_usage, nvme.save_file
+    # The ranks live on for other tests (tests/helpers/dist.py): every patch is undone before returning.
+    try:
+        # A disk with room for one rank's files but not for both ranks'.
+        nvme.shutil.disk_usage = lambda path: real_usage(path)._replace(free=need * 3 // 2)
+        results = {"need": need, "too small": _outcome(lambda: _nvme_engine(f"{root}/nvme2"))}
+        nvme.shutil.disk_usage = real_usage
 
-    def full(*args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+        def full(*args: Any, **kwargs: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    nvme.save_file = full  # the disk fills after training started
-    results["fills later"] = _outcome(lambda: _train(engine, rank, world_size, steps=1))
+        nvme.save_file = full  # the disk fills after training started
+        results["fills later"] = _outcome(lambda: _train(engine, rank, world_size, steps=1))
+    finally:
+        nvme.shutil.disk_usage, nvme.save_file = real_usage, real_save_file
     return results
 
 
