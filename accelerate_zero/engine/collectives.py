@@ -10,9 +10,8 @@ chunk (bench/gloo_collectives.py: twice the bytes of a ring reduce-scatter, and 
 as an all-to-all instead: every rank sends chunk j of its partial sums to rank j and receives the W partial sums
 of its own chunk, which `wait()` adds up in rank order. Each rank sends N*(W-1)/W bytes, as in a ring, and the
 all-to-all runs on gloo's own threads, so an asynchronous reduce-scatter lets backward go on while it moves
-(a ring needs a Python step after each hop, which blocked backward). The received chunks are a full-size
-temporary that lives until `wait()`. A synchronous call keeps the in-place ring: W-1 steps, each sending one
-chunk to the next rank and adding the chunk received from the previous one (one chunk-sized temporary).
+(an earlier ring needed a Python step after each hop, which blocked backward). The received chunks are a
+full-size temporary that lives until `wait()`; the engine keeps at most two reductions in flight.
 """
 
 from __future__ import annotations
@@ -116,10 +115,11 @@ def reduce_scatter(
     own_slice = input.data_ptr() + dp.rank * output.numel() * output.element_size()
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
         stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
-        if async_op:
-            return _all_to_all_reduce_scatter(output, input, dp)
-        _ring_reduce_scatter_in_place(input, dp)
-        return Pending(None)
+        pending = _all_to_all_reduce_scatter(output, input, dp)
+        if not async_op:
+            pending.wait()
+            return Pending(None)
+        return pending
     stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
 
@@ -133,25 +133,6 @@ def _all_to_all_reduce_scatter(output: torch.Tensor, input: torch.Tensor, dp: Da
         torch.sum(received.view(dp.world_size, -1), dim=0, out=output)
 
     return Pending(work, finish)
-
-
-def _ring_reduce_scatter_in_place(buffer: torch.Tensor, dp: DataParallelGroup) -> None:
-    """[Note: reduce-scatter on gloo]: afterwards chunk `rank` of `buffer` holds the sum over ranks."""
-    world, rank = dp.world_size, dp.rank
-    chunks = buffer.chunk(world)
-    received = torch.empty_like(chunks[0])
-    peers = [(rank + 1) % world, (rank - 1) % world]
-    if dp.group is not None:
-        peers = [dist.get_global_rank(dp.group, peer) for peer in peers]
-    for step in range(world - 1):
-        sent, summed = (rank - step - 1) % world, (rank - step - 2) % world
-        ops = [
-            dist.P2POp(dist.isend, chunks[sent], peers[0], dp.group),
-            dist.P2POp(dist.irecv, received, peers[1], dp.group),
-        ]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        chunks[summed].add_(received)
 
 
 def all_gather(
