@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -92,4 +94,18 @@ def init_data_parallel_group(device: torch.device, group: dist.ProcessGroup | No
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        atexit.register(_destroy_the_group_we_created)
     return DataParallelGroup(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+
+
+def _destroy_the_group_we_created() -> None:
+    """Destroys the default process group this module created, at interpreter exit, if the script did not.
+
+    Why: a process that exits with a live gloo group can abort ("terminate called without an active exception",
+    SIGABRT) when gloo's worker threads are torn down during interpreter finalization; the launcher then reports a
+    finished run as failed. Destroying it while the interpreter is still whole avoids that. After an uncaught
+    exception (`sys.last_value` is set) it is left alone: the ranks are not in step, and a collective teardown
+    (NCCL) could wait on a peer that is still computing; the launcher ends the others.
+    """
+    if dist.is_initialized() and not hasattr(sys, "last_value"):
+        dist.destroy_process_group()
