@@ -7,7 +7,8 @@ does (padding per bucket; at stage 3 one padded bucket per gather unit, the unit
 
 [Note: what each stage holds, per rank]
 W is the data-parallel world size, c the compute dtype's bytes (2 under bf16/fp16, else 4), g the gradient
-dtype's (= c, as in DeepSpeed, unless `data_types.grad_accum_dtype` says otherwise).
+dtype's (4: fp32, unless `data_types.grad_accum_dtype` says otherwise; [Note: fp32 gradients under mixed precision]
+in config/schema.py).
 - stage 0: the full padded flat buffer of parameters (c) and of gradients (g); the optimizer steps the whole
   buffer, so fp32 master weights (only when c != 4: in fp32 they are the parameters) and states are full too.
 - stage 1: parameters and gradients full (the reduce-scatter writes the averaged slice in place, into the same
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from accelerate_zero.config.schema import ZeroOptimizationConfig
+from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE, ZeroOptimizationConfig
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 
@@ -162,7 +163,7 @@ class TrainingSetup:
     zero: ZeroOptimizationConfig = field(default_factory=ZeroOptimizationConfig)
     """Bucket sizes, stage 3 thresholds and `overlap_comm` (its stage and offload blocks are ignored)."""
     grad_accum_dtype: str | None = None
-    """`data_types.grad_accum_dtype`; None: the compute dtype."""
+    """`data_types.grad_accum_dtype`; None: fp32 ([Note: fp32 gradients under mixed precision])."""
     communication_data_type: str | None = None
     """`communication_data_type`; None: the gradient dtype (no cast copy)."""
 
@@ -180,7 +181,7 @@ class TrainingSetup:
 
     @property
     def grad_bytes(self) -> int:
-        return _DTYPE_BYTES[self.grad_accum_dtype] if self.grad_accum_dtype else self.compute_bytes
+        return _DTYPE_BYTES[self.grad_accum_dtype or DEFAULT_GRAD_ACCUM_DTYPE]
 
     @property
     def comm_bytes(self) -> int:

@@ -23,6 +23,7 @@ from torch import nn
 from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
 from accelerate_zero.checkpoint.io import resolve_tag
 from accelerate_zero.config import ZeroConfig, resolve_config
+from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
 from accelerate_zero.debug.memory import bytes_by_kind
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
@@ -163,7 +164,8 @@ class ZeroEngine:
 
     def _init_shards(self) -> None:
         zero = self.config.zero_optimization
-        grad_dtype = dtype_from_name(self.config.data_types.grad_accum_dtype) or self.compute_dtype
+        # [Note: fp32 gradients under mixed precision] in config/schema.py
+        grad_dtype = dtype_from_name(self.config.data_types.grad_accum_dtype or DEFAULT_GRAD_ACCUM_DTYPE)
         dtypes = DtypePlan(
             self.compute_dtype, grad_dtype, dtype_from_name(self.config.communication_data_type) or grad_dtype
         )

@@ -21,6 +21,9 @@ PSI, W = 7e9, 8
 # Model-state bytes per device, from the seeds' table (000: ZeRO stages; 16 bytes per parameter with Adam).
 MIXED_PRECISION_ADAM = {0: 16 * PSI, 1: 4 * PSI + 12 * PSI / W, 2: 2 * PSI + 14 * PSI / W, 3: 16 * PSI / W}
 FP32_ADAM = {0: 16 * PSI, 1: 8 * PSI + 8 * PSI / W, 2: 4 * PSI + 12 * PSI / W, 3: 16 * PSI / W}
+# The table assumes half-precision gradients; under bf16 the engine accumulates them in fp32 unless
+# `data_types.grad_accum_dtype` says otherwise ([Note: fp32 gradients under mixed precision]): 2 + 4 + 12 bytes.
+MIXED_PRECISION_FP32_GRADS_ADAM = {0: 18 * PSI, 1: 6 * PSI + 12 * PSI / W, 2: 2 * PSI + 16 * PSI / W, 3: 18 * PSI / W}
 LLAMA_13B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -66,9 +69,18 @@ def test_seven_billion_on_eight_devices_matches_the_seeds_table(
     precision: str, expected: dict, optimizer: str
 ) -> None:
     shapes = est.shapes_from_count(int(PSI))
-    setup = est.TrainingSetup(W, precision, optimizer)
+    # the seeds' table keeps gradients in the compute dtype, as DeepSpeed does by default
+    setup = est.TrainingSetup(W, precision, optimizer, grad_accum_dtype=None if precision == "no" else precision)
     for stage, bytes_per_device in expected.items():
         got = est.estimate_stage(shapes, setup, stage)
+        assert got.model_states == pytest.approx(bytes_per_device, rel=1e-3), stage
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_mixed_precision_counts_fp32_gradients_by_default(optimizer: str) -> None:
+    shapes = est.shapes_from_count(int(PSI))
+    for stage, bytes_per_device in MIXED_PRECISION_FP32_GRADS_ADAM.items():
+        got = est.estimate_stage(shapes, est.TrainingSetup(W, "bf16", optimizer), stage)
         assert got.model_states == pytest.approx(bytes_per_device, rel=1e-3), stage
 
 
@@ -76,15 +88,18 @@ def test_the_cli_reports_the_same_model_states(capsys: pytest.CaptureFixture[str
     report = estimate_json(capsys, "--params", "7e9", "--num_gpus", "4", "--num_nodes", "2", "--offload", "none")
     assert report["setup"]["world_size"] == W
     for row in report["estimates"]:
-        assert row["model_states"] == pytest.approx(MIXED_PRECISION_ADAM[row["stage"]], rel=1e-3)
+        assert row["model_states"] == pytest.approx(MIXED_PRECISION_FP32_GRADS_ADAM[row["stage"]], rel=1e-3)
 
 
 def test_kinds_follow_the_engine_rules_per_stage() -> None:
     shapes, setup = est.shapes_from_count(int(PSI)), est.TrainingSetup(W, "bf16", "adamw")
     s0, s1, s2, s3 = (est.estimate_stage(shapes, setup, stage).device for stage in est.STAGES)
     assert s0["parameters"] == s1["parameters"] == s2["parameters"] == pytest.approx(2 * PSI, rel=1e-6)
-    assert s1["gradients"] == pytest.approx(2 * PSI, rel=1e-6)  # stage 1 reduce-scatters in place
-    assert s2["gradients"] == s3["gradients"] == pytest.approx(2 * PSI / W, rel=1e-6)
+    # fp32 gradients under bf16 ([Note: fp32 gradients under mixed precision]); stage 1 reduce-scatters in place
+    assert s1["gradients"] == pytest.approx(4 * PSI, rel=1e-6)
+    assert s2["gradients"] == s3["gradients"] == pytest.approx(4 * PSI / W, rel=1e-6)
+    bf16_grads = dataclasses.replace(setup, grad_accum_dtype="bf16")
+    assert est.estimate_stage(shapes, bf16_grads, 2).device["gradients"] == pytest.approx(2 * PSI / W, rel=1e-6)
     assert s3["parameters"] == pytest.approx(2 * PSI / W, rel=1e-6)
     assert s1["master_weights"] == pytest.approx(4 * PSI / W, rel=1e-6)
     assert s0["communication_buffers"] == s1["communication_buffers"] == 0
@@ -154,15 +169,35 @@ def test_thirteen_billion_on_four_a100_80gb(capsys: pytest.CaptureFixture[str], 
     """Seed 001: "13B model, 4x A100 80GB: Stage 2 or 3"; stage 2 first, stage 3 only if stage 2 does not fit."""
     folder = write_config(tmp_path / "llama-13b", LLAMA_13B)
     common = ["--num_gpus", "4", "--gpu_memory", "80GB", "--mixed_precision", "bf16", "--seq_len", "2048"]
-    checkpointed = estimate_json(capsys, "--config_json", str(folder), *common, "--gradient_checkpointing")
+    # With DeepSpeed's bf16 gradients (2 + 2 + 12 bytes per parameter) stage 2 fits: 2 * 13e9 + 14 * 13e9 / 4 bytes.
+    bf16_grads = tmp_path / "bf16_grads.json"
+    bf16_grads.write_text(json.dumps({"data_types": {"grad_accum_dtype": "bf16"}}))
+    checkpointed = estimate_json(
+        capsys,
+        "--config_json",
+        str(folder),
+        *common,
+        "--gradient_checkpointing",
+        "--deepspeed_config",
+        str(bf16_grads),
+    )
     assert checkpointed["model"]["num_parameters"] == pytest.approx(13.0e9, rel=0.01)
     assert checkpointed["recommendation"]["stage"] == 2 and checkpointed["recommendation"]["offload"] == "none"
+    # The engine's default fp32 gradients ([Note: fp32 gradients under mixed precision]) make stage 2 hold
+    # 2 * 13e9 + 16 * 13e9 / 4 = 78 GB of model states, over the 72 GiB budget: stage 3, the seed's other answer.
+    default = estimate_json(capsys, "--config_json", str(folder), *common, "--gradient_checkpointing")
+    assert (default["recommendation"]["stage"], default["recommendation"]["offload"]) == (3, "none")
     # Without checkpointing 40 layers of activations (~14 GiB) no longer fit beside stage 2's full parameters.
-    plain = estimate_json(capsys, "--config_json", str(folder / "config.json"), *common)
+    plain = estimate_json(
+        capsys, "--config_json", str(folder / "config.json"), *common, "--deepspeed_config", str(bf16_grads)
+    )
     assert (plain["recommendation"]["stage"], plain["recommendation"]["offload"]) == (3, "none")
     assert plain["recommendation"]["deepspeed_config"] == {"zero_optimization": {"stage": 3}}
     fits = {(r["stage"], r["offload"]): r["fits"] for r in plain["estimates"]}
     assert fits[(0, "none")] is fits[(1, "none")] is fits[(2, "none")] is False
+    # ... and with fp32 gradients not beside stage 3's either (62 GiB + 14 GiB): the optimizer goes to the CPU.
+    plain_default = estimate_json(capsys, "--config_json", str(folder / "config.json"), *common)
+    assert (plain_default["recommendation"]["stage"], plain_default["recommendation"]["offload"]) == (2, "cpu")
 
 
 @pytest.mark.parametrize(
@@ -315,7 +350,7 @@ def test_human_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "--params", "13e9", "--num_gpus", "4", "--gpu_memory", "80GB")
     assert code == 0
     assert "stage  offload" in out and "GPU total" in out and "CPU/node" in out
-    assert "recommendation: ZeRO stage 2 without offload" in out and "GiB" in out
+    assert "recommendation: ZeRO stage 3 without offload" in out and "GiB" in out  # stage 2 holds 78 GB
     assert len([line for line in out.splitlines() if line[:1].isdigit()]) == 9  # every applicable combination
 
 
