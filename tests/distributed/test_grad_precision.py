@@ -60,7 +60,7 @@ def _gradient_error(stage: int, grad_accum_dtype: str | None, rank: int, world_s
         engine.step()
     assert engine.global_steps == 1
     worst = 0.0
-    for s, old in zip(slices, before):
+    for s, old in zip(slices, before, strict=True):
         got = (old - s.master.detach()).double()  # SGD(lr=1): the step is the averaged gradient
         shard = 0 if stage == 0 else rank
         start = s.bucket.plan.offset + s.bucket.plan.shard_range(shard)[0] + s.start
