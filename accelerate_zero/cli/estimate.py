@@ -260,20 +260,13 @@ def _load_model(args: argparse.Namespace) -> Any:
     return None
 
 
-# What transformers' DeepSpeed integration fills from the model's hidden size when a key is "auto".
-_HIDDEN_SIZE_AUTOS = {
-    "zero_optimization.reduce_bucket_size": lambda h: h * h,
-    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
-}
-
-
 def _setup_from(
     args: argparse.Namespace, world_size: int, architecture: est.Architecture | None
 ) -> tuple[est.TrainingSetup, list[str]]:
     """The run's knobs: the flags, and the --deepspeed_config for buckets, thresholds and dtypes."""
     from accelerate_zero.cli.validate import config_from_accelerate_file, is_accelerate_config
     from accelerate_zero.config import ZeroConfig
+    from accelerate_zero.config.hidden_size import hidden_size_autos
     from accelerate_zero.config.schema import ZeroOptimizationConfig, is_auto
 
     if args.deepspeed_config is None:
@@ -283,7 +276,8 @@ def _setup_from(
     else:
         config = ZeroConfig.from_any(args.deepspeed_config)
     if architecture is not None:
-        config = config.fill_auto({key: fill(architecture.hidden_size) for key, fill in _HIDDEN_SIZE_AUTOS.items()})
+        # what transformers' DeepSpeed integration fills from the model's hidden size when a key is "auto"
+        config = config.fill_auto(hidden_size_autos(architecture.hidden_size))
     raw, defaults = config.zero_optimization.to_dict(), ZeroOptimizationConfig().to_dict()
     left = sorted(key for key, value in raw.items() if is_auto(value))
     raw.update({key: defaults[key] for key in left})

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from accelerate_zero.config import ZeroConfig, ZeroConfigError
+from accelerate_zero.config.hidden_size import HIDDEN_SIZE_DESCRIPTIONS
 
 
 INVALID_CONFIG_EXIT_CODE = 2
@@ -43,9 +44,7 @@ _FILLED_BY = {
     "scheduler.params.warmup_max_lr": "learning_rate",
     "scheduler.params.warmup_num_steps": "the Trainer's warmup steps, when training starts",
     "scheduler.params.total_num_steps": "the number of training steps, when training starts",
-    "zero_optimization.reduce_bucket_size": "hidden_size^2 of the model",
-    "zero_optimization.stage3_prefetch_bucket_size": "0.9 x hidden_size^2 of the model",
-    "zero_optimization.stage3_param_persistence_threshold": "10 x hidden_size of the model",
+    **HIDDEN_SIZE_DESCRIPTIONS,
 }
 
 

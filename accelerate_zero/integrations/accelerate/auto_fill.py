@@ -11,14 +11,8 @@ from accelerate.utils.deepspeed import DummyOptim  # importable without deepspee
 from torch import nn
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.config.hidden_size import HIDDEN_SIZE_KEYS, hidden_size_autos
 from accelerate_zero.integrations.accelerate.prepared import PreparedModel
-
-
-HIDDEN_SIZE_KEYS = (
-    "zero_optimization.reduce_bucket_size",
-    "zero_optimization.stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold",
-)
 
 
 def micro_batch_size(acc: Accelerator, args: tuple, required: bool) -> int | None:
@@ -102,5 +96,5 @@ def hidden_size_values(model: nn.Module, config: ZeroConfig) -> dict[str, int]:
         hidden = max(model_config.hidden_sizes)
     else:
         raise ValueError("Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`, " + reasoning)
-    values = dict(zip(HIDDEN_SIZE_KEYS, (hidden * hidden, int(0.9 * hidden * hidden), 10 * hidden), strict=True))
+    values = hidden_size_autos(hidden)
     return {key: values[key] for key in wanted}

@@ -16,15 +16,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelerate_zero.config.hidden_size import HIDDEN_SIZE_KEYS, hidden_size_autos
 from accelerate_zero.config.loading import parse_number
 from accelerate_zero.config.schema import is_auto
-
-
-HIDDEN_SIZE_KEYS = (
-    "zero_optimization.reduce_bucket_size",
-    "zero_optimization.stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold",
-)
 
 
 @dataclass
@@ -134,10 +128,8 @@ def fill_from_model(fill: AutoFill, args: Any, model: Any, num_training_steps: i
                 f"{wanted}. You can fix that by replacing `auto` values for these keys with an integer value of "
                 "your choice."
             )
-        fill.fill("zero_optimization.reduce_bucket_size", hidden * hidden, must_match=False)
-        if stage3:
-            fill.fill("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden), must_match=False)
-            fill.fill("zero_optimization.stage3_param_persistence_threshold", 10 * hidden, must_match=False)
+        for key, value in hidden_size_autos(hidden, stage3=stage3).items():
+            fill.fill(key, value, must_match=False)
     fill.fill("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
     fill.fill("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)), "warmup_steps")
     fill.raise_mismatches()
