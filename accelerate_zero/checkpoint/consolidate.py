@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,7 +85,17 @@ def consolidated_state_dict(checkpoint: str | Path, dtype: torch.dtype = torch.f
         )
     reader = FragmentReader(files)
     state: dict[str, torch.Tensor] = {}
+    frozen = set(meta.get("frozen_fingerprints") or ())
+    if frozen:
+        warnings.warn(
+            f"{folder} was saved without its {len(frozen)} frozen parameters (e.g. {min(frozen)!r}; "
+            "exclude_frozen_parameters): the consolidated weights hold the trained parameters only; load them on top "
+            "of the base model (save with exclude_frozen_parameters=False for a checkpoint of the whole model)",
+            stacklevel=2,
+        )
     for name, shape in shapes.items():
+        if name in frozen:
+            continue
         numel = int(torch.Size(shape).numel())
         saved_numel = reader.extent(name)
         if saved_numel is not None and saved_numel != numel:

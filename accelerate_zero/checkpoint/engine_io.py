@@ -8,6 +8,9 @@ Layout of `<save_dir>/<tag>/`:
                               `.../<state>` their optimizer state, `.../param` stage-3 frozen shards; rank 0 also
                               `<name>/full` for parameters no rank shards and `<name>/buffer` for module buffers
     scheduler.pt, client_state.pt   (rank 0) read back with torch.load(weights_only=True)
+Frozen parameters (`requires_grad=False`: a LoRA base) are left out unless `exclude_frozen_parameters=False`; meta.json
+then records a fingerprint of each and loading takes them from the model after checking it ([Note: frozen
+parameters are not saved]). Every value is copied to host memory one fragment at a time, never cloned on the device.
 Nothing is ever unpickled beyond tensors and plain containers. Under NVMe offload the file format is the same:
 the masters and optimizer state are read from (and on load written back to) the swap files one sub-group at a
 time, and swapped parameter shards through the parameter store, so a checkpoint never needs them all in memory.
@@ -20,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
@@ -56,6 +58,75 @@ def _frozen_flats(engine: ZeroEngine) -> list[FlatUnitBuffer]:
     return [flat for unit in engine.units for flat in unit.flats if flat is not unit.trainable]
 
 
+# [Note: frozen parameters are not saved]
+# A LoRA run's base is most of the model and never changes: writing it into every checkpoint (rank 0 at stages 0-2,
+# every rank's shard at stage 3) costs a copy of the base per save for nothing the model does not already hold. So
+# by default frozen parameters are left out (DeepSpeed and the Trainer call this `exclude_frozen_parameters`; the
+# Trainer passes it for PEFT models). What makes that safe is the fingerprint: meta.json records, per frozen
+# parameter, its shape and the float64 sum and absolute sum of its values (summed over the ranks' shards), and
+# loading recomputes them on the model it restores into. A model built from another base (or not loaded at all)
+# fails with the parameter's name instead of training on silently wrong weights. Sums in float64 differ across
+# world sizes by summation order only (~1e-15 relative); the check allows 1e-6 of the absolute sum.
+FINGERPRINT_RTOL = 1e-6
+
+
+def _frozen_names(engine: ZeroEngine) -> list[str]:
+    return [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+
+
+def _frozen_fingerprints(engine: ZeroEngine) -> dict[str, list[float]]:
+    """Per frozen parameter [sum, sum of |values|] in float64 over the whole parameter; every rank must call it."""
+    names = _frozen_names(engine)
+    index = {name: i for i, name in enumerate(names)}
+    sums = torch.zeros(len(names), 2, dtype=torch.float64)
+    in_flats: set[str] = set()
+    by_id = _names(engine)
+    for flat in _frozen_flats(engine):
+        shard = _shard_values(engine, flat)
+        for frag in _flat_fragments(flat, by_id):
+            values = shard[frag.offset : frag.offset + frag.numel].detach().double().cpu()
+            sums[index[frag.name]] += torch.stack([values.sum(), values.abs().sum()])
+        in_flats.update(by_id[id(p)] for p in flat.params)
+    if engine.dp.rank == 0:  # parameters held whole on every rank: counted once
+        for name, param in engine.module.named_parameters():
+            if name in index and name not in in_flats:
+                values = param.detach().double().cpu()
+                sums[index[name]] += torch.stack([values.sum(), values.abs().sum()])
+    sums = sums.to(engine.device)
+    collectives.all_reduce(sums, engine.dp, engine.comm_stats_counter, kind="checkpoint")
+    return {name: sums[i].tolist() for name, i in index.items()}
+
+
+def _check_frozen(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> set[str]:
+    """The frozen parameters the checkpoint left out, after checking the model holds the saved values."""
+    saved: dict[str, list[float]] = meta.get("frozen_fingerprints") or {}
+    if not saved:
+        return set()
+    now = _frozen_fingerprints(engine)
+    wrong = []
+    for name, (total, absolute) in saved.items():
+        if name not in now:
+            continue  # _check_shapes reports parameters the model lacks or trains
+        got_total, got_absolute = now[name]
+        tolerance = FINGERPRINT_RTOL * max(absolute, 1e-30)
+        if abs(got_total - total) > tolerance or abs(got_absolute - absolute) > tolerance:
+            wrong.append(f"{name} (sum {got_total:.9g}, saved {total:.9g})")
+    if wrong:
+        raise ValueError(
+            f"{folder} was saved without its {len(saved)} frozen parameters (exclude_frozen_parameters), which must "
+            f"come from the model, but {len(wrong)} of the model's differ from the ones trained with: "
+            + "; ".join(wrong[:5])
+            + ("; ..." if len(wrong) > 5 else "")
+            + ". Build the model from the same base weights (e.g. the same from_pretrained folder) before loading."
+        )
+    return set(saved)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of one fragment: a save never duplicates the shard on the device."""
+    return tensor.detach().to("cpu", copy=True)
+
+
 def _covered(engine: ZeroEngine) -> set[int]:
     """Parameters whose values live in shards (trainable slices, stage-3 frozen flats)."""
     covered = {id(p) for s in engine.sharded_optimizer.slices for p in s.bucket.params}
@@ -63,18 +134,25 @@ def _covered(engine: ZeroEngine) -> set[int]:
 
 
 # --------------------------------------------------------------------------- save
-def save_engine(engine: ZeroEngine, save_dir: str | Path, tag: str | None, client_state: dict | None) -> Path:
+def save_engine(
+    engine: ZeroEngine,
+    save_dir: str | Path,
+    tag: str | None,
+    client_state: dict | None,
+    exclude_frozen_parameters: bool = True,
+) -> Path:
     """Writes every rank's shard and the rank-independent state; returns the checkpoint folder."""
     save_dir = Path(save_dir)
     tag = check_tag(tag or f"global_step{engine.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
     rank, is_main = engine.dp.rank, engine.dp.rank == 0
+    excluded = _frozen_fingerprints(engine) if exclude_frozen_parameters and _frozen_names(engine) else {}
     work = fresh_partial_dir(save_dir, tag) if is_main else save_dir / f".{tag}.partial"
     _barrier(engine)
     # At stage 0 every rank holds the same full state: rank 0's file is enough.
     if engine.stage > 0 or is_main:
         path = work / rank_file_name(rank)
-        save_file(_rank_tensors(engine, is_main), str(path))
+        save_file(_rank_tensors(engine, is_main, set(excluded)), str(path))
         # Each rank hashes its own file (in parallel); rank 0 collects the digests into meta.json.
         (work / (path.name + _DIGEST_SUFFIX)).write_text(file_digest(path))
     _barrier(engine)
@@ -82,7 +160,7 @@ def save_engine(engine: ZeroEngine, save_dir: str | Path, tag: str | None, clien
         if engine.lr_scheduler is not None:
             torch.save(engine.lr_scheduler.state_dict(), work / "scheduler.pt")
         torch.save(client_state or {}, work / "client_state.pt")
-        write_meta(work, _meta(engine), _collect_digests(work))
+        write_meta(work, {**_meta(engine), "frozen_fingerprints": excluded}, _collect_digests(work))
     return publish_dir(save_dir, tag, lambda: _barrier(engine), is_main)
 
 
@@ -97,7 +175,7 @@ def _collect_digests(work: Path) -> dict[str, str]:
     return digests
 
 
-def _rank_tensors(engine: ZeroEngine, is_main: bool) -> dict[str, torch.Tensor]:
+def _rank_tensors(engine: ZeroEngine, is_main: bool, excluded: set[str]) -> dict[str, torch.Tensor]:
     names, out = _names(engine), {}
     # Under NVMe optimizer offload the masters and their state are in memory one sub-group at a time.
     for slices in engine.sharded_optimizer.resident_slices(write_back=False):
@@ -106,14 +184,15 @@ def _rank_tensors(engine: ZeroEngine, is_main: bool) -> dict[str, torch.Tensor]:
     for flat in _frozen_flats(engine):
         shard = _shard_values(engine, flat)
         for frag in _flat_fragments(flat, names):
-            out[frag.key("param")] = shard[frag.offset : frag.offset + frag.numel].clone()
+            if frag.name not in excluded:
+                out[frag.key("param")] = _to_host(shard[frag.offset : frag.offset + frag.numel])
     if is_main:
         covered = _covered(engine)
         for name, param in engine.module.named_parameters():
-            if id(param) not in covered:
-                out[whole_key(name, "full")] = param.detach().clone()
+            if id(param) not in covered and name not in excluded:
+                out[whole_key(name, "full")] = _to_host(param)
         for name, buffer in _persistent_buffers(engine.module):
-            out[whole_key(name, "buffer")] = buffer.detach().clone()
+            out[whole_key(name, "buffer")] = _to_host(buffer)
     return {key: value.contiguous() for key, value in out.items()}
 
 
@@ -133,12 +212,12 @@ def _slice_tensors(engine: ZeroEngine, shard_slice: ShardSlice, names: dict[int,
     state = engine.optimizer.state.get(shard_slice.master, {})
     for frag in _slice_fragments(shard_slice, names):
         piece = slice(frag.offset, frag.offset + frag.numel)
-        out[frag.key("master")] = shard_slice.master.detach()[piece].float().clone()
+        out[frag.key("master")] = _to_host(shard_slice.master[piece]).float()
         for kind, value in state.items():
             if torch.is_tensor(value) and value.numel() == shard_slice.master.numel() and value.ndim > 0:
-                out[frag.key(kind)] = value.detach()[piece].clone()
+                out[frag.key(kind)] = _to_host(value[piece])
             elif torch.is_tensor(value) and value.numel() == 1:
-                out[frag.key(kind)] = value.detach().reshape(()).clone()
+                out[frag.key(kind)] = _to_host(value.reshape(()))
     return out
 
 
@@ -194,11 +273,12 @@ def load_engine(
     _check_shapes(engine, meta, folder)
     if load_optimizer_states:
         _check_optimizer(engine, meta, folder)
+    from_model = _check_frozen(engine, meta, folder)
     reader = FragmentReader(files)
     names = _names(engine)
     with torch.no_grad():
         _load_slices(engine, reader, names, load_optimizer_states)
-        _load_frozen(engine, reader, names)
+        _load_frozen(engine, reader, names, from_model)
         engine.sharded_optimizer.publish()
     if load_optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
@@ -312,19 +392,23 @@ def _slice_state(
     return state
 
 
-def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, str]) -> None:
+def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, str], from_model: set[str]) -> None:
+    """Frozen shards and the parameters no rank shards; those in `from_model` (checked) keep the model's values."""
     store = engine.param_store
     for flat in _frozen_flats(engine):
+        if all(names[id(p)] in from_model for p in flat.params):
+            continue
         shard = _shard_values(engine, flat)
         for frag in _flat_fragments(flat, names):
-            shard[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
+            if frag.name not in from_model:
+                shard[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
         if shard is not flat.shard:
             store.overwrite(flat, shard)
     if store is not None:
         store.flush()
     covered = _covered(engine)
     for name, param in engine.module.named_parameters():
-        if id(param) in covered:
+        if id(param) in covered or name in from_model:
             continue
         full = reader.read_whole(whole_key(name, "full"))
         if full is None:
@@ -347,8 +431,7 @@ def _validate_tag(engine: ZeroEngine, tag: str) -> None:
     mode = engine.config.checkpoint.tag_validation
     if mode == "IGNORE" or engine.dp.world_size == 1:
         return
-    tags: list[str | None] = [None] * engine.dp.world_size
-    dist.all_gather_object(tags, tag, group=engine.dp.group)
+    tags = collectives.all_gather_object(tag, engine.dp)
     if len(set(tags)) > 1:
         message = f"checkpoint tags differ across ranks: {tags}; pass the same tag on every rank"
         if mode == "FAIL":

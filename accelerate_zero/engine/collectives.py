@@ -162,3 +162,12 @@ def barrier(dp: DataParallelGroup) -> None:
     """Returns once every rank of the group has called it (checkpoint folders, shared disk-space tallies)."""
     if dp.world_size > 1:
         dist.barrier(group=dp.group)
+
+
+def all_gather_object(obj: object, dp: DataParallelGroup) -> list[object]:
+    """Every rank's `obj` (picklable, small: tags, flags), in rank order. Pickles: never call it on loaded data."""
+    if dp.world_size == 1:
+        return [obj]
+    out: list[object] = [None] * dp.world_size
+    dist.all_gather_object(out, obj, group=dp.group)
+    return out

@@ -571,7 +571,7 @@ class ZeroEngine:
                 "16-bit weights",
                 save_dir,
             )
-            self.save_checkpoint(save_dir)
+            self.save_checkpoint(save_dir, exclude_frozen_parameters=False)  # weights: the whole model
             return False
         state = self.full_state_dict(dtype=self.compute_dtype)
         # A tied parameter is written once, under its first name (the embedding), as save_pretrained does.
@@ -585,10 +585,16 @@ class ZeroEngine:
             save_file({k: v.contiguous() for k, v in state.items()}, str(partial), metadata={"format": "pt"})
             partial.replace(folder / save_filename)  # never a half-written weights file
         if self.dp.world_size > 1:
-            dist.barrier(group=self.dp.group)
+            collectives.barrier(self.dp)
         return True
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict | None = None,
+        exclude_frozen_parameters: bool = True,
+    ) -> str:
         """Saves the full training state (every rank its shard); every rank must call it.
 
         The folder is universal: `load_checkpoint` restores it on any world size and stage. A save that is
@@ -598,11 +604,15 @@ class ZeroEngine:
             save_dir: the folder holding checkpoints; `<save_dir>/latest` names the newest.
             tag: the checkpoint's sub-folder; default `global_step<N>`.
             client_state: a dict of tensors and plain values saved alongside and returned by `load_checkpoint`.
+            exclude_frozen_parameters: leave out parameters with `requires_grad=False` (a LoRA base); loading then
+                takes them from the model after checking they are the ones trained with ([Note: frozen parameters
+                are not saved] in checkpoint/engine_io.py). DeepSpeed's default is False: pass False for a
+                checkpoint that holds the whole model.
 
         Returns:
             The checkpoint folder.
         """
-        return str(save_engine(self, save_dir, tag, client_state))
+        return str(save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters))
 
     def load_checkpoint(
         self,

@@ -208,7 +208,7 @@ class ZeroTrainerMixin:
             self._save(output_dir, state_dict={})
             _remove_weight_files(self.args.should_save, output_dir)
             if not _internal_call:
-                engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG)
+                engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, exclude_frozen_parameters=False)  # weights
             return
         self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
