@@ -7,6 +7,7 @@ in a table row). Each must match one of the short forms below, else the first te
 * recipe launches run with few steps (`--max_steps 2`, 4 eval prompts, a temporary output folder); the demo
   (`bash scripts/demo.sh`, the same command as the SFT launch) runs once and the other commands reuse its output
   (GRPO starts from it, `consolidate` merges its checkpoint);
+* the GPU smoke test (`tests/gpu/smoke.py`) runs on 2 CPU processes;
 * launches of a placeholder script (`train.py`) are checked as `accelerate-zero launch` checks them before starting
   anything (flags, config, batch rule), without starting processes;
 * `pip install` lines are not run (they install packages; this environment was installed by scripts/install.sh).
@@ -82,6 +83,8 @@ def kind_of(command: str) -> str:
         return "build_assets"
     if words[:2] == ["accelerate-zero", "launch"]:
         script = next((w for w in words[2:] if w.endswith(".py")), "")
+        if script == "tests/gpu/smoke.py":
+            return "gpu_smoke"
         return "recipe" if (REPO / script).is_file() else "launch_checks"
     if words[:2] == ["accelerate-zero", "consolidate"]:
         return "consolidate"
@@ -166,6 +169,10 @@ def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) 
             _run_recipe(words, demo, tmp_path)
         case "launch_checks":
             _check_launch(words, tmp_path)
+        case "gpu_smoke":  # on this machine's CPU, with 2 processes whatever N the document shows
+            count = words.index("--num_processes") + 1
+            output = run(_launch_port([*words[:count], "2", *words[count + 1 :], "--workdir", str(tmp_path)]))
+            assert "GPU smoke test: 2 ranks" in output and " FAIL " not in output, output[-3000:]
         case "consolidate":
             run(["accelerate-zero", "consolidate", str(demo["out"] / "checkpoint-2"), str(tmp_path / "merged")])
             assert (tmp_path / "merged" / "config.json").is_file()
