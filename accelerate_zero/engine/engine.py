@@ -153,6 +153,8 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ setup
     def _init_module(self) -> None:
+        if self.stage == 3:
+            return  # [Note: stage 3 initialisation, unit by unit] in engine/stage3/build.py: _place_stage3_module
         self.module.to(self.device)
         if self.compute_dtype != torch.float32:
             for param in self.module.parameters():
@@ -288,6 +290,10 @@ class ZeroEngine:
             model_persistence_threshold=zero.stage3_model_persistence_threshold,
             numel_of=preloaded_numel(self.module),
         )
+
+        def from_rank_0(tensor: torch.Tensor) -> None:
+            collectives.broadcast(tensor, 0, self.dp, self.comm_stats_counter)
+
         parts = build_stage3(
             self.module,
             layout,
@@ -299,6 +305,7 @@ class ZeroEngine:
             reduce_bucket_numel=zero.reduce_bucket_size,
             contiguous_gradients=zero.contiguous_gradients,
             offload=self.offload,
+            broadcast=from_rank_0,
         )
         self.groups, self.units = parts.persistent_groups, parts.units
         self.scheduler = UnitScheduler(

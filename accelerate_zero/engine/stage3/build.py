@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,15 @@ class Stage3Parts:
     """id(flat) -> the file partitioned loading wrote its shard to (offload_param nvme; the shard is a placeholder)."""
 
 
+# [Note: stage 3 initialisation, unit by unit]
+# The model arrives wherever the user built it (host memory, usually) and must end with each rank holding its 1/W
+# shard of every unit on the device. Moving the whole model to the device first (as stages 0-2 do) would put the
+# whole model on every GPU at once: the OOM stage 3 exists to avoid. So the engine leaves stage 3's parameters
+# where they are, and here each unit is flattened straight into one device buffer (cast to the compute dtype),
+# broadcast from rank 0 in one collective (every rank starts from rank 0's weights, as DDP and DeepSpeed do), cut
+# to this rank's shard and freed before the next unit: the device never holds more than the shards plus one unit.
+# Persistent parameters (small by definition) go to the device one by one, as do the buffers and what no unit holds
+# (non-floating-point parameters of a quantized base), through `module.to`, which knows how to move those.
 def build_stage3(
     module: nn.Module,
     layout: UnitLayout,
@@ -51,10 +61,16 @@ def build_stage3(
     reduce_bucket_numel: int,
     contiguous_gradients: bool,
     offload: OffloadPolicy,
+    broadcast: Callable[[torch.Tensor], None],
 ) -> Stage3Parts:
-    """Flattens and shards every unit, and plans the persistent parameters per optimizer param group."""
+    """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
+    shards every unit, and plans the persistent parameters per optimizer param group."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
-    units = _build_units(module, layout, rank, world_size, dtypes, device, contiguous_gradients, offload)
+    for param in layout.persistent:
+        param.data = param.data.to(device=device, dtype=dtypes.compute)
+        broadcast(param.data)
+    units = _build_units(module, layout, rank, world_size, dtypes, device, contiguous_gradients, offload, broadcast)
+    _place_rest(module, layout, units, device, broadcast)
     root = units[-1]
     persistent = set(layout.persistent)
     persistent_groups = []
@@ -101,6 +117,25 @@ def build_stage3(
     return Stage3Parts(units, root, persistent_groups, buckets, locations, unit_of_bucket, slices, spilled)
 
 
+def _place_rest(
+    module: nn.Module,
+    layout: UnitLayout,
+    units: list[ParamUnit],
+    device: torch.device,
+    broadcast: Callable[[torch.Tensor], None],
+) -> None:
+    """Buffers and the parameters no unit and no persistent group holds: moved by `module.to`, then broadcast.
+    (The units' parameters are 0-element placeholders on the device by now: `to` leaves them as they are.)"""
+    placed = {id(p) for p in layout.persistent}
+    placed |= {id(p) for unit in units for flat in unit.flats for p in flat.params}
+    module.to(device)
+    for param in module.parameters():
+        if id(param) not in placed:
+            broadcast(param.data)
+    for buffer in module.buffers():
+        broadcast(buffer.data)
+
+
 def _build_units(
     module: nn.Module,
     layout: UnitLayout,
@@ -110,13 +145,17 @@ def _build_units(
     device: torch.device,
     contiguous_gradients: bool,
     offload: OffloadPolicy,
+    broadcast: Callable[[torch.Tensor], None],
 ) -> list[ParamUnit]:
     def flat_of(params: list[nn.Parameter]) -> FlatUnitBuffer | None:
-        # The layout never depends on the optimizer, so shards made by partitioned loading are adopted as they are;
-        # a unit's slices simply split where optimizer param groups alternate.
+        # The layout never depends on the optimizer, so shards made by partitioned loading are adopted as they are
+        # (the loading ranks read the same files: nothing to broadcast); a unit's slices simply split where
+        # optimizer param groups alternate.
         if not params:
             return None
-        flat = adopt(module, params, world_size, rank) or build_flat(params, rank, world_size, dtypes.compute, device)
+        flat = adopt(module, params, world_size, rank)
+        if flat is None:
+            flat = build_flat(params, rank, world_size, dtypes.compute, device, broadcast=broadcast)
         if offload.params:  # offload_param: the shard lives in host memory, copied in before each all-gather
             flat.shard = offload.host_zeros(flat.shard.numel(), flat.shard.dtype, device).copy_(flat.shard)
         return flat

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,11 +68,19 @@ class FlatUnitBuffer:
 
 
 def build_flat(
-    params: list[nn.Parameter], rank: int, num_shards: int, dtype: torch.dtype, device: torch.device
+    params: list[nn.Parameter],
+    rank: int,
+    num_shards: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    broadcast: Callable[[torch.Tensor], None] | None = None,
 ) -> FlatUnitBuffer:
-    """Flattens `params` into one padded bucket, keeps this rank's slice, and frees the full buffer."""
+    """Flattens `params` into one padded bucket on `device` (`broadcast` makes it rank 0's, in one collective),
+    keeps this rank's slice, and frees the full buffer."""
     plan = plan_group([tuple(p.shape) for p in params], sys.maxsize, num_shards)
     full = flatten_params(params, plan, dtype, device)
+    if broadcast is not None:
+        broadcast(full)
     (bucket,) = plan.buckets
     lo, hi = bucket.shard_range(rank)
     views = [param.data for param in params]
