@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -32,9 +32,34 @@ from accelerate_zero.engine import collectives
 
 
 if TYPE_CHECKING:
-    from accelerate_zero.engine.engine import ZeroEngine
-    from accelerate_zero.engine.sharded_optimizer import ShardSlice
-    from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer
+    from accelerate_zero.config import ZeroConfig
+    from accelerate_zero.engine.collectives import CommStats
+    from accelerate_zero.engine.groups import DataParallelGroup
+    from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer, ShardSlice
+    from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit
+
+
+class ZeroEngine(Protocol):
+    """What saving and loading read and restore of the engine (engine.py implements it, and calls this module: typed
+    here so that this module does not import the engine back)."""
+
+    module: torch.nn.Module
+    config: ZeroConfig
+    dp: DataParallelGroup
+    device: torch.device
+    comm_stats_counter: CommStats
+    stage: int
+    units: list[ParamUnit]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    sharded_optimizer: ShardedOptimizer
+    param_store: Any
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+
+    def zero_grad(self) -> None: ...
+
 
 __all__ = ["FORMAT", "load_engine", "save_engine"]
 _DIGEST_SUFFIX = ".sha256"

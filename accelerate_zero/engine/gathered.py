@@ -8,19 +8,30 @@ module-level table of the package; nothing is attached to `nn.Parameter` objects
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from accelerate_zero.engine import collectives
+from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.stage3.external import attach, find_unit
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
 
-if TYPE_CHECKING:
-    from accelerate_zero.engine.engine import ZeroEngine
+class ZeroEngine(Protocol):
+    """What GatheredParameters needs of the engine that owns a parameter (engine.py implements it; typed here so
+    that this module, which the engine imports, does not import the engine back)."""
+
+    module: nn.Module
+    units: list[ParamUnit]
+    dp: DataParallelGroup
+    comm_stats_counter: collectives.CommStats
+    sharded_optimizer: Any
+
+    def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]: ...
+
 
 # Keyed by identity: tensors compare element-wise, so a plain WeakKeyDictionary cannot hold them.
 _ENGINE_OF_PARAM: WeakIdKeyDictionary = WeakIdKeyDictionary()

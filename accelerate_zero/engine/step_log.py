@@ -8,15 +8,29 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from accelerate_zero.config import ZeroConfig
 
 
-if TYPE_CHECKING:
-    from accelerate_zero.engine.engine import ZeroEngine
+class ZeroEngine(Protocol):
+    """What a progress line reads from the engine (engine.py implements it; typed here so that this module, which
+    the engine imports, does not import the engine back)."""
+
+    global_steps: int
+    skipped_steps: int
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    def get_lr(self) -> list[float]: ...
+
+    def get_global_grad_norm(self) -> float | None: ...
+
+    def memory_breakdown(self) -> dict[str, int]: ...
+
 
 logger = logging.getLogger("accelerate_zero")
 
