@@ -140,7 +140,7 @@ class ZeroEngine:
         self.optimizer = build_optimizer_for(module, optimizer, config)
         self._init_shards()
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
-        self.step_log = StepLog(config, rank=dp.rank)
+        self.step_log = StepLog(config, rank=dp.rank, device=device)
         register_engine_params(self)
         self.comm_stats_counter.reset()
         logger.info(

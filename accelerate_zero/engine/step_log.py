@@ -42,7 +42,8 @@ class StepLog:
     appear at the same interval, or after every step when `steps_per_print` is unset.
     """
 
-    def __init__(self, config: ZeroConfig, rank: int) -> None:
+    def __init__(self, config: ZeroConfig, rank: int, device: torch.device) -> None:
+        self.device = device
         self.interval = config.steps_per_print
         self.wall_clock = bool(config.wall_clock_breakdown)
         self.memory = bool(config.memory_breakdown)
@@ -54,12 +55,12 @@ class StepLog:
         if not self.wall_clock:
             yield
             return
-        _synchronize()
+        _synchronize(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            _synchronize()
+            _synchronize(self.device)
             self.seconds[phase] += time.perf_counter() - start
 
     def after_step(self, engine: ZeroEngine) -> None:
@@ -84,6 +85,7 @@ class StepLog:
             logger.info("step=%d memory held (bytes): %s", step, engine.memory_breakdown())
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def _synchronize(device: torch.device) -> None:
+    """Waits for the engine's device (not the current one: a script may have left another current)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
