@@ -157,7 +157,16 @@ class ParamUnit:
                 self._pending.append(pending)
         self.state = UnitState.GATHERING
 
+    def _assert_in(self, action: str, *states: UnitState) -> None:
+        """A transition from any other state is a scheduling bug: say which unit, where it was and what was expected
+        (rather than doing nothing and letting a forward run on empty parameters)."""
+        if self.state not in states:
+            expected = " or ".join(state.value for state in states)
+            raise AssertionError(f"{self!r}: cannot {action} in state {self.state.value} (expected {expected})")
+
     def wait_for_unshard(self) -> None:
+        """Completes a started gather (`unshard` first: a sharded unit has nothing to wait for)."""
+        self._assert_in("wait for its gather", UnitState.GATHERING, UnitState.GATHERED)
         if self.state is UnitState.GATHERING:
             for pending in self._pending:
                 pending.wait()
@@ -177,6 +186,7 @@ class ParamUnit:
 
     def refresh_shards_from_full(self) -> None:
         """After the full parameters were written (GatheredParameters with a modifier rank): keep our slice."""
+        self._assert_in("refresh its shards from the full parameters", UnitState.GATHERED)
         for flat in self.flats:
             lo, hi = flat.plan.shard_range(flat.rank)
             if self.store is not None and self.store.swapped(flat):
