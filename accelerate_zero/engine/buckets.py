@@ -30,6 +30,7 @@ from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
 
 
 if TYPE_CHECKING:
+    from accelerate_zero.engine.host_grads import HostGradient
     from accelerate_zero.offload.nvme_grads import NvmeGradStore
 
 
@@ -80,7 +81,7 @@ class GradBucket:
     state: BucketState
     grad: torch.Tensor | None  # 1D, plan.numel: the full local gradient (stages 0/1: kept; stage 2: transient)
     shard_grad: torch.Tensor | None  # 1D, plan.shard_numel, stage 2 only: the accumulated averaged slice
-    host_grad: torch.Tensor | None  # 1D fp32 in host memory when the optimizer is offloaded (see offload/policy.py)
+    host_grad: HostGradient | None  # the averaged slice in host memory when the optimizer is offloaded
     grad_store: NvmeGradStore | None  # stage 2/3 under NVMe optimizer offload: the slice lives in a file
 
     def __init__(
@@ -118,6 +119,10 @@ class GradBucket:
     def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
         """Adds one parameter's gradient; returns True when the bucket had already been reduced in this step."""
         late = self.state in (BucketState.REDUCING, BucketState.REDUCED)
+        if late and self.host_grad is not None and self.mode is not ReduceMode.SCATTER_TO_SHARD:
+            # The host copy of the reduced gradient is stale now, and its copy may still read `grad`.
+            self.host_grad.settle()
+            self._shard_has_data = False
         if self.state is BucketState.REDUCING:
             self.finish_reduce()
         if self.state is BucketState.REDUCED:
@@ -175,8 +180,10 @@ class GradBucket:
         comm, post, self._pending, self._comm_buffer = self._comm_buffer, self._scaling.post, None, None
         if self.mode is ReduceMode.ALL_REDUCE:
             self._store_all_reduced(comm, post)
+            self._start_host_copy()
         elif self.mode is ReduceMode.SCATTER_IN_PLACE:
             self._store_scattered_in_place(comm, post)
+            self._start_host_copy()
         else:
             self._add_to_shard(self._owned(comm), post)
             self.grad = None
@@ -199,19 +206,24 @@ class GradBucket:
         if post != 1.0:
             owned.mul_(post)
 
+    def _start_host_copy(self) -> None:
+        """Stages 0/1 under optimizer offload: the reduced gradient goes to host memory once, as soon as it is
+        reduced ([Note: a gradient slice in host memory] in engine/host_grads.py)."""
+        if self.host_grad is not None:
+            full = self._full_grad()
+            self.host_grad.add(full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full), fresh=True)
+            self._shard_has_data = True
+
     def _add_to_shard(self, reduced: torch.Tensor, post: float) -> None:
         if self.grad_store is not None:
             self.grad_store.accumulate(self, reduced, post, fresh=not self._shard_has_data)
             self._shard_has_data = True
             return
         if self.host_grad is not None:
-            # Offloaded optimizer: the averaged slice goes to host memory as soon as it is reduced.
-            reduced = reduced.to(device=self.host_grad.device, dtype=self.host_grad.dtype)
-            if self._shard_has_data:
-                self.host_grad.add_(reduced, alpha=post)
-            else:
-                torch.mul(reduced, post, out=self.host_grad)
-                self._shard_has_data = True
+            # Offloaded optimizer: the averaged slice goes to host memory as soon as it is reduced, scaled on the
+            # device so that one copy carries it (engine/host_grads.py).
+            self.host_grad.add(reduced if post == 1.0 else reduced.float().mul_(post), fresh=not self._shard_has_data)
+            self._shard_has_data = True
             return
         if self.shard_grad is None:
             self.shard_grad = torch.empty(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device)
@@ -244,21 +256,28 @@ class GradBucket:
         if self.state is BucketState.REDUCING:
             raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
         if self.mode is ReduceMode.SCATTER_TO_SHARD:
+            if self.host_grad is not None:
+                if not self._shard_has_data:
+                    self.host_grad.clear()
+                    self._shard_has_data = True
+                return self.host_grad.read()
             if not self._shard_has_data:
                 self._add_to_shard(torch.zeros(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device), 1.0)
-            kept = self.host_grad if self.host_grad is not None else self.shard_grad
-            assert kept is not None
-            return kept
+            assert self.shard_grad is not None
+            return self.shard_grad
+        if self.host_grad is not None:
+            if not self._shard_has_data:
+                self._start_host_copy()
+            return self.host_grad.read()
         full = self._full_grad()
-        reduced = full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full)
-        if self.host_grad is None:
-            return reduced
-        return self.host_grad.copy_(reduced)  # stages 0/1 keep full gradients on the device until the step
+        return full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full)
 
     def zero(self) -> None:
         """Clears the gradients after an optimizer step (or a skipped one); releases lazily allocated storage."""
         if self.state is BucketState.REDUCING:
             self.finish_reduce()
+        if self.host_grad is not None:
+            self.host_grad.settle()  # a copy in flight may still read the gradient zeroed or released below
         if self._storage is None:
             self.grad, self.shard_grad = None, None
         elif self.mode is ReduceMode.SCATTER_TO_SHARD:

@@ -32,6 +32,8 @@ from accelerate_zero.engine.flat_buffer import all_gather_params, build_group_sh
 from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
 from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
+from accelerate_zero.engine.host_copies import HostCopies
+from accelerate_zero.engine.host_grads import HostGradient, HostStaging
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
 from accelerate_zero.engine.progress import BackwardPositionCheck
 from accelerate_zero.engine.setup import (
@@ -132,6 +134,7 @@ class ZeroEngine:
         self.stage = config.zero_optimization.stage
         self.compute_dtype = config.compute_dtype
         self.comm_stats_counter = CommStats()
+        self.host_copies = HostCopies(device)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self._position_check = BackwardPositionCheck(dp, self.comm_stats_counter, device)
@@ -213,7 +216,7 @@ class ZeroEngine:
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
         else:
             prefer_fused_step(self.optimizer, [s.master for group in slices for s in group])
-        swapper, self.grad_store = None, None
+        swapper, self.grad_store, self.host_staging = None, None, None
         # Stages 2 and 3 reduce each bucket to a slice this rank keeps until the step: under NVMe offload it goes
         # to a file too. Stages 0 and 1 hold their full gradient on the device anyway.
         swapped_grads = [b for b in buckets if b.mode is ReduceMode.SCATTER_TO_SHARD]
@@ -229,14 +232,21 @@ class ZeroEngine:
                 barrier=lambda: collectives.barrier(self.dp),
             )
             swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
-            self.grad_store = NvmeGradStore(folder / "gradients.bin", swapped_grads, self.offload.buffer_count)
+            self.grad_store = NvmeGradStore(
+                folder / "gradients.bin", swapped_grads, self.offload.buffer_count, self.host_copies
+            )
             for bucket in swapped_grads:
                 bucket.grad_store = self.grad_store
         if self.offload.optimizer:
             # Allocated once the shards and masters went to their files, so the start-up peak is not both.
-            for bucket in buckets:
-                if bucket.grad_store is None:
-                    bucket.host_grad = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
+            in_host = [bucket for bucket in buckets if bucket.grad_store is None]
+            self.host_staging = staging = HostStaging(
+                max((b.plan.shard_numel for b in in_host), default=0),
+                lambda numel: self.offload.host_zeros(numel, torch.float32, self.device),
+            )
+            for bucket in in_host:
+                values = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
+                bucket.host_grad = HostGradient(values, staging, self.host_copies)
         self.reducer = self._build_reducer(buckets, locations, on_complete)
         self.reducer.register_hooks()
         self.sharded_optimizer = self._build_sharded_optimizer(slices)
@@ -317,6 +327,7 @@ class ZeroEngine:
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
             use_all_reduce=zero.stage3_use_all_reduce_for_fetch_params,
+            copies=self.host_copies,
         )
         self._unit_hooks = register_unit_hooks(parts.units, self.scheduler)
         self._unit_hooks += register_entry_hooks(self.module, parts.units, self.scheduler)  # sub-module calls
@@ -395,6 +406,7 @@ class ZeroEngine:
             publish=publish,
             device=self.device,
             progress=lambda: self.micro_steps,
+            copies=self.host_copies,
         )
 
     # --------------------------------------------------------------- training
@@ -655,7 +667,8 @@ class ZeroEngine:
         unit_full = [flat.full for unit in self.units for flat in unit.flats]
         unit_shards = [flat.shard for unit in self.units for flat in unit.flats]
         kept = self.sharded_optimizer.held_tensors()
-        host_grads = [b.host_grad for b in self.reducer.buckets if b.host_grad is not None]
+        host_grads = [b.host_grad.values for b in self.reducer.buckets if b.host_grad is not None]
+        host_grads += self.host_staging.buffers if self.host_staging is not None else []
         if self.grad_store is not None:
             host_grads += self.grad_store.resident_tensors()
         # Offloaded state lives in host memory: reported apart from what the compute device holds.

@@ -16,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.stage3.external import attach, find_unit
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
@@ -28,6 +29,7 @@ class ZeroEngine(Protocol):
     units: list[ParamUnit]
     dp: DataParallelGroup
     comm_stats_counter: collectives.CommStats
+    host_copies: HostCopies
     sharded_optimizer: Any
 
     def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]: ...
@@ -81,7 +83,7 @@ class GatheredParameters:
             was_gathered = [unit.state is UnitState.GATHERED for unit in units]
             for unit in units:
                 unit.holds += 1
-                unit.unshard(engine.dp, engine.comm_stats_counter)
+                unit.unshard(engine.dp, engine.comm_stats_counter, copies=engine.host_copies)
             for unit in units:
                 unit.wait_for_unshard()
             self._held.append((engine, units, was_gathered))

@@ -17,6 +17,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.loss_scaler import LossScaler
 from accelerate_zero.engine.norms import sum_of_squares
 from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
@@ -65,6 +66,7 @@ class ShardedOptimizer:
         publish: Callable[[], None],
         device: torch.device,
         progress: Callable[[], int] | None = None,
+        copies: HostCopies | None = None,
     ) -> None:
         """
         Args:
@@ -74,11 +76,13 @@ class ShardedOptimizer:
                 the all-gather; stage 3: nothing, units gather on use).
             progress: this rank's micro-step counter, compared across ranks at every step ([Note: ranks out of
                 step]); None: not checked.
+            copies: how masters in host memory reach device parameters (engine/host_copies.py).
         """
         self.optimizer, self.slices_by_group, self.dp, self.stats = optimizer, slices_by_group, dp, stats
         self.sharded, self.gradient_clipping = sharded, gradient_clipping
         self.loss_scaler, self.check_overflow, self.publish = loss_scaler, check_overflow, publish
         self.device, self.progress = device, progress
+        self.copies = copies if copies is not None else HostCopies(device)
         """Where the norm is all-reduced (gradients may live in host memory under offload)."""
         self.swapper: Any = None
         """NVMe offload (offload/nvme.py): steps the slices sub-group by sub-group from files."""
@@ -106,6 +110,8 @@ class ShardedOptimizer:
     def step(self) -> StepOutcome:
         """Clips, unscales and steps the shard, copies it into the 16-bit parameters and publishes them."""
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # Masters and offloaded shards are written below: no copy may still be reading them (engine/host_copies.py).
+        self.copies.drain()
         norm = self._global_norm() / scale
         overflow = self.check_overflow and not math.isfinite(norm)
         if self.loss_scaler is not None:
@@ -142,7 +148,7 @@ class ShardedOptimizer:
             if self.param_store is not None and self.param_store.holds(shard_slice):
                 self.param_store.write_slice(shard_slice)
             elif not shard_slice.aliased:
-                shard_slice.params.copy_(shard_slice.master)
+                self.copies.into_device(shard_slice.master, shard_slice.params)
 
     def _global_norm(self) -> float:
         grads = [bucket.reduced_shard() for bucket in self.buckets if bucket.grad_store is None]
@@ -184,6 +190,7 @@ class ShardedOptimizer:
 
     def refresh_masters(self) -> None:
         """Copies the parameter shards into the fp32 master weights (after parameters were overwritten)."""
+        self.copies.drain()
         for slices in self.resident_slices(write_back=True):
             for shard_slice in slices:
                 if self.param_store is not None and self.param_store.holds(shard_slice):

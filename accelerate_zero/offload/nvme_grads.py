@@ -15,6 +15,7 @@ unpickled) in the optimizer's folder, `<nvme_path>/accelerate_zero/rank<R>/gradi
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.norms import sum_of_squares
 from accelerate_zero.offload.nvme import read_at, write_at
 
@@ -45,8 +47,8 @@ class NvmeGradStore:
     """Keeps the gradient slices of `buckets` in one file (see the module docstring). Whether a slice holds this
     step's gradient is the bucket's to know: it says so when it adds (`fresh`) and reads only what it wrote."""
 
-    def __init__(self, path: Path, buckets: list[GradBucket], buffer_count: int) -> None:
-        self.path, self.buffer_count = path, max(1, buffer_count)
+    def __init__(self, path: Path, buckets: list[GradBucket], buffer_count: int, copies: HostCopies) -> None:
+        self.path, self.buffer_count, self.copies = path, max(1, buffer_count), copies
         self.entries: dict[int, SwappedGrad] = {}  # id(bucket) -> its place
         offset = 0
         for bucket in buckets:
@@ -62,18 +64,27 @@ class NvmeGradStore:
     def accumulate(self, bucket: GradBucket, reduced: torch.Tensor, post: float, fresh: bool) -> None:
         """Adds `reduced * post` to the bucket's slice; `fresh` overwrites it (the file holds an earlier step's)."""
         entry = self.entries[id(bucket)]
-        reduced = reduced.to(device="cpu", dtype=torch.float32)
-        if fresh:
-            values = torch.mul(reduced, post)
-        else:
-            values = self.read(bucket, 0, entry.numel)
-            values.add_(reduced, alpha=post)
-        entry.norm = sum_of_squares([values]).sqrt()  # [Note: the norm of a large flat buffer]
+        # A private fp32 copy, scaled where it was reduced; the writer thread brings it to host memory, so backward
+        # does not wait for the copy ([Note: asynchronous host copies] in engine/host_copies.py).
+        scaled = reduced.to(torch.float32, copy=True)
+        if post != 1.0:
+            scaled.mul_(post)
+        fetch = self.copies.to_host_in_worker(scaled)
         while len(self._writes) >= self.buffer_count:
             self._writes.popleft()[0].result()
-        entry.writing = self._pool.submit(write_at, self.path, entry.byte_offset, values)
-        self._writes.append((entry.writing, values))
+        entry.writing = self._pool.submit(self._land, entry, fetch, fresh)
+        self._writes.append((entry.writing, scaled))
         self.peak_resident = max(self.peak_resident, sum(not w.done() for w, _ in self._writes))
+
+    def _land(self, entry: SwappedGrad, fetch: Callable[[], torch.Tensor], fresh: bool) -> None:
+        """On the writer thread (one: a bucket's earlier write is done before its next starts)."""
+        values = fetch()
+        if not fresh:
+            earlier = torch.empty(entry.numel, dtype=torch.float32)
+            read_at(self.path, entry.byte_offset, earlier)
+            values.add_(earlier)
+        entry.norm = sum_of_squares([values]).sqrt()  # [Note: the norm of a large flat buffer]
+        write_at(self.path, entry.byte_offset, values)
 
     def read(self, bucket: GradBucket, start: int, end: int) -> torch.Tensor:
         """A fresh fp32 tensor with elements [start, end) of the bucket's slice as last written."""
@@ -86,7 +97,10 @@ class NvmeGradStore:
 
     def norm(self, bucket: GradBucket) -> torch.Tensor:
         """The L2 norm of the bucket's slice as last written (taken when it was written: no read)."""
-        norm = self.entries[id(bucket)].norm
+        entry = self.entries[id(bucket)]
+        if entry.writing is not None:
+            entry.writing.result()  # the norm is taken by the write
+        norm = entry.norm
         assert norm is not None, "norm() of a slice never written"
         return norm
 

@@ -26,6 +26,7 @@ from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.flat_buffer import flatten_params
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.host_copies import CopyDone, HostCopies
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.sharded_optimizer import ShardSlice
 
@@ -123,17 +124,23 @@ class ParamUnit:
         self.external: list[ParamUnit] = []
         """Units whose parameters this unit's forward uses (gathered with it; see stage3/external.py)."""
         self._pending: list[Pending] = []
+        self._host_read: CopyDone | None = None
+        """The last copy from a host shard (offload_param), maybe in flight: waited before a shard is written (copies
+        run in order on one stream, so the last one done means all are)."""
         self.store = None
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, {self.name or '<root>'!r}, numel={self.numel}, {self.state.value})"
 
-    def unshard(self, dp: DataParallelGroup, stats: CommStats, use_all_reduce: bool = False) -> None:
+    def unshard(
+        self, dp: DataParallelGroup, stats: CommStats, use_all_reduce: bool = False, copies: HostCopies | None = None
+    ) -> None:
         """Starts gathering the full parameters (asynchronously); nothing to do unless sharded.
 
         `use_all_reduce` fetches with an all-reduce of a zero buffer holding only this rank's slice
         (DeepSpeed's `stage3_use_all_reduce_for_fetch_params`): twice the traffic, for networks where
-        all-reduce is faster than all-gather.
+        all-reduce is faster than all-gather. `copies` brings a shard kept in host memory (offload_param) to the
+        device without stopping Python ([Note: asynchronous host copies] in engine/host_copies.py).
         """
         if self.state is not UnitState.SHARDED:
             return
@@ -142,7 +149,10 @@ class ParamUnit:
             swapped = self.store is not None and self.store.swapped(flat)
             source = self.store.acquire(flat) if swapped else flat.shard
             # offload_param keeps the shard in host memory: bring it to the device first (no-op when it is there).
-            shard = source.to(flat.full.device, non_blocking=not swapped)
+            if copies is None:
+                shard = source.to(flat.full.device)
+            else:
+                shard, self._host_read = copies.to_device(source)
             if use_all_reduce:
                 flat.full.zero_()
                 flat.full[slice(*flat.plan.shard_range(flat.rank))].copy_(shard)
@@ -150,8 +160,10 @@ class ParamUnit:
             else:
                 pending = collectives.all_gather(flat.full, shard, dp, stats, async_op=True)
             if swapped:
-                # [Note: when a swapped shard is in memory] (offload/nvme_params.py): only until its gather is done.
+                # [Note: when a swapped shard is in memory] (offload/nvme_params.py): only until its gather is done
+                # and the copy from its buffer is over (the buffer is refilled from a file next).
                 pending.wait()
+                self.wait_for_host_reads()
                 self.store.release(flat)
             else:
                 self._pending.append(pending)
@@ -184,9 +196,16 @@ class ParamUnit:
             flat.free()
         self.state = UnitState.SHARDED
 
+    def wait_for_host_reads(self) -> None:
+        """Waits for the copies reading this unit's host shards (before they are written or their buffer reused)."""
+        if self._host_read is not None:
+            self._host_read.wait()
+            self._host_read = None
+
     def refresh_shards_from_full(self) -> None:
         """After the full parameters were written (GatheredParameters with a modifier rank): keep our slice."""
         self._assert_in("refresh its shards from the full parameters", UnitState.GATHERED)
+        self.wait_for_host_reads()
         for flat in self.flats:
             lo, hi = flat.plan.shard_range(flat.rank)
             if self.store is not None and self.store.swapped(flat):

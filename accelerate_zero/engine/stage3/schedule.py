@@ -56,6 +56,7 @@ import torch
 
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.stage3.external import ExternalUseDetector, param_index
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
@@ -82,9 +83,11 @@ class UnitScheduler:
         max_live_numel: int,
         max_reuse_distance: int,
         use_all_reduce: bool = False,
+        copies: HostCopies | None = None,
     ) -> None:
-        """`use_all_reduce`: `stage3_use_all_reduce_for_fetch_params`, gather with an all-reduce."""
-        self.units, self.root, self.dp, self.stats = list(units), root, dp, stats
+        """`use_all_reduce`: `stage3_use_all_reduce_for_fetch_params`, gather with an all-reduce. `copies`: how
+        shards kept in host memory reach the device (engine/host_copies.py)."""
+        self.units, self.root, self.dp, self.stats, self.copies = list(units), root, dp, stats, copies
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.max_reuse_distance, self.use_all_reduce = max_reuse_distance, use_all_reduce
         self.trace: list[int] | None = None
@@ -283,7 +286,7 @@ class UnitScheduler:
     def _gather_now(self, unit: ParamUnit) -> None:
         if unit.state is UnitState.SHARDED and unit.numel > 0:
             self.gathers_on_demand += 1
-        unit.unshard(self.dp, self.stats, self.use_all_reduce)
+        unit.unshard(self.dp, self.stats, self.use_all_reduce, self.copies)
         unit.wait_for_unshard()
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
 
@@ -305,7 +308,7 @@ class UnitScheduler:
             fits = unit.numel <= budget or (ahead == 0 and self.prefetch_numel > 0)
             if not fits or live + unit.numel > self.max_live_numel:
                 break
-            unit.unshard(self.dp, self.stats, self.use_all_reduce)
+            unit.unshard(self.dp, self.stats, self.use_all_reduce, self.copies)
             self.gathers_prefetched += 1
             budget -= unit.numel
             live += unit.numel

@@ -1,0 +1,85 @@
+"""HostGradient: a bucket's averaged gradient slice kept in host memory while the optimizer is offloaded.
+
+[Note: a gradient slice in host memory]
+Under `offload_optimizer` the optimizer steps fp32 masters in host memory, so the slice of the averaged gradient
+this rank steps lives there too. It is filled by asynchronous copies ([Note: asynchronous host copies] in
+engine/host_copies.py), one per bucket per reduction, so backward never waits for a copy:
+- the first reduction of a cycle (stages 0/1: the only one) copies straight into the slice;
+- a later one (gradient accumulation at stages 2/3) lands in a staging buffer and is added to the slice the next time
+  the host needs either: when the slice is read, when this bucket lands again, or when another bucket needs the
+  staging buffer. Staging buffers form one small ring shared by every bucket (`HostStaging`, two slices' worth,
+  allocated on first use), so accumulation costs two bucket slices of host memory, not one per bucket.
+Whoever reads or writes `values` goes through `read()`/`clear()`, which first wait for the copy in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from accelerate_zero.engine.host_copies import CopyDone, HostCopies
+
+
+class HostStaging:
+    """A ring of `slots` host buffers of `numel` fp32 elements that later reductions land in (see the note)."""
+
+    def __init__(self, numel: int, allocate: Callable[[int], torch.Tensor], slots: int = 2) -> None:
+        self.numel, self._allocate = numel, allocate
+        self.buffers: list[torch.Tensor] = []
+        self._owners: list[HostGradient | None] = [None] * slots
+        self._next = 0
+
+    def acquire(self, owner: HostGradient, numel: int) -> tuple[int, torch.Tensor]:
+        """A free slot for `owner` (`numel` elements); a slot still landing another bucket's copy is settled first."""
+        if not self.buffers:
+            self.buffers = [self._allocate(self.numel) for _ in self._owners]
+        slot = self._next
+        self._next = (slot + 1) % len(self._owners)
+        previous = self._owners[slot]
+        if previous is not None:
+            previous.settle()
+        assert self._owners[slot] is None, "a settled gradient released its staging slot"
+        self._owners[slot] = owner
+        return slot, self.buffers[slot][:numel]
+
+    def release(self, slot: int) -> None:
+        self._owners[slot] = None
+
+
+class HostGradient:
+    """One bucket's gradient slice in host memory (fp32, `numel` elements), see the note above."""
+
+    def __init__(self, values: torch.Tensor, staging: HostStaging, copies: HostCopies) -> None:
+        self.values, self.staging, self.copies = values, staging, copies
+        self._copy: CopyDone | None = None
+        self._landing: tuple[int, torch.Tensor] | None = None  # (staging slot, its buffer) to add once copied
+
+    def add(self, reduced: torch.Tensor, fresh: bool) -> None:
+        """Starts adding `reduced` (on the compute device, already scaled) to the slice; `fresh` replaces it."""
+        self.settle()
+        if fresh:
+            self._copy = self.copies.to_host(reduced, self.values)
+            return
+        self._landing = self.staging.acquire(self, self.values.numel())
+        self._copy = self.copies.to_host(reduced, self._landing[1])
+
+    def settle(self) -> None:
+        """Waits for the copy in flight and adds what landed in staging."""
+        if self._copy is not None:
+            self._copy.wait()
+            self._copy = None
+        if self._landing is not None:
+            slot, landed = self._landing
+            self._landing = None
+            self.values.add_(landed)
+            self.staging.release(slot)
+
+    def read(self) -> torch.Tensor:
+        """The slice, complete."""
+        self.settle()
+        return self.values
+
+    def clear(self) -> None:
+        self.settle()
+        self.values.zero_()
