@@ -54,6 +54,7 @@ from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_log import StepLog
+from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import build_param_store, choose_swapped
@@ -176,6 +177,8 @@ class ZeroEngine:
         )
         trainable = trainable_param_groups(self.module, self.optimizer)
         self.offload = offload_policy(self.config)
+        # [Note: pinned memory at its size] in offload/host_memory.py
+        self.host_memory = HostMemory(pin=self.offload.pin_memory and self.device.type == "cuda")
         if self.offload.optimizer:
             # Gradients go to host memory as each bucket is reduced: no device gradient shard is kept.
             zero = dataclasses.replace(zero, contiguous_gradients=False)
@@ -212,7 +215,7 @@ class ZeroEngine:
                 "initialize the same config as from_pretrained"
             )
         if self.offload.optimizer:
-            slices = offload_masters(slices, self.offload, self._slice_values)
+            slices = offload_masters(slices, self.offload, self._slice_values, self.host_memory)
             use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
         else:
             prefer_fused_step(self.optimizer, [s.master for group in slices for s in group])
@@ -242,10 +245,10 @@ class ZeroEngine:
             in_host = [bucket for bucket in buckets if bucket.grad_store is None]
             self.host_staging = staging = HostStaging(
                 max((b.plan.shard_numel for b in in_host), default=0),
-                lambda numel: self.offload.host_zeros(numel, torch.float32, self.device),
+                lambda numel: self.host_memory.zeros(numel, torch.float32),
             )
             for bucket in in_host:
-                values = self.offload.host_zeros(bucket.plan.shard_numel, torch.float32, self.device)
+                values = self.host_memory.zeros(bucket.plan.shard_numel, torch.float32)
                 bucket.host_grad = HostGradient(values, staging, self.host_copies)
         self.reducer = self._build_reducer(buckets, locations, on_complete)
         self.reducer.register_hooks()
@@ -314,7 +317,7 @@ class ZeroEngine:
             device=self.device,
             reduce_bucket_numel=zero.reduce_bucket_size,
             contiguous_gradients=zero.contiguous_gradients,
-            offload=self.offload,
+            host_memory=self.host_memory if self.offload.params else None,
             broadcast=from_rank_0,
         )
         self.groups, self.units = parts.persistent_groups, parts.units
@@ -719,6 +722,8 @@ class ZeroEngine:
             self.sharded_optimizer.swapper.close()
         if self.param_store is not None:
             self.param_store.close()
+        self.host_copies.drain()  # before the pinned memory they may copy from is unregistered
+        self.host_memory.close()
         for handle in getattr(self, "_unit_hooks", []):
             handle.remove()
         unregister_engine_params(self)

@@ -18,6 +18,7 @@ import torch
 
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.sharded_optimizer import ShardSlice
+from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.optim.fused import FUSED_KERNELS, has_fused_kernel
 
 
@@ -34,10 +35,6 @@ class OffloadPolicy:
     buffer_count: int = 4
     param_nvme_path: str | None = None
     """With offload_param.device=nvme: stage-3 parameter shards live in files there (offload/nvme_params.py)."""
-
-    def host_zeros(self, numel: int, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
-        pin = self.pin_memory and compute_device.type == "cuda"
-        return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
 
 def offload_policy(config: ZeroConfig) -> OffloadPolicy:
@@ -61,6 +58,7 @@ def offload_masters(
     slices_by_group: list[list[ShardSlice]],
     policy: OffloadPolicy,
     values: Callable[[ShardSlice], torch.Tensor],
+    memory: HostMemory,
 ) -> list[list[ShardSlice]]:
     """The same slices with their fp32 master in host memory (one contiguous host buffer per param group; under
     NVMe offload one placeholder tensor per slice, so a swapped-out slice frees its memory). `values` gives a
@@ -74,8 +72,7 @@ def offload_masters(
         ]
     out = []
     for slices in slices_by_group:
-        device = slices[0].params.device if slices else torch.device("cpu")
-        flat = policy.host_zeros(sum(s.end - s.start for s in slices), torch.float32, device)
+        flat = memory.zeros(sum(s.end - s.start for s in slices), torch.float32)
         pieces = flat.split([s.end - s.start for s in slices]) if slices else []
         moved = []
         for shard_slice, master in zip(slices, pieces, strict=True):

@@ -16,7 +16,7 @@ from accelerate_zero.engine.sharded_optimizer import ShardSlice
 from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR, adopt
 from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit, build_flat, unit_slices
 from accelerate_zero.engine.stage3.units import UnitLayout
-from accelerate_zero.offload.policy import OffloadPolicy
+from accelerate_zero.offload.host_memory import HostMemory
 
 
 @dataclass
@@ -60,7 +60,7 @@ def build_stage3(
     device: torch.device,
     reduce_bucket_numel: int,
     contiguous_gradients: bool,
-    offload: OffloadPolicy,
+    host_memory: HostMemory | None,
     broadcast: Callable[[torch.Tensor], None],
 ) -> Stage3Parts:
     """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
@@ -69,7 +69,9 @@ def build_stage3(
     for param in layout.persistent:
         param.data = param.data.to(device=device, dtype=dtypes.compute)
         broadcast(param.data)
-    units = _build_units(module, layout, rank, world_size, dtypes, device, contiguous_gradients, offload, broadcast)
+    units = _build_units(
+        module, layout, rank, world_size, dtypes, device, contiguous_gradients, host_memory, broadcast
+    )
     _place_rest(module, layout, units, device, broadcast)
     root = units[-1]
     persistent = set(layout.persistent)
@@ -144,7 +146,7 @@ def _build_units(
     dtypes: DtypePlan,
     device: torch.device,
     contiguous_gradients: bool,
-    offload: OffloadPolicy,
+    host_memory: HostMemory | None,
     broadcast: Callable[[torch.Tensor], None],
 ) -> list[ParamUnit]:
     def flat_of(params: list[nn.Parameter]) -> FlatUnitBuffer | None:
@@ -156,8 +158,8 @@ def _build_units(
         flat = adopt(module, params, world_size, rank)
         if flat is None:
             flat = build_flat(params, rank, world_size, dtypes.compute, device, broadcast=broadcast)
-        if offload.params:  # offload_param: the shard lives in host memory, copied in before each all-gather
-            flat.shard = offload.host_zeros(flat.shard.numel(), flat.shard.dtype, device).copy_(flat.shard)
+        if host_memory is not None:  # offload_param: the shard lives in host memory, copied in before each gather
+            flat.shard = host_memory.empty(flat.shard.numel(), flat.shard.dtype).copy_(flat.shard)
         return flat
 
     units = []
