@@ -34,6 +34,7 @@ from accelerate_zero.engine import collectives
 if TYPE_CHECKING:
     from accelerate_zero.config import ZeroConfig
     from accelerate_zero.engine.collectives import CommStats
+    from accelerate_zero.engine.grad_reduce import GradReducer
     from accelerate_zero.engine.groups import DataParallelGroup
     from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer, ShardSlice
     from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit
@@ -53,6 +54,7 @@ class ZeroEngine(Protocol):
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     sharded_optimizer: ShardedOptimizer
+    reducer: GradReducer
     param_store: Any
     global_steps: int
     micro_steps: int
@@ -153,8 +155,9 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _covered(engine: ZeroEngine) -> set[int]:
-    """Parameters whose values live in shards (trainable slices, stage-3 frozen flats)."""
-    covered = {id(p) for s in engine.sharded_optimizer.slices for p in s.bucket.params}
+    """Parameters whose values live in shards (trainable buckets, stage-3 frozen flats), whether or not this rank's
+    slice holds any of their elements (a small bucket's slice can be padding only)."""
+    covered = {id(b.params[slot.param_index]) for b in engine.reducer.buckets for slot in b.plan.slots}
     return covered | {id(p) for flat in _frozen_flats(engine) for p in flat.params}
 
 

@@ -8,6 +8,12 @@ bucket be reduced with one `reduce_scatter` and rebuilt with one `all_gather` di
 buffers (no copy-in or copy-out), at the price of a rank's shard being the concatenation of its slices. Stage 0
 plans with `num_shards=1`: the single slice is the whole bucket. Stage 3 uses the same plan with one bucket per
 gather unit.
+
+[Note: shard alignment]
+Each bucket is padded to a multiple of `num_shards * SHARD_ALIGNMENT` elements, so every slice (and every bucket in
+the flat buffer) starts on a 16-byte boundary for any element size of 2 bytes or more: NCCL and the copy kernels take
+slower paths for chunks that are not 16-byte aligned. The cost is at most `8 * num_shards - 1` padding elements per
+bucket (DeepSpeed aligns its partitions the same way; FSDP2 pads to the world size only).
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+SHARD_ALIGNMENT = 8
+"""Elements each slice is a multiple of: 16 bytes of a 2-byte dtype, 32 of a 4-byte one."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,7 @@ class BucketPlan:
     offset: int
     """First element of the bucket inside the group's flat buffer."""
     numel: int
-    """Padded number of elements, a multiple of `num_shards`."""
+    """Padded number of elements, a multiple of `num_shards * SHARD_ALIGNMENT`."""
     num_shards: int
     slots: tuple[ParamSlot, ...]
 
@@ -138,7 +148,8 @@ def _lay_out(groups: list[list[int]], shapes: Sequence[tuple[int, ...]], num_sha
             numel = math.prod(shapes[index])
             slots.append(ParamSlot(param_index=index, offset=offset, numel=numel, shape=tuple(shapes[index])))
             offset += numel
-        padded = max(num_shards, math.ceil(offset / num_shards) * num_shards)
+        multiple = num_shards * SHARD_ALIGNMENT  # [Note: shard alignment]
+        padded = max(multiple, math.ceil(offset / multiple) * multiple)
         buckets.append(
             BucketPlan(
                 index=bucket_index, offset=group_offset, numel=padded, num_shards=num_shards, slots=tuple(slots)

@@ -198,13 +198,12 @@ class NvmeParamStore:
         self._note_peak()
 
     def flush(self) -> None:
-        """Waits for every write (before the next read of any shard) and every read-ahead."""
+        """Waits for every write (before the next read of any shard) and drops every shard read ahead: between steps
+        no swapped shard is in memory (a rank whose slice of a unit is padding only writes nothing to release it)."""
         while self._writes:
             self._writes.popleft().result()
         for entry in self.shards.values():
-            if entry.reading is not None:
-                entry.reading.result()
-                entry.reading = None
+            self.release(entry.flat)
 
     # ---------------------------------------------------------------- queries
     def file_bytes(self) -> int:

@@ -43,12 +43,27 @@ def test_buckets_follow_reverse_parameter_order_and_size_limit() -> None:
 
 
 def test_padding_and_offsets() -> None:
+    # [Note: shard alignment]: every slice is a multiple of SHARD_ALIGNMENT (8) elements.
     plan = plan_group([(7,)], 100, 4)
     (bucket,) = plan.buckets
-    assert (bucket.numel, bucket.padding, bucket.shard_numel) == (8, 1, 2)
-    assert bucket.shard_range(3) == (6, 8)
-    assert bucket.slot_overlap(bucket.slots[0], 3) == (6, 7)
-    assert plan_group([(5,), (6,)], 5, 3).shard_offsets() == [0, 2]
+    assert (bucket.numel, bucket.padding, bucket.shard_numel) == (32, 25, 8)
+    assert bucket.shard_range(3) == (24, 32)
+    assert bucket.slot_overlap(bucket.slots[0], 0) == (0, 7)
+    assert bucket.slot_overlap(bucket.slots[0], 3) is None  # a slice of padding only
+    assert plan_group([(5,), (6,)], 5, 3).shard_offsets() == [0, 8]
+    assert plan_group([(49,)], 100, 3).buckets[0].numel == 72  # the next multiple of 3 * 8
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7])
+def test_every_slice_starts_on_16_bytes(num_shards: int) -> None:
+    plan = plan_group([(13,), (8, 5), (1,), (300,), (3, 3)], 64, num_shards)
+    offsets = plan.shard_offsets()
+    for bucket, offset in zip(plan.buckets, offsets, strict=True):
+        for element_size in (2, 4):
+            assert (bucket.offset * element_size) % 16 == 0
+            assert all((bucket.shard_range(r)[0] * element_size) % 16 == 0 for r in range(num_shards))
+            assert (offset * element_size) % 16 == 0
+        assert bucket.padding < 8 * num_shards
 
 
 def test_rejects_bad_arguments() -> None:
