@@ -12,7 +12,13 @@ import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from accelerate_zero.config.schema import ZeroConfig, ZeroConfigError, ZeroOptimizationConfig, is_auto
+from accelerate_zero.config.schema import (
+    ZeroConfig,
+    ZeroConfigError,
+    ZeroOptimizationConfig,
+    default_overlap_comm,
+    is_auto,
+)
 
 
 class RefusedFeature(NamedTuple):
@@ -267,10 +273,10 @@ def _not_divisible(train: int, missing: str, other_key: str, other: int, world_s
 
 
 def _resolve_overlap_comm(config: ZeroConfig) -> None:
-    """DeepSpeed's `overlap_comm_valid`: None -> True at stage 3, False otherwise."""
+    """An unset `overlap_comm` becomes `default_overlap_comm(stage)`."""
     zero = config.zero_optimization
     if zero.overlap_comm is None:
-        zero.overlap_comm = zero.stage == 3
+        zero.overlap_comm = default_overlap_comm(zero.stage)
 
 
 def _check_param_offload_stage(config: ZeroConfig) -> list[str]:

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE, ZeroOptimizationConfig
+from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE, ZeroOptimizationConfig, default_overlap_comm
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 
@@ -188,8 +188,8 @@ class TrainingSetup:
         return _DTYPE_BYTES[self.communication_data_type] if self.communication_data_type else self.grad_bytes
 
     def overlap_comm(self, stage: int) -> bool:
-        """DeepSpeed's rule, as `config.resolve` applies it: unset means on at stage 3 only."""
-        return self.zero.overlap_comm if self.zero.overlap_comm is not None else stage == 3
+        """The rule `config.resolve` applies (`default_overlap_comm`)."""
+        return self.zero.overlap_comm if self.zero.overlap_comm is not None else default_overlap_comm(stage)
 
 
 @dataclass(frozen=True)
