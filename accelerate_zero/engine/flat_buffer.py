@@ -131,6 +131,11 @@ def all_gather_params(
     Args:
         max_numel_in_flight: `allgather_bucket_size`: the most elements being gathered at once.
         use_all_gather: `allgather_partitions`; False uses one broadcast per owner instead, as DeepSpeed does.
+
+    Every collective writes in place into the flat parameter buffer and reads this rank's slice of it: no temporary
+    exists, so the bound costs no memory either way. Under gloo `wait()` blocks the host, so at most
+    `max_numel_in_flight` elements are being moved at once; under NCCL it only makes the compute stream wait, so every
+    bucket is queued at once and NCCL runs them in order on its stream (the same result, with no host stall).
     """
     in_flight: collections.deque[tuple[Pending, int]] = collections.deque()
     live = 0

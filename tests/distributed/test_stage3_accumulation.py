@@ -8,6 +8,7 @@ with accumulation 4 equals a one-process reference that averages the ranks' sub-
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -107,7 +108,7 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _prefetch_counts(rank: int, world_size: int) -> dict[str, int]:
+def _prefetch_counts(rank: int, world_size: int) -> dict[str, float]:
     """Gathers issued ahead vs on demand in the second step, with a budget of a twelfth of a unit (as
     transformers' "auto" 0.9*hidden^2 is of a decoder layer)."""
     import accelerate_zero
@@ -119,9 +120,13 @@ def _prefetch_counts(rank: int, world_size: int) -> dict[str, int]:
     x = _batches(world_size, 1)[0].chunk(world_size)[rank]
     for _ in range(2):  # the first step records the execution order that prefetching follows
         engine.scheduler.gathers_on_demand = engine.scheduler.gathers_prefetched = 0
+        engine.scheduler.blocked_seconds = 0.0
+        start = time.perf_counter()
         engine.backward(_loss(engine, x))
         engine.step()
+        step_seconds = time.perf_counter() - start
     counts = {"on_demand": engine.scheduler.gathers_on_demand, "prefetched": engine.scheduler.gathers_prefetched}
+    counts["blocked_seconds"], counts["step_seconds"] = engine.scheduler.blocked_seconds, step_seconds
     engine.destroy()
     return counts
 
@@ -139,6 +144,8 @@ def test_a_budget_smaller_than_a_unit_still_prefetches_the_next_unit(measured: t
         # only the first unit of each pass waits for its gather.
         assert counts["on_demand"] + counts["prefetched"] >= 2 * LAYERS - 1, (rank, counts)
         assert counts["on_demand"] <= 2, (rank, counts)
+        # the time forward and backward waited for gathers is measured, and is part of the step
+        assert 0 < counts["blocked_seconds"] < counts["step_seconds"], (rank, counts)
 
 
 def test_peak_gathered_and_transient_bytes_do_not_grow_with_accumulation(measured: tuple) -> None:

@@ -149,9 +149,20 @@ def check_offload(rank: int, world_size: int, device: torch.device, nvme_dir: st
         ),
     }
     for name, (stage, zero) in cases.items():
-        _, model = _run(_config(stage, 2, zero=zero), rank, world_size, device)
+        engine, model = _run(_config(stage, 2, zero=zero), rank, world_size, device)
         diff = (_flat(model) - expected).abs().max().item()
         out[f"{name}: max |param - fp32 reference|"] = (diff, diff < 1e-5)
+        if device.type == "cuda" and "cpu" in name:
+            # [Note: pinned memory at its size]: the host masters are page-locked, at their size (no rounding)
+            memory = engine.host_memory
+            pinned = all(s.master.is_pinned() for s in engine.sharded_optimizer.slices)
+            out[f"{name}: host masters page-locked"] = (pinned, pinned)
+            out[f"{name}: pinned bytes / requested"] = (
+                (memory.pinned_bytes, memory.requested_bytes),
+                memory.requested_bytes
+                <= memory.pinned_bytes
+                <= memory.requested_bytes + 256 * 2**20 * len(memory.chunks),
+            )
     return out
 
 

@@ -49,6 +49,7 @@ that calls a different sub-module than the others waits for them until the proce
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -107,6 +108,10 @@ class UnitScheduler:
         """Gathers issued when a unit was needed right away (forward or backward waited for the whole gather)."""
         self.gathers_prefetched = 0
         """Gathers issued ahead of the unit's use (from the trace)."""
+        self.blocked_seconds = 0.0
+        """Host time spent issuing and waiting for the gathers of units needed now (the time forward and backward
+        stood still for parameters). Under NCCL `wait()` makes the stream wait, not the host: there the profiler
+        measures it."""
         self.active: list[ParamUnit] = []
         """Units whose forward is running, innermost last."""
         self._detector: ExternalUseDetector | None = None
@@ -286,8 +291,10 @@ class UnitScheduler:
     def _gather_now(self, unit: ParamUnit) -> None:
         if unit.state is UnitState.SHARDED and unit.numel > 0:
             self.gathers_on_demand += 1
+        start = time.perf_counter()
         unit.unshard(self.dp, self.stats, self.use_all_reduce, self.copies)
         unit.wait_for_unshard()
+        self.blocked_seconds += time.perf_counter() - start
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
 
     def _prefetch(self, upcoming: Iterable[int]) -> None:
