@@ -14,6 +14,12 @@ reduced in this step. Reduction is linear, so the late part is reduced again and
 fresh full buffer; stage 0 adds onto the averaged buffer A (every rank holds A, and averaging A + g_r over ranks
 gives A + mean(g)); stage 1 multiplies its owned slice by W and zeroes the stale slices, so the next average
 gives back its slice of A plus the late mean.
+
+[Note: the first gradient of a cycle is copied, not added]
+A full-size gradient buffer is not zeroed when a cycle starts (a pass over every element per bucket per micro-step
+at stages 2/3, per step at stages 0/1): each parameter's first gradient is copied into its slot, later ones are
+added, and before the buffer is read (a reduction, the step) the slots that got no gradient are zeroed. Padding is
+zeroed once, when the buffer is allocated, and stays zero (every rank reduces zeros there).
 """
 
 from __future__ import annotations
@@ -62,13 +68,19 @@ class BucketState(enum.Enum):
 class GradScaling:
     """Factors applied around the collective so that it averages over ranks exactly as DDP does.
 
-    By default the gradient is divided by W before the sum (like DeepSpeed, which keeps fp16 sums in range). With
-    `prescale_gradients`, it is divided by `gradient_predivide_factor` before and by W/factor after.
+    A 16-bit reduction divides by W before the sum (like DeepSpeed: the sum stays in range). An fp32 reduction cannot
+    overflow, so it divides after the sum: at stages 1-3 that scales the 1/W slice this rank keeps instead of the whole
+    bucket. With `prescale_gradients` the gradient is divided by `gradient_predivide_factor` before and by W/factor
+    after. `pre * post` is always 1/W.
     """
 
-    def __init__(self, world_size: int, prescale_gradients: bool, predivide_factor: float) -> None:
+    def __init__(
+        self, world_size: int, prescale_gradients: bool, predivide_factor: float, comm_dtype: torch.dtype
+    ) -> None:
         if prescale_gradients:
             self.pre, self.post = 1.0 / predivide_factor, predivide_factor / world_size
+        elif comm_dtype == torch.float32:
+            self.pre, self.post = 1.0, 1.0 / world_size
         else:
             self.pre, self.post = 1.0 / world_size, 1.0
 
@@ -107,6 +119,7 @@ class GradBucket:
         self.shard_grad = None
         self._shard_has_data = False
         self._pending: Pending | None = None
+        self._unwritten: set[int] | None = None  # slots not written since the buffer was (re)used, see the note
         self._comm_buffer: torch.Tensor | None = None
         self._scaling: GradScaling | None = None
         if storage is not None:
@@ -127,14 +140,26 @@ class GradBucket:
             self.finish_reduce()
         if self.state is BucketState.REDUCED:
             self._reopen()
-        full = self._full_grad()
-        full[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        view = self._full_grad(written=False)[slot.offset : slot.offset + slot.numel]
+        if self._unwritten is not None and slot.param_index in self._unwritten:
+            self._unwritten.discard(slot.param_index)
+            view.copy_(grad.reshape(-1))  # [Note: the first gradient of a cycle is copied, not added]
+        else:
+            view.add_(grad.reshape(-1))
         self.state = BucketState.ACCUMULATING
         return late
 
-    def _full_grad(self) -> torch.Tensor:
+    def _full_grad(self, written: bool = True) -> torch.Tensor:
+        """The full-size gradient; `written`: every slot holds its value (unwritten ones are zeroed first)."""
         if self.grad is None:
-            self.grad = torch.zeros(self.plan.numel, dtype=self.grad_dtype, device=self.device)
+            self.grad = torch.empty(self.plan.numel, dtype=self.grad_dtype, device=self.device)
+            self.grad[self.plan.numel - self.plan.padding :].zero_()
+            self._unwritten = {slot.param_index for slot in self.plan.slots}
+        if written and self._unwritten is not None:
+            for slot in self.plan.slots:
+                if slot.param_index in self._unwritten:
+                    self.grad[slot.offset : slot.offset + slot.numel].zero_()
+            self._unwritten = None
         return self.grad
 
     def _owned(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -283,7 +308,8 @@ class GradBucket:
         elif self.mode is ReduceMode.SCATTER_TO_SHARD:
             self.grad = None
         else:
-            self._storage.zero_()
+            # [Note: the first gradient of a cycle is copied, not added]: no pass over the buffer here.
+            self._unwritten = {slot.param_index for slot in self.plan.slots}
         self._shard_has_data = False
         self.state = BucketState.EMPTY
 

@@ -362,8 +362,13 @@ class ZeroEngine:
 
     def _build_reducer(self, buckets: list[GradBucket], locations: dict, on_complete: Any) -> GradReducer:
         zero = self.config.zero_optimization
+        comm_dtypes = {bucket.comm_dtype for bucket in buckets} or {torch.float32}
+        assert len(comm_dtypes) == 1, f"buckets of one engine reduce in one dtype, got {comm_dtypes}"
         scaling = GradScaling(
-            self.dp.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
+            self.dp.world_size,
+            self.config.prescale_gradients,
+            self.config.gradient_predivide_factor,
+            comm_dtypes.pop(),
         )
         # Two reductions in flight overlap backward as well as more would, and bound the full-size buffers (stages 2
         # and 3) and the temporaries of a reduction (casts, [Note: reduce-scatter on gloo]) at every stage.
