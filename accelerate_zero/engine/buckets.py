@@ -25,7 +25,7 @@ zeroed once, when the buffer is allocated, and stays zero (every rank reduces ze
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -37,7 +37,23 @@ from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
 
 if TYPE_CHECKING:
     from accelerate_zero.engine.host_grads import HostGradient
-    from accelerate_zero.offload.nvme_grads import NvmeGradStore
+
+
+class GradientFile(Protocol):
+    """Where buckets keep their averaged slices when they live in a file (offload/nvme_grads.py implements it; the
+    engine owns the contract, so this module imports nothing from offload/)."""
+
+    def accumulate(self, bucket: GradBucket, reduced: torch.Tensor, post: float, fresh: bool) -> None:
+        """Adds `reduced * post` to the bucket's slice; `fresh` replaces what an earlier step left."""
+        ...
+
+    def read(self, bucket: GradBucket, start: int, end: int) -> torch.Tensor:
+        """A fresh fp32 tensor with elements [start, end) of the slice."""
+        ...
+
+    def norm(self, bucket: GradBucket) -> torch.Tensor:
+        """The L2 norm (fp64, 0-dim) of the slice as last written."""
+        ...
 
 
 class ReduceMode(enum.Enum):
@@ -94,7 +110,7 @@ class GradBucket:
     grad: torch.Tensor | None  # 1D, plan.numel: the full local gradient (stages 0/1: kept; stage 2: transient)
     shard_grad: torch.Tensor | None  # 1D, plan.shard_numel, stage 2 only: the accumulated averaged slice
     host_grad: HostGradient | None  # the averaged slice in host memory when the optimizer is offloaded
-    grad_store: NvmeGradStore | None  # stage 2/3 under NVMe optimizer offload: the slice lives in a file
+    grad_store: GradientFile | None  # stage 2/3 under NVMe optimizer offload: the slice lives in a file
 
     def __init__(
         self,
