@@ -3,8 +3,8 @@
 This module owns the keys and the values: reading files (duplicate keys rejected, as DeepSpeed does), unknown keys
 (listed sorted, with the closest valid key), aliases (`prefetch_bucket_size` -> `stage3_prefetch_bucket_size`,
 block `bfloat16` -> `bf16`), DeepSpeed's deprecated keys (migrated with a `FutureWarning`) and the per-field
-coercion every block runs in `__post_init__` (`normalize_fields`: "5e8" and 5e8 -> 500000000, "warn" -> "WARN").
-Rules between values live in `config/resolve.py`. Every problem is collected and raised as one `ZeroConfigError`.
+coercion every block runs in `__post_init__` (config/fields.py: "5e8" and 5e8 -> 500000000, "warn" -> "WARN").
+Rules between values live in `config/schema.py` (load time) and `config/resolve.py` (run time). Every problem is collected and raised as one `ZeroConfigError`.
 """
 
 from __future__ import annotations
@@ -13,22 +13,21 @@ import copy
 import dataclasses
 import difflib
 import json
-import math
-import numbers
 import os
-import re
 import sys
-import types
-import typing
 import warnings
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 import yaml
 
-from accelerate_zero.config.resolve import static_problems
-from accelerate_zero.config.schema import ZeroConfig, ZeroConfigError, is_auto, join_path
+from accelerate_zero.config.blocks import Block
+from accelerate_zero.config.fields import INVALID, coerce_value, is_block_type, split_optional, type_hints
+from accelerate_zero.config.values import ZeroConfigError, is_auto, join_path
+
+
+ConfigT = TypeVar("ConfigT", bound=Block)
 
 
 _ZERO_SHORT_NAMES = (
@@ -61,30 +60,35 @@ UNSUPPORTED_DEEPSPEED_KEYS = frozenset(
 """Key paths DeepSpeed knows that accelerate_zero does not implement (reported as unknown, with that reason)."""
 
 
-def load_config(source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
-    """Implements `ZeroConfig.from_any` (see there)."""
-    if isinstance(source, ZeroConfig):
+def load_config(
+    cls: type[ConfigT],
+    source: ConfigT | Mapping[str, Any] | str | os.PathLike[str],
+    rules: Callable[[ConfigT], list[str]],
+) -> ConfigT:
+    """Implements `ZeroConfig.from_any` (see there): `cls` built from `source`, then checked by `rules` (the rules
+    between values, which run on a config whose every value is valid)."""
+    if isinstance(source, cls):
         return copy.deepcopy(source)
     raw = _read_file(Path(source)) if isinstance(source, str | os.PathLike) else source
     if not isinstance(raw, Mapping):
         raise ZeroConfigError([f"a ZeRO config must be a mapping of keys to values, got {type(raw).__name__}"])
     problems: list[str] = []
-    config = _build(ZeroConfig, _normalize_top(raw, problems), "", problems)
+    config = _build(cls, _normalize_top(raw, problems), "", problems)
     if config is not None:
-        problems.extend(static_problems(config))
+        problems.extend(rules(config))
     if problems or config is None:
         unknown = sorted(p for p in problems if p.startswith("unknown key"))
         raise ZeroConfigError(unknown + [p for p in problems if not p.startswith("unknown key")])
     return config
 
 
-def auto_keys(config: ZeroConfig) -> list[str]:
+def auto_keys(config: Block) -> list[str]:
     """Implements `ZeroConfig.auto_keys`."""
     return _auto_paths(config.to_dict(), "")
 
 
-def fill_auto(config: ZeroConfig, values: Mapping[str, Any]) -> ZeroConfig:
-    """Implements `ZeroConfig.fill_auto` (see there)."""
+def filled_autos(config: Block, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Implements `ZeroConfig.fill_auto` (see there): the config as a dict with the values filled in."""
     raw = config.to_dict()
     for dotted, value in values.items():
         *parents, leaf = dotted.split(".")
@@ -93,7 +97,7 @@ def fill_auto(config: ZeroConfig, values: Mapping[str, Any]) -> ZeroConfig:
             node = node.get(name) if isinstance(node, dict) else None
         if isinstance(node, dict) and is_auto(node.get(leaf)):
             node[leaf] = value
-    return load_config(raw)
+    return raw
 
 
 def _auto_paths(node: Any, prefix: str) -> list[str]:
@@ -267,7 +271,7 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
             problems.append(_unknown_key(path, key, fields))
             continue
         value = _build_value(cls, fields[key], value, join_path(path, key), problems)
-        if value is not _BAD:
+        if value is not INVALID:
             kwargs[key] = value
     missing = [name for name, f in fields.items() if name not in kwargs and _is_required(f)]
     for name in missing:
@@ -280,16 +284,16 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
 
 
 def _build_value(cls: type, f: dataclasses.Field[Any], value: Any, path: str, problems: list[str]) -> Any:
-    """The validated value of one key (a built block for a nested block), or _BAD after appending its problem."""
-    hint = _type_hints(cls)[f.name]
-    block, optional = _split_optional(hint)
-    if _is_block_type(block) and not (value is None and optional):
+    """The validated value of one key (a built block for a nested block), or INVALID after appending its problem."""
+    hint = type_hints(cls)[f.name]
+    block, optional = split_optional(hint)
+    if is_block_type(block) and not (value is None and optional):
         built = _build(block, value, path, problems)
-        return _BAD if built is None else built
+        return INVALID if built is None else built
     value, problem = coerce_value(path, value, hint, f.metadata)
     if problem is not None:
         problems.append(problem)
-        return _BAD
+        return INVALID
     return value
 
 
@@ -311,144 +315,3 @@ def _unknown_key(path: str, key: Any, fields: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(str(key), valid, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"unknown key '{full}'{hint}: remove it or fix its spelling"
-
-
-# ---- values ------------------------------------------------------------------------------------------------------
-
-_BAD = object()
-_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-
-
-def normalize_fields(block: Any) -> list[str]:
-    """Validates and normalizes every field of a config block in place; returns one problem per bad field."""
-    problems: list[str] = []
-    hints = _type_hints(type(block))
-    for f in dataclasses.fields(block):
-        path = join_path(block._PATH, f.name)
-        value, problem = coerce_value(path, getattr(block, f.name), hints[f.name], f.metadata)
-        if problem is not None:
-            problems.append(problem)
-        else:
-            setattr(block, f.name, value)
-    return problems
-
-
-_TYPE_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _type_hints(cls: type) -> dict[str, Any]:
-    if cls not in _TYPE_HINTS:
-        _TYPE_HINTS[cls] = typing.get_type_hints(cls)
-    return _TYPE_HINTS[cls]
-
-
-def _is_block_type(hint: Any) -> typing.TypeGuard[type]:
-    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
-
-
-def _split_optional(hint: Any) -> tuple[Any, bool]:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(hint))
-    return hint, False
-
-
-def parse_number(value: Any) -> int | float | None:
-    """`value` as a number if it is one (bools excluded) or a numeric string ("5e8", "3e-5"), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Integral):  # also numpy integers
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        text = value.strip()
-        return int(text) if text.lstrip("+-").isdigit() else float(text)
-    return None
-
-
-def coerce_value(path: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> tuple[Any, str | None]:
-    """Checks one value against its annotation and the constraints in `meta` (ge, le, gt, case, inf_is_none).
-
-    Returns:
-        (normalized value, None), or (value, a problem naming the key, showing the value and what is allowed).
-    """
-    base, optional = _split_optional(hint)
-    if meta.get("inf_is_none") and isinstance(value, float) and value == math.inf:
-        return None, None
-    if value is None and optional:
-        return None, None
-    if _is_block_type(base):
-        if isinstance(value, base):
-            return value, None
-        return value, f"{path}={value!r}: expected a {base.__name__} (build configs with ZeroConfig.from_any)"
-    if is_auto(value):
-        return value, None
-    converted = _convert(value, base, meta)
-    if converted is _BAD or not _in_range(converted, meta):
-        return value, f"{path}={value!r}: expected {_describe(base, meta)}" + (" or null" if optional else "")
-    return converted, None
-
-
-def _convert(value: Any, base: Any, meta: Mapping[str, Any]) -> Any:
-    if base is bool:
-        return value if isinstance(value, bool) else _BAD
-    if base is int or base is float:
-        number = parse_number(value)
-        if number is None or not math.isfinite(number):
-            return _BAD
-        if base is float:
-            return float(number)
-        return int(number) if float(number).is_integer() else _BAD
-    if base is str:
-        return os.fspath(value) if isinstance(value, str | Path) else _BAD
-    if typing.get_origin(base) is Literal:
-        if isinstance(value, str) and meta.get("case"):
-            value = value.upper() if meta["case"] == "upper" else value.lower()
-        return value if isinstance(value, str) and value in typing.get_args(base) else _BAD
-    if typing.get_origin(base) is dict:
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            return _BAD
-        return {k: _numeric(v) if meta.get("numeric_strings") else copy.deepcopy(v) for k, v in value.items()}
-    if typing.get_origin(base) is list:
-        items = [value] if isinstance(value, str) else value
-        ok = isinstance(items, list | tuple) and all(isinstance(v, str) for v in items)
-        return list(items) if ok else _BAD
-    return _BAD
-
-
-def _numeric(value: Any) -> Any:
-    """Numeric strings (YAML reads 3e-5 as a string) -> numbers, also inside lists; anything else unchanged."""
-    if isinstance(value, list | tuple):
-        return [_numeric(v) for v in value]
-    number = parse_number(value) if isinstance(value, str) else None
-    return copy.deepcopy(value) if number is None else number
-
-
-def _in_range(value: Any, meta: Mapping[str, Any]) -> bool:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return True
-    return (
-        ("ge" not in meta or value >= meta["ge"])
-        and ("le" not in meta or value <= meta["le"])
-        and ("gt" not in meta or value > meta["gt"])
-    )
-
-
-def _describe(base: Any, meta: Mapping[str, Any]) -> str:
-    if base is bool:
-        return "true or false"
-    if typing.get_origin(base) is Literal:
-        choices = ", ".join(repr(c) for c in typing.get_args(base))
-        return f"one of {choices}" + (" (case-insensitive)" if meta.get("case") else "")
-    if typing.get_origin(base) is dict:
-        return "a mapping with string keys"
-    if typing.get_origin(base) is list:
-        return "a list of strings"
-    if base is str:
-        return "a string"
-    what = "an integer" if base is int else "a finite number"
-    if "ge" in meta and "le" in meta:
-        return f"{what} in [{meta['ge']}, {meta['le']}]"
-    bounds = [f"{op} {meta[key]}" for key, op in (("ge", ">="), ("gt", ">"), ("le", "<=")) if key in meta]
-    return " ".join([what, *bounds])

@@ -1,16 +1,13 @@
-"""Rules between values: refused features and load-time rules (`static_problems`), then `resolve_config`.
+"""`resolve_config`: the run-time rules between values (the load-time ones, `static_problems`, are in schema.py).
 
-`static_problems` runs inside `ZeroConfig.from_any`, before anything else sees the config. `resolve_config` runs when
-the engine is built and knows the world size: it turns every runtime-dependent default into a concrete value and
-reports every "auto" nothing filled. Each rule is one small function; all problems are reported together.
+`resolve_config` runs when the engine is built and knows the world size: it turns every runtime-dependent default
+into a concrete value and reports every "auto" nothing filled. Each rule is one small function; all problems are
+reported together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 from accelerate_zero.config.schema import (
     ZeroConfig,
@@ -19,146 +16,6 @@ from accelerate_zero.config.schema import (
     default_overlap_comm,
     is_auto,
 )
-
-
-class RefusedFeature(NamedTuple):
-    """A DeepSpeed option accelerate_zero will never implement: only `default` (or what `accepts` allows) passes."""
-
-    default: Any
-    reason: str
-    accepts: Callable[[Any], bool] | None = None
-
-
-_NOT_IMPLEMENTED = "is a DeepSpeed feature accelerate_zero does not implement"
-_FP32_MASTER = "accelerate_zero always keeps fp32 master weights, gradients and optimizer states"
-_NO_PATCH = "accelerate_zero never patches nn.Module"
-
-REFUSED_FEATURES: dict[str, RefusedFeature] = {
-    "zero_optimization.legacy_stage1": RefusedFeature(False, "DeepSpeed removed the legacy stage 1; use stage 1"),
-    "zero_optimization.zero_hpz_partition_size": RefusedFeature(
-        1, f"ZeRO++ hierarchical partitioning (hpZ) {_NOT_IMPLEMENTED}", lambda v: v <= 1
-    ),
-    "zero_optimization.zero_quantized_weights": RefusedFeature(
-        False, f"ZeRO++ quantized weights (qwZ) {_NOT_IMPLEMENTED}"
-    ),
-    "zero_optimization.zero_quantized_nontrainable_weights": RefusedFeature(
-        False, f"quantized storage of frozen weights {_NOT_IMPLEMENTED}"
-    ),
-    "zero_optimization.zero_quantized_gradients": RefusedFeature(
-        False, f"ZeRO++ quantized gradients (qgZ) {_NOT_IMPLEMENTED}"
-    ),
-    "zero_optimization.zeropp_loco_param": RefusedFeature(None, f"LoCo-ZeRO++ {_NOT_IMPLEMENTED}"),
-    "zero_optimization.mics_shard_size": RefusedFeature(-1, f"MiCS {_NOT_IMPLEMENTED}", lambda v: v <= 0),
-    "zero_optimization.mics_hierarchical_params_gather": RefusedFeature(False, f"MiCS {_NOT_IMPLEMENTED}"),
-    "zero_optimization.zenflow": RefusedFeature(None, f"ZenFlow {_NOT_IMPLEMENTED}"),
-    "zero_optimization.elastic_checkpoint": RefusedFeature(
-        False, "DeepSpeed's legacy elastic checkpoints are not implemented (use universal checkpoints)"
-    ),
-    "zero_optimization.use_multi_rank_bucket_allreduce": RefusedFeature(
-        True, "accelerate_zero reduces gradients with a real reduce-scatter"
-    ),
-    "zero_optimization.memory_efficient_linear": RefusedFeature(True, _NO_PATCH),
-    "zero_optimization.override_module_apply": RefusedFeature(True, _NO_PATCH),
-    "zero_optimization.offload_optimizer.super_offload": RefusedFeature(
-        False, f"SuperOffload (DeepSpeed's Superchip CPU Adam) {_NOT_IMPLEMENTED}"
-    ),
-    "fp16.fp16_master_weights_and_grads": RefusedFeature(False, _FP32_MASTER),
-    "bf16.bf16_master_weights_and_grads": RefusedFeature(False, _FP32_MASTER),
-    "bf16.bf16_optimizer_states": RefusedFeature(False, _FP32_MASTER),
-    "bf16.immediate_grad_update": RefusedFeature(
-        True, "accelerate_zero always accumulates gradients as they are produced"
-    ),
-    "dataloader_drop_last": RefusedFeature(
-        False, "accelerate_zero.initialize takes no training_data; set drop_last on your DataLoader"
-    ),
-}
-"""Key path -> the accepted value and why anything else is refused. Extend it to refuse another DeepSpeed option."""
-
-_MISSING = object()
-
-
-def static_problems(config: ZeroConfig) -> list[str]:
-    """Every load-time rule between values (no runtime facts needed); run by `ZeroConfig.from_any`."""
-    return [
-        *_refused_problems(config),
-        *_precision_problems(config),
-        *_loss_scale_problems(config),
-        *_parallel_write_problems(config),
-        *_optimizer_block_problems(config),
-    ]
-
-
-def _get(config: ZeroConfig, path: str) -> Any:
-    value: Any = config
-    for name in path.split("."):
-        value = getattr(value, name) if value is not None else _MISSING
-    return value
-
-
-def _refused_problems(config: ZeroConfig) -> list[str]:
-    problems = []
-    for path, refused in REFUSED_FEATURES.items():
-        value = _get(config, path)
-        if value is _MISSING or is_auto(value):
-            continue
-        if refused.accepts(value) if refused.accepts is not None else value == refused.default:
-            continue
-        default = json.dumps(refused.default)
-        problems.append(f"{path}={value!r} is not supported ({refused.reason}): remove the key or set it to {default}")
-    return problems
-
-
-def _precision_problems(config: ZeroConfig) -> list[str]:
-    if config.fp16.enabled is True and config.bf16.enabled is True:
-        return [
-            "fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be simultaneously enabled; "
-            "set one of them to false"
-        ]
-    return []
-
-
-def _loss_scale_problems(config: ZeroConfig) -> list[str]:
-    fp16 = config.fp16
-    if fp16.enabled is False or fp16.loss_scale != 0:
-        return []  # as DeepSpeed: these only matter for dynamic loss scaling
-    return [
-        f"fp16.{name}={value!r}: must be > 0 when dynamic loss scaling is enabled (loss_scale=0)"
-        for name, value in (("loss_scale_window", fp16.loss_scale_window), ("min_loss_scale", fp16.min_loss_scale))
-        if not is_auto(value) and value <= 0
-    ]
-
-
-def _parallel_write_problems(config: ZeroConfig) -> list[str]:
-    parallel_write = config.checkpoint.parallel_write
-    problems = [
-        f"unknown key 'checkpoint.parallel_write.{key}': the only key is 'pipeline_stage'; remove it"
-        for key in sorted(set(parallel_write) - {"pipeline_stage"})
-    ]
-    stage = parallel_write.get("pipeline_stage", False)
-    if not isinstance(stage, bool) and not is_auto(stage):
-        problems.append(f"checkpoint.parallel_write.pipeline_stage={stage!r}: expected true or false")
-    return problems
-
-
-def _optimizer_block_problems(config: ZeroConfig) -> list[str]:
-    from accelerate_zero.optim import factory  # imported here: the factory may import this package
-
-    problems = []
-    if config.optimizer is not None and "max_grad_norm" in config.optimizer.params:
-        problems.append(
-            "optimizer.params.max_grad_norm: 'max_grad_norm' is not supported as an optimizer parameter, please "
-            "switch to using the top-level parameter 'gradient_clipping'"
-        )
-    blocks = (
-        ("optimizer", config.optimizer, factory.optimizer_block_errors),
-        ("scheduler", config.scheduler, factory.scheduler_block_errors),
-    )
-    for name, block, block_errors in blocks:
-        if block is None or is_auto(block.type):
-            continue
-        params = {key: value for key, value in block.params.items() if key != "max_grad_norm"}
-        problems.extend(m if m.startswith(name) else f"{name}: {m}" for m in block_errors(block.type, params))
-    return problems
 
 
 # ---- runtime resolution ------------------------------------------------------------------------------------------

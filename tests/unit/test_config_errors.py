@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from accelerate_zero.config import ZeroConfig, ZeroConfigError
-from accelerate_zero.config.resolve import REFUSED_FEATURES
+from accelerate_zero.config.schema import REFUSED_FEATURES
 
 
 def problems_of(raw: object) -> list[str]:

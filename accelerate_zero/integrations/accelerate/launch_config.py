@@ -40,7 +40,8 @@ from typing import Any, NamedTuple
 import yaml
 
 from accelerate_zero.config import ZeroConfig, ZeroConfigError, resolve_config
-from accelerate_zero.config.loading import ALIASES, parse_number
+from accelerate_zero.config.fields import parse_number
+from accelerate_zero.config.loading import ALIASES
 from accelerate_zero.config.schema import ZeroOptimizationConfig, is_auto
 
 

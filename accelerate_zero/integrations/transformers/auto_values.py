@@ -16,8 +16,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelerate_zero.config.fields import parse_number
 from accelerate_zero.config.hidden_size import HIDDEN_SIZE_KEYS, hidden_size_autos
-from accelerate_zero.config.loading import parse_number
 from accelerate_zero.config.schema import is_auto
 
 
