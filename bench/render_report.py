@@ -155,7 +155,7 @@ def _machine_lines(payload: dict[str, Any], summaries: list[report.Summary]) -> 
     lines = [
         f"- Started {m['date']}; the runs took {payload['seconds']['total'] / 60:.1f} minutes "
         f"(memory sweep {payload['seconds']['sweep'] / 60:.1f}, systems {payload['seconds']['systems'] / 60:.1f}, "
-        f"offload {payload['seconds']['offload'] / 60:.1f}).",
+        f"offload {payload['seconds']['offload'] / 60:.1f}, Trainer {payload['seconds'].get('trainer', 0) / 60:.1f}).",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, CPU only, gloo. "
         f"Python {m['python']}, torch {v['torch']}, transformers {v['transformers']}, accelerate {v['accelerate']}"
         + (f", DeepSpeed {ds} (its own virtualenv)" if ds else "")
@@ -283,6 +283,10 @@ size above{_llama_text(llama_rows)}. **{"PASS" if honest else "FAIL"}: {
 ## Offload
 
 {_offload_section(payload["offload"])}
+
+## The transformers Trainer: DDP, accelerate_zero and DeepSpeed
+
+{sections.trainer_section(payload.get("trainer"))}
 
 ## How each number is measured
 

@@ -287,3 +287,30 @@ def step_ratio_spread(summaries: list[report.Summary]) -> float | None:
     if ddp is None or len(ddp.step_ms_by_round) < 2:
         return None
     return max(ddp.step_ms_by_round) / min(ddp.step_ms_by_round)
+
+
+def trainer_section(trainer: dict[str, Any] | None) -> str:
+    """bench/trainer_bench.py's table as the report ran it (goals: CPU time per step at most 1.05x DDP's at stage 2,
+    1.15x at stage 3, with transformers' configs unchanged)."""
+    if trainer is None:
+        return "Not run: this report's readings predate the Trainer comparison."
+    if trainer["status"] == "skipped":
+        return "Not run (`--skip_trainer`): `python bench/trainer_bench.py` runs it (bench/README.md)."
+    command = " ".join(["python", *(_relative(part) for part in trainer["command"][1:])])
+    out = f"`{command}`, run by the report in {trainer.get('seconds', 0):.0f} s: {trainer['status']}."
+    header = [line for line in trainer.get("stdout", "").splitlines() if line.startswith("Trainer, ")]
+    tables = markdown_tables(trainer.get("stdout", ""))
+    if header:
+        out += "\n\n" + header[0]
+    if tables:
+        out += "\n\n" + tables
+    return out + (
+        "\n\nThe goal column is issue 18's: CPU time per step at most 1.05x DDP's at stage 2 and 1.15x at stage 3. One "
+        "round of 4 steps is noisy on a shared machine (bench/README.md, trainer_bench.py, shows the spread)."
+    )
+
+
+def _relative(part: str) -> str:
+    """A command argument with this checkout's path cut off (bench/x.py rather than /home/.../bench/x.py)."""
+    marker = "/bench/"
+    return "bench/" + part.split(marker, 1)[1] if marker in part else part

@@ -14,7 +14,9 @@ Phases, each system in its own fresh `torchrun --standalone` group (gloo, one th
 2. the systems compared at W = 4 (engine_bench.run_system): DDP, DDP + ZeroRedundancyOptimizer, our stages 0-3,
    FSDP2, and DeepSpeed stages 1-3 from --ds_venv when it exists; DDP runs first and again last, so its two
    medians show how much the machine's load moved during the run;
-3. offload: bench/offload_bench.py when it exists (its printed markdown tables are copied).
+3. offload: bench/offload_bench.py when it exists (its printed markdown tables are copied);
+4. the transformers Trainer under DDP, our stages 2/3 and DeepSpeed's: bench/trainer_bench.py, one round (its
+   printed table is copied; `--skip_trainer` leaves it out).
 Every raw reading goes to --out_dir/report.json, from which --from_json renders the same report again.
 """
 
@@ -43,6 +45,7 @@ REPO = BENCH_DIR.parent
 SYSTEMS = ["ddp", "ddp_zero_r", "az0", "az1", "az2", "az3", "fsdp2", "ds1", "ds2", "ds3"]
 DS_SYSTEMS = ("ds1", "ds2", "ds3")
 OFFLOAD_SCRIPT, OFFLOAD_JSON = BENCH_DIR / "offload_bench.py", BENCH_DIR / "out" / "offload.json"
+TRAINER_SCRIPT = BENCH_DIR / "trainer_bench.py"
 SWEEP_TIMEOUT_SECONDS = 600
 BUDGET_MINUTES = 15
 
@@ -68,6 +71,13 @@ def parse_args() -> argparse.Namespace:
         "size, 10 steps, stages 3 and 2, JSON into --out_dir)",
     )
     parser.add_argument("--offload_timeout", type=int, default=300, help="seconds before the offload run is cut")
+    parser.add_argument("--skip_trainer", action="store_true", help="leave out the Trainer comparison")
+    parser.add_argument(
+        "--trainer_args",
+        default="--rounds 1 --steps 4 --warmup 2",
+        help="arguments for bench/trainer_bench.py, one string (default: one round of 4 timed steps)",
+    )
+    parser.add_argument("--trainer_timeout", type=int, default=1200, help="seconds before the Trainer run is cut")
     parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out" / "report", help="logs and raw JSON")
     parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md")
     parser.add_argument("--plots_dir", type=Path, default=BENCH_DIR / "results")
@@ -208,6 +218,35 @@ def run_offload(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_trainer(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/trainer_bench.py's table (the Trainer under DDP, accelerate_zero and DeepSpeed), printed by a run now."""
+    if args.skip_trainer:
+        return {"status": "skipped"}
+    json_path = args.out_dir / "trainer.json"
+    command = [
+        sys.executable,
+        str(TRAINER_SCRIPT),
+        *shlex.split(args.trainer_args),
+        "--ds_venv",
+        str(args.ds_venv),
+        "--json",
+        str(json_path),
+    ]
+    start = time.perf_counter()
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    ) as process:
+        try:
+            output, _ = process.communicate(timeout=args.trainer_timeout)
+            status = "ran" if process.returncode == 0 else f"failed (exit code {process.returncode})"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            status = f"cut after {args.trainer_timeout} s (--trainer_timeout)"
+    (args.out_dir / "trainer.log").write_text(output)
+    return {"status": status, "command": command, "stdout": output, "seconds": time.perf_counter() - start}
+
+
 def _tracked(path: Path) -> bool:
     """Whether git knows `path` (another engineer's benchmark may still be uncommitted)."""
     done = subprocess.run(["git", "-C", str(REPO), "ls-files", "--error-unmatch", str(path)], capture_output=True)
@@ -250,6 +289,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     mark = time.perf_counter()
     payload["offload"] = run_offload(args)
     payload["seconds"]["offload"] = time.perf_counter() - mark
+    print("the Trainer", flush=True)
+    mark = time.perf_counter()
+    payload["trainer"] = run_trainer(args)
+    payload["seconds"]["trainer"] = time.perf_counter() - mark
     payload["seconds"]["total"] = time.perf_counter() - start
     payload["load_end"] = load_average()
     (args.out_dir / "report.json").write_text(json.dumps(payload, indent=1, default=str))

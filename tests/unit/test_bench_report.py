@@ -165,3 +165,18 @@ def test_llama_readings_join_the_honesty_table_under_their_own_model(sections: M
     table, honest = sections.honesty_table(sections.sweep_rows(sweep, _estimates([1, 2])) + llama)
     assert not honest
     assert table.splitlines()[-1] == "| llama | 3 | 2 | 0.009 | 0.008 | 1.1200 (rank 0) | FAIL |"
+
+
+def test_the_trainer_section_copies_the_benchmark_table_and_says_when_it_did_not_run(sections: ModuleType) -> None:
+    render = sections
+    printed = (
+        "ddp round 0: done\n\nTrainer, 2 ranks, Llama 512x4 (vocab 20000), fp32\n\n"
+        "| system | CPU s/step (rank 0) | vs DDP |\n|---|---|---|\n| ddp | 1.2 | 1.00 |\n| az2 | 1.4 | 1.17 |\n"
+    )
+    ran = {"status": "ran", "command": ["python", "/x/bench/trainer_bench.py", "--rounds", "1"], "stdout": printed}
+    text = render.trainer_section(ran)
+    assert "Trainer, 2 ranks" in text and "| az2 | 1.4 | 1.17 |" in text and "ran" in text
+    assert "ddp round 0" not in text
+    assert "Not run" in render.trainer_section(None) and "--skip_trainer" in render.trainer_section(
+        {"status": "skipped"}
+    )
