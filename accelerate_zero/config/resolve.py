@@ -8,6 +8,7 @@ reported together.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from accelerate_zero.config.schema import (
     ZeroConfig,
@@ -21,7 +22,25 @@ from accelerate_zero.config.schema import (
 # ---- runtime resolution ------------------------------------------------------------------------------------------
 
 
-def resolve_config(config: ZeroConfig, *, world_size: int) -> ZeroConfig:
+@dataclass(kw_only=True)
+class ResolvedZeroConfig(ZeroConfig):
+    """A config `resolve_config` made concrete: no "auto" anywhere, the accumulation steps and `overlap_comm` set.
+
+    Building one from values that are not concrete raises, so code typed with it (the engine) cannot meet an
+    unresolved value. Make one with `resolve_config`."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        problems = [f'{key} is still "auto": resolve_config fills or reports it' for key in self.auto_keys()]
+        if self.gradient_accumulation_steps is None:
+            problems.append("gradient_accumulation_steps is unset: resolve_config sets it")
+        if self.zero_optimization.overlap_comm is None:
+            problems.append("zero_optimization.overlap_comm is unset: resolve_config sets it")
+        if problems:
+            raise ZeroConfigError(problems)
+
+
+def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig:
     """Makes every runtime-dependent value concrete for a run on `world_size` data-parallel ranks.
 
     Args:
@@ -29,7 +48,7 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ZeroConfig:
         world_size: the data-parallel world size (>= 1).
 
     Returns:
-        A new config with no "auto" left, the batch sizes inferred (DeepSpeed's rule) and `overlap_comm` set.
+        A new `ResolvedZeroConfig`: no "auto" left, the batch sizes inferred (DeepSpeed's rule), `overlap_comm` set.
 
     Raises:
         ZeroConfigError: listing every problem: unfilled "auto" values, batch sizes that do not multiply out,
@@ -51,7 +70,7 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ZeroConfig:
     _resolve_overlap_comm(resolved)
     # gradient_predivide_factor != 1.0 with prescale_gradients=false is valid: divide by the factor before the
     # reduction and by world_size / factor after it (DeepSpeed's meaning); nothing to resolve.
-    return resolved
+    return ResolvedZeroConfig.from_any(resolved.to_dict())
 
 
 def _resolve_stage3_autos(config: ZeroConfig) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
 from accelerate_zero.checkpoint.io import resolve_tag
-from accelerate_zero.config import ZeroConfig, resolve_config
+from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, resolve_config
 from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
 from accelerate_zero.debug.memory import bytes_by_kind
 from accelerate_zero.engine import collectives
@@ -111,7 +111,7 @@ class ZeroEngine:
     """Trains one model with ZeRO stage 0, 1 or 2 (DeepSpeed's engine API: forward, `backward`, `step`)."""
 
     module: nn.Module
-    config: ZeroConfig
+    config: ResolvedZeroConfig
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     dp: DataParallelGroup
@@ -123,13 +123,18 @@ class ZeroEngine:
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        config: ZeroConfig,
+        config: ResolvedZeroConfig,
         lr_scheduler: Any,
         *,
         dp: DataParallelGroup,
         device: torch.device,
         unit_classes: list[type[nn.Module] | str] | None = None,
     ) -> None:
+        if not isinstance(config, ResolvedZeroConfig):
+            raise TypeError(
+                f"ZeroEngine needs a ResolvedZeroConfig, got {type(config).__name__}: build the engine with "
+                "accelerate_zero.initialize, or pass resolve_config(config, world_size=...)"
+            )
         self.module, self.config, self.dp, self.device = module, config, dp, device
         self.unit_classes = unit_classes
         self.stage = config.zero_optimization.stage

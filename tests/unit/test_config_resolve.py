@@ -234,3 +234,33 @@ def test_validate_reports_unfilled_auto(tmp_path: Path, capsys: pytest.CaptureFi
     path.write_text(json.dumps({"gradient_clipping": "auto"}))
     assert main(["validate", str(path)]) == 0  # the Trainer / ZeroAccelerator fill it: reported, not refused
     assert "gradient_clipping" in capsys.readouterr().err
+
+
+def test_a_resolved_config_cannot_hold_auto_or_unset_values() -> None:
+    from accelerate_zero.config import ResolvedZeroConfig
+
+    resolved = resolve_config(ZeroConfig.from_any({"zero_optimization": {"stage": 2}}), world_size=2)
+    assert isinstance(resolved, ResolvedZeroConfig) and resolved.auto_keys() == []
+    assert resolved.gradient_accumulation_steps == 1 and resolved.zero_optimization.overlap_comm is True
+    with pytest.raises(ZeroConfigError, match='optimizer.params.lr is still "auto"'):
+        ResolvedZeroConfig.from_any({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+    with pytest.raises(ZeroConfigError, match="overlap_comm is unset"):
+        ResolvedZeroConfig.from_any({"gradient_accumulation_steps": 1})
+    assert resolve_config(resolved, world_size=2) == resolved  # resolving again changes nothing
+
+
+def test_the_engine_refuses_an_unresolved_config() -> None:
+    import torch
+
+    from accelerate_zero.engine.engine import ZeroEngine
+    from accelerate_zero.engine.groups import DataParallelGroup
+
+    with pytest.raises(TypeError, match="ResolvedZeroConfig"):
+        ZeroEngine(
+            torch.nn.Linear(2, 2),
+            None,
+            ZeroConfig.from_any({}),
+            None,
+            dp=DataParallelGroup(group=None, rank=0, world_size=1),
+            device=torch.device("cpu"),
+        )
