@@ -3,8 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.engine.flat_buffer import GroupShard
+    from accelerate_zero.engine.grad_reduce import GradReducer
+    from accelerate_zero.engine.host_grads import HostStaging
+    from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+    from accelerate_zero.engine.stage3.param_unit import ParamUnit
+    from accelerate_zero.offload.policy import OffloadPolicy
+
+
+class EngineState(Protocol):
+    """What the accounting reads of an engine (engine/engine.py implements it; typed here so that this module, which
+    the engine imports, does not import the engine back)."""
+
+    module: nn.Module
+    groups: list[GroupShard]
+    units: list[ParamUnit]
+    sharded_optimizer: ShardedOptimizer
+    reducer: GradReducer
+    offload: OffloadPolicy
+    host_staging: HostStaging | None
+    grad_store: Any
+    param_store: Any
 
 
 def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]:
@@ -32,4 +58,47 @@ def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]
             total += storage.nbytes()
         out[kind] = total
     out["total"] = sum(out.values())
+    return out
+
+
+def engine_memory(engine: EngineState) -> dict[str, int]:
+    """Implements `ZeroEngine.memory_breakdown` (see there): the engine's tensors by kind, device and host apart."""
+    flat = [shard.param_buffer for shard in engine.groups]
+    unit_full = [flat.full for unit in engine.units for flat in unit.flats]
+    unit_shards = [flat.shard for unit in engine.units for flat in unit.flats]
+    kept = engine.sharded_optimizer.held_tensors()
+    host_grads = [b.host_grad.values for b in engine.reducer.buckets if b.host_grad is not None]
+    host_grads += engine.host_staging.buffers if engine.host_staging is not None else []
+    if engine.grad_store is not None:
+        host_grads += engine.grad_store.resident_tensors()
+    # Offloaded state lives in host memory: reported apart from what the compute device holds.
+    host = {
+        "host_parameters": unit_shards if engine.offload.params else [],
+        "host_gradients": host_grads,
+        "host_master_weights": kept["master_weights"] if engine.offload.optimizer else [],
+        "host_optimizer_states": kept["optimizer_states"] if engine.offload.optimizer else [],
+    }
+    device = {
+        "parameters": [
+            *flat,
+            *unit_full,
+            *([] if engine.offload.params else unit_shards),
+            *engine.module.parameters(),
+        ],
+        "gradients": engine.reducer.gradient_tensors(),
+        "master_weights": [] if engine.offload.optimizer else kept["master_weights"],
+        "optimizer_states": [] if engine.offload.optimizer else kept["optimizer_states"],
+        "communication_buffers": engine.reducer.transient_tensors(),
+    }
+    out = bytes_by_kind(device)
+    host_bytes = bytes_by_kind(host)
+    host_bytes["host_total"] = host_bytes.pop("total")
+    out.update(host_bytes)
+    swapper = engine.sharded_optimizer.swapper
+    out["nvme_bytes"] = swapper.file_bytes() if swapper is not None else 0
+    if engine.param_store is not None:
+        out["nvme_bytes"] += engine.param_store.file_bytes()
+    if engine.grad_store is not None:
+        out["nvme_bytes"] += engine.grad_store.file_bytes()
+    out["communication_buffers_peak"] = engine.reducer.peak_transient_bytes
     return out

@@ -24,7 +24,7 @@ from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
 from accelerate_zero.checkpoint.io import resolve_tag
 from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, resolve_config
 from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
-from accelerate_zero.debug.memory import bytes_by_kind
+from accelerate_zero.debug.memory import engine_memory
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
@@ -676,45 +676,7 @@ class ZeroEngine:
         state is reported as host_parameters, host_gradients, host_master_weights, host_optimizer_states and
         host_total.
         """
-        flat = [shard.param_buffer for shard in self.groups]
-        unit_full = [flat.full for unit in self.units for flat in unit.flats]
-        unit_shards = [flat.shard for unit in self.units for flat in unit.flats]
-        kept = self.sharded_optimizer.held_tensors()
-        host_grads = [b.host_grad.values for b in self.reducer.buckets if b.host_grad is not None]
-        host_grads += self.host_staging.buffers if self.host_staging is not None else []
-        if self.grad_store is not None:
-            host_grads += self.grad_store.resident_tensors()
-        # Offloaded state lives in host memory: reported apart from what the compute device holds.
-        host = {
-            "host_parameters": unit_shards if self.offload.params else [],
-            "host_gradients": host_grads,
-            "host_master_weights": kept["master_weights"] if self.offload.optimizer else [],
-            "host_optimizer_states": kept["optimizer_states"] if self.offload.optimizer else [],
-        }
-        device = {
-            "parameters": [
-                *flat,
-                *unit_full,
-                *([] if self.offload.params else unit_shards),
-                *self.module.parameters(),
-            ],
-            "gradients": self.reducer.gradient_tensors(),
-            "master_weights": [] if self.offload.optimizer else kept["master_weights"],
-            "optimizer_states": [] if self.offload.optimizer else kept["optimizer_states"],
-            "communication_buffers": self.reducer.transient_tensors(),
-        }
-        out = bytes_by_kind(device)
-        host_bytes = bytes_by_kind(host)
-        host_bytes["host_total"] = host_bytes.pop("total")
-        out.update(host_bytes)
-        swapper = self.sharded_optimizer.swapper
-        out["nvme_bytes"] = swapper.file_bytes() if swapper is not None else 0
-        if self.param_store is not None:
-            out["nvme_bytes"] += self.param_store.file_bytes()
-        if self.grad_store is not None:
-            out["nvme_bytes"] += self.grad_store.file_bytes()
-        out["communication_buffers_peak"] = self.reducer.peak_transient_bytes
-        return out
+        return engine_memory(self)
 
     def comm_stats(self) -> dict[str, dict[str, float]]:
         """Bytes moved per collective kind since the last `reset_comm_stats()` (see engine/collectives.py)."""
