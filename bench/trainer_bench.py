@@ -1,35 +1,48 @@
-"""The transformers Trainer under DDP, accelerate_zero stages 2 and 3, and DeepSpeed stages 2 and 3 (issue 18).
+"""The transformers Trainer under plain DDP, accelerate_zero stages 2/3 and DeepSpeed stages 2/3 (issue 18).
 
 Usage:
-    .venv/bin/python bench/trainer_bench.py                       # every system, 2 rounds, ~12 minutes
-    .venv/bin/python bench/trainer_bench.py --systems ddp az2 az3 --rounds 3 --json bench/out/trainer.json
+    .venv/bin/python bench/trainer_bench.py                # 5 systems x 2 rounds x 10 steps, ~8 minutes
+    .venv/bin/python bench/trainer_bench.py --code head --json bench/out/trainer.json     # the committed code
+    .venv/bin/python bench/trainer_bench.py --systems ddp az2 az3 --rounds 3 --steps 4 --layers 2
+    .venv/bin/python bench/trainer_bench.py --offload none                     # the same configs, offload removed
+    .venv/bin/python bench/trainer_bench.py --from_json bench/out/trainer.json  # print a saved run again
 
-What runs: a LlamaForCausalLM of 33.1M parameters (hidden 512, 4 layers, vocabulary 20000, random weights, fp32)
-trained by the Trainer on random token rows (sequence 128, micro-batch 2 per rank, gradient accumulation 2, AdamW)
-on 2 ranks, each system in its own `torchrun --standalone` group (gloo, one thread per rank). The configs are the
-ZeRO configs transformers documents for the Trainer, with every value the Trainer fills left "auto":
-- stage 2: `allgather_partitions`, `overlap_comm`, `reduce_scatter`, `contiguous_gradients` true, buckets "auto";
-- stage 3: `overlap_comm` true, `reduce_bucket_size` / `stage3_prefetch_bucket_size` /
-  `stage3_param_persistence_threshold` "auto" (hidden², 0.9·hidden², 10·hidden), `sub_group_size`,
-  `stage3_max_live_parameters`, `stage3_max_reuse_distance` 1e9, 16-bit weights gathered on save;
-- `az3_offload` / `ds3_offload`: the stage-3 config with `offload_optimizer` and `offload_param` on the CPU.
-DDP is the plain transformers Trainer under torchrun. DeepSpeed runs from its own virtualenv (`--ds_venv`, default
-/work/ds-venv, with DS_ACCELERATOR=cpu); without it the DeepSpeed systems are skipped with a note.
+Systems (each in its own `torchrun --standalone --nproc_per_node 2` group; gloo, one thread per rank):
+- `ddp`: the plain transformers Trainer (`TrainingArguments` without `zero_config` / `deepspeed`);
+- `az2` / `az3`: `accelerate_zero.Trainer` with `TrainingArguments(zero_config=<config>)`;
+- `ds2` / `ds3`: transformers' Trainer with `TrainingArguments(deepspeed=<config>)`, DeepSpeed from its own
+  virtualenv (`--ds_venv`, default /work/ds-venv, `DS_ACCELERATOR=cpu`); skipped with a note when it is missing.
+The configs are transformers' own example configs, `ds_config_zero2.json` / `ds_config_zero3.json` (the copies in
+tests/fixtures/, else /work/shared/reference/), read from the file; the one change is `fp16.enabled: false` in
+zero3 (written `true` there) because every system here trains in fp32. Their CPU offload blocks stay as written
+(zero2: optimizer; zero3: optimizer and parameters) unless `--offload none`. zero3 writes its optimizer and
+scheduler values out, so every system, DDP included, gets TrainingArguments that agree with them (AdamW, lr 3e-5,
+betas (0.8, 0.999), eps 1e-8, weight decay 3e-7, 500 warm-up steps; clipping at 1.0).
 
-Per optimizer step, a TrainerCallback reads the process CPU time and the wall time of every rank between
-`on_step_begin` and `on_step_end`; the medians over the timed steps (after `--warmup` steps) and over rounds are
-reported with their ratio to DDP's in the same run. Systems run in interleaved rounds (every other round in reverse
-order), so the machine's other load falls on all of them alike. CPU time is the issue's measure: on 2 shared cores
-it moves less with other users' load than wall time. Also reported: each rank's peak RSS and, at stage 3, the share
-of the step forward and backward waited for parameter gathers (`scheduler.blocked_seconds`).
+Model: LlamaForCausalLM from a config with random weights, fp32 (hidden 512, 4 layers, intermediate 1376,
+vocabulary 20000, untied embeddings: 33.1M parameters), random token rows made in memory (sequence 128),
+micro-batch 2 per rank, gradient accumulation 2.
+
+Per optimizer step a TrainerCallback reads `time.process_time()` and `time.perf_counter()` in `on_step_begin`
+and `on_step_end` on every rank (the Trainer fetches the step's micro-batches just before `on_step_begin`, so data
+loading is outside the step for every system alike). After `--warmup` optimizer steps, `--steps` steps are timed.
+Systems run in interleaved rounds (round 1 in the given order, round 2 reversed, ...), so other load on the
+machine falls on all of them alike. Reported: the median CPU time per step of rank 0 (the issue's measure) and of
+rank 1, the median wall time per step of rank 0, each as a ratio to DDP's in the same run; the per-round medians of
+rank 0's CPU time (their spread for DDP is the noise floor of the ratios); at stage 3 (accelerate_zero) the share
+of the step spent waiting for parameter gathers; and each rank's peak RSS (`resource.getrusage`, `ru_maxrss`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
 import json
 import os
+import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,179 +54,218 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-AZ_SYSTEMS = ["ddp", "az2", "az3", "az3_offload"]
-DS_SYSTEMS = ["ds2", "ds3", "ds3_offload"]
+SYSTEMS = ["ddp", "az2", "az3", "ds2", "ds3"]
 GOALS = {"az2": 1.05, "az3": 1.15}
-"""Issue 18's goals: CPU time per step at most this times DDP's."""
+"""Issue 18's goals: accelerate_zero's CPU time per optimizer step at most this many times DDP's."""
+CONFIG_DIRS = [REPO / "tests" / "fixtures", Path("/work/shared/reference")]
 
-HIDDEN, LAYERS, VOCAB, INTERMEDIATE, SEQ = 512, 4, 20000, 1376, 128
-
-
-def _zero_config(stage: int, offload: bool) -> dict[str, Any]:
-    autos = {k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
-    if stage == 2:
-        zero: dict[str, Any] = {
-            "stage": 2,
-            "allgather_partitions": True,
-            "allgather_bucket_size": 2e8,
-            "overlap_comm": True,
-            "reduce_scatter": True,
-            "reduce_bucket_size": "auto",
-            "contiguous_gradients": True,
-        }
-    else:
-        zero = {
-            "stage": 3,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "sub_group_size": 1e9,
-            "reduce_bucket_size": "auto",
-            "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto",
-            "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9,
-            "stage3_gather_16bit_weights_on_model_save": True,
-        }
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {
-        **autos,
-        "gradient_clipping": "auto",
-        "fp16": {"enabled": "auto"},
-        "bf16": {"enabled": "auto"},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-        },
-        "zero_optimization": zero,
-    }
+HIDDEN, LAYERS, INTERMEDIATE, VOCAB, HEADS, SEQ = 512, 4, 1376, 20000, 8, 128
+# TrainingArguments that agree with the values ds_config_zero3.json writes out (the rest of both files is "auto").
+OPTIMIZER_ARGS = {
+    "optim": "adamw_torch",
+    "learning_rate": 3e-5,
+    "adam_beta1": 0.8,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "weight_decay": 3e-7,
+    "warmup_steps": 500,
+    "max_grad_norm": 1.0,
+}
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
 
 
-# ------------------------------------------------------------------------------------------------------ worker
-def _worker(system: str, args: argparse.Namespace) -> None:
+# ------------------------------------------------------------------------------------------------------ configs
+def config_path(stage: int) -> Path:
+    for folder in CONFIG_DIRS:
+        path = folder / f"ds_config_zero{stage}.json"
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"ds_config_zero{stage}.json is in none of {[str(d) for d in CONFIG_DIRS]}")
+
+
+def system_config(system: str, offload: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """The DeepSpeed config a system trains with (None for DDP) and the changes made to the file, in words."""
+    if system == "ddp":
+        return None, []
+    stage = int(system[2])
+    path = config_path(stage)
+    config = json.loads(path.read_text())
+    changes = [f"read from {path}"]
+    fp16 = config.get("fp16", {})
+    if fp16.get("enabled") not in (False, "auto"):
+        fp16["enabled"] = False
+        changes.append("fp16.enabled true -> false (fp32 run)")
+    zero = config["zero_optimization"]
+    if system.startswith("ds") and zero.get("reduce_bucket_size") == 0:
+        # DeepSpeed 0.19.8's config model requires reduce_bucket_size > 0 (zero3 writes 0). A bucket of 1 element
+        # reduces each parameter on its own, which is what 0 means to accelerate_zero (shard_plan.plan_group).
+        zero["reduce_bucket_size"] = 1
+        changes.append(
+            "zero_optimization.reduce_bucket_size 0 -> 1 (DeepSpeed requires > 0; one parameter per bucket)"
+        )
+    if system.startswith("ds"):
+        # zero3 leaves the batch keys out; accelerate_zero takes them from the TrainingArguments, DeepSpeed asserts
+        # that one is given and transformers fills only keys present, so add them as "auto" (filled the same way).
+        added = [k for k in BATCH_KEYS if k not in config]
+        config.update(dict.fromkeys(added, "auto"))
+        if added:
+            changes.append(f'added {", ".join(added)}: "auto" (DeepSpeed needs them; accelerate_zero fills them)')
+    if offload == "none":
+        for key in ("offload_optimizer", "offload_param"):
+            if zero.pop(key, None) is not None:
+                changes.append(f"zero_optimization.{key} removed (--offload none)")
+    return config, changes
+
+
+# ------------------------------------------------------------------------------------------------------- worker
+def worker(system: str, args: argparse.Namespace) -> None:
+    """One rank of one system: train, time each optimizer step, write this rank's readings to <out>.rank<R>.json."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=VOCAB,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=INTERMEDIATE,
+            num_hidden_layers=args.layers,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
     )
-    model = LlamaForCausalLM(config)
-    rows = torch.randint(0, VOCAB, (4096, SEQ), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": row, "labels": row} for row in rows]
-    steps: list[tuple[float, float]] = []
-    blocked: list[float] = []
+    params = sum(p.numel() for p in model.parameters())
+    rows_needed = args.world_size * args.micro * args.accumulation * (args.warmup + args.steps + 1)
+    tokens = torch.randint(0, VOCAB, (rows_needed, SEQ), generator=torch.Generator().manual_seed(1))
+    train_rows = [{"input_ids": row, "labels": row} for row in tokens]
 
-    class Clock(TrainerCallback):
-        def __init__(self) -> None:
-            self.start: tuple[float, float] | None = None
-            self.engine: Any = None
+    readings: dict[str, list[float]] = {"cpu": [], "wall": [], "gather_wait": []}
+    holder: dict[str, Any] = {}
+
+    class StepClock(TrainerCallback):
+        """CPU and wall time between on_step_begin and on_step_end: one optimizer step (all its micro-steps)."""
+
+        begin: tuple[float, float] = (0.0, 0.0)
+
+        def _unit_scheduler(self) -> Any:
+            engine = getattr(holder.get("trainer"), "zero_engine", None)
+            return getattr(engine, "scheduler", None)
 
         def on_step_begin(self, *_: Any, **__: Any) -> None:
-            scheduler = getattr(self.engine, "scheduler", None)
-            if scheduler is not None:
+            scheduler = self._unit_scheduler()
+            if scheduler is not None and hasattr(scheduler, "blocked_seconds"):
                 scheduler.blocked_seconds = 0.0
-            self.start = (time.process_time(), time.perf_counter())
+            self.begin = (time.process_time(), time.perf_counter())
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
-            assert self.start is not None
-            steps.append((time.process_time() - self.start[0], time.perf_counter() - self.start[1]))
-            scheduler = getattr(self.engine, "scheduler", None)
-            if scheduler is not None:
-                blocked.append(scheduler.blocked_seconds)
+            cpu, wall = time.process_time() - self.begin[0], time.perf_counter() - self.begin[1]
+            readings["cpu"].append(cpu)
+            readings["wall"].append(wall)
+            scheduler = self._unit_scheduler()
+            if scheduler is not None and hasattr(scheduler, "blocked_seconds"):
+                readings["gather_wait"].append(scheduler.blocked_seconds)
 
-    clock = Clock()
-    common: dict[str, Any] = {
-        "output_dir": tempfile.mkdtemp(prefix="trainer_bench_"),
+    arguments: dict[str, Any] = {
+        "output_dir": str(Path(args.out).with_suffix(".trainer_output")),  # nothing is saved there
         "per_device_train_batch_size": args.micro,
         "gradient_accumulation_steps": args.accumulation,
         "max_steps": args.warmup + args.steps,
-        "learning_rate": 1e-4,
-        "max_grad_norm": 1.0,
-        "report_to": [],
+        **OPTIMIZER_ARGS,
         "use_cpu": True,
+        "report_to": [],
         "save_strategy": "no",
         "logging_strategy": "no",
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         "seed": 0,
     }
-    stage, offload = (int(system[2]), system.endswith("_offload")) if system != "ddp" else (0, False)
+    config, _ = system_config(system, args.offload)
     if system.startswith("az"):
         from accelerate_zero import Trainer, TrainingArguments
 
-        training_args = TrainingArguments(zero_config=_zero_config(stage, offload), **common)
-    elif system.startswith("ds"):
-        from transformers import Trainer, TrainingArguments
-
-        training_args = TrainingArguments(deepspeed=_zero_config(stage, offload), **common)
+        arguments["zero_config"] = config
     else:
         from transformers import Trainer, TrainingArguments
 
-        training_args = TrainingArguments(**common)
-    trainer = Trainer(model=model, args=training_args, train_dataset=data, callbacks=[clock])
-    if system.startswith("az"):
-
-        class FindEngine(TrainerCallback):
-            def on_train_begin(self, *_: Any, **__: Any) -> None:
-                clock.engine = getattr(trainer, "zero_engine", None) or _find_engine(trainer)
-
-        trainer.add_callback(FindEngine())
+        if system.startswith("ds"):
+            arguments["deepspeed"] = config
+    trainer = Trainer(
+        model=model, args=TrainingArguments(**arguments), train_dataset=train_rows, callbacks=[StepClock()]
+    )
+    holder["trainer"] = trainer
+    started = time.perf_counter()
     if args.profile and rank == 0:
         import cProfile
 
-        cProfile.runctx("trainer.train()", globals(), {"trainer": trainer}, str(Path(args.out).with_suffix(".prof")))
+        cProfile.runctx("trainer.train()", {}, {"trainer": trainer}, str(Path(args.out).with_suffix(".prof")))
     else:
         trainer.train()
-    timed = steps[args.warmup :]
+    train_seconds = time.perf_counter() - started
+    skip = args.warmup
     result = {
         "system": system,
         "rank": rank,
-        "cpu": [c for c, _ in timed],
-        "wall": [w for _, w in timed],
-        "blocked": blocked[args.warmup :],
-        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "params": sum(p.numel() for p in model.parameters()) if system in ("ddp", "az2", "ds2") else None,
+        "params": params,
+        "cpu": readings["cpu"][skip:],
+        "wall": readings["wall"][skip:],
+        "gather_wait": readings["gather_wait"][skip:],
+        "warmup_cpu": readings["cpu"][:skip],
+        "warmup_wall": readings["wall"][:skip],
+        "train_seconds": train_seconds,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "torch": torch.__version__,
+        "modules": _versions(),
     }
     Path(args.out).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
 
 
-def _find_engine(trainer: Any) -> Any:
-    """The accelerate_zero engine behind the Trainer's model (for the stage-3 gather wait), or None."""
-    for holder in (trainer, getattr(trainer, "accelerator", None)):
-        for name in ("zero_engine", "engine", "_engine"):
-            engine = getattr(holder, name, None)
-            if engine is not None and hasattr(engine, "reducer"):
-                return engine
-    from accelerate_zero.engine.gathered import _ENGINE_OF_PARAM
-
-    for param in trainer.model.parameters():
-        engine = _ENGINE_OF_PARAM.get(param)
-        if engine is not None:
-            return engine
-    return None
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in ("transformers", "accelerate", "deepspeed", "accelerate_zero"):
+        module = sys.modules.get(name)
+        if module is not None:
+            out[name] = (
+                f"{getattr(module, '__version__', '?')} ({Path(getattr(module, '__file__', '') or '?').parent})"
+            )
+    return out
 
 
-# -------------------------------------------------------------------------------------------------------- main
-def _launch(system: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]] | str:
+# --------------------------------------------------------------------------------------------------- launching
+def code_tree(args: argparse.Namespace, folder: Path) -> tuple[Path, str]:
+    """Where accelerate_zero is imported from: this checkout's working tree, or a `git archive` of its HEAD (no git
+    state changes) when others are editing the tree during the run."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    modified = _git("diff", "--name-only", "HEAD", "--", "accelerate_zero").split()
+    if args.code == "tree":
+        state = f"{len(modified)} modified files in accelerate_zero/" if modified else "accelerate_zero/ as committed"
+        return REPO, f"working tree at {commit} ({state})"
+    snapshot = folder / f"code_{commit}"
+    snapshot.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(snapshot)], input=archive.stdout, check=True)
+    unused = f", {len(modified)} modified files in the tree's accelerate_zero/ not used" if modified else ""
+    return snapshot, f"accelerate_zero from a git archive of HEAD {commit}{unused}"
+
+
+def _git(*command: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), *command], capture_output=True, text=True, check=False)
+    return done.stdout.strip()
+
+
+def launch(system: str, args: argparse.Namespace, out: Path, code: Path) -> list[dict[str, Any]] | str:
+    """Run one system on `--world_size` ranks; its per-rank readings, or why it did not run."""
     if system.startswith("ds"):
         python = args.ds_venv / "bin" / "python"
         if not python.exists():
             return f"skipped: no DeepSpeed virtualenv at {args.ds_venv}"
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ""}
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ""}  # never the project's code
     else:
         python = Path(sys.executable)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(code)}
     env["OMP_NUM_THREADS"] = "1"
     command = [
         str(python),
@@ -221,113 +273,208 @@ def _launch(system: str, args: argparse.Namespace, out: Path) -> list[dict[str, 
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={args.world_size}",
-        __file__,
-        "--worker",
-        system,
+        str(Path(__file__).resolve()),
+        f"--worker={system}",
         f"--out={out}",
         f"--steps={args.steps}",
         f"--warmup={args.warmup}",
         f"--layers={args.layers}",
         f"--micro={args.micro}",
         f"--accumulation={args.accumulation}",
+        f"--world_size={args.world_size}",
+        f"--offload={args.offload}",
         *(["--profile"] if args.profile else []),
     ]
     log = out.with_suffix(".log")
     with open(log, "w") as handle:
-        done = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=1800, check=False)
+        try:
+            done = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return f"failed: cut after {args.timeout} s (--timeout), see {log}"
     if done.returncode != 0:
-        return f"failed (exit {done.returncode}): see {log}"
+        return f"failed (exit {done.returncode}), see {log}"
     return [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(args.world_size)]
 
 
-def _summary(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
-    out = {}
+# ----------------------------------------------------------------------------------------------------- summary
+def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    """Per system: medians over every timed step of every round, per-round medians, peak RSS per rank."""
+    summary: dict[str, dict[str, Any]] = {}
     for system, rounds in runs.items():
-        ranks = [r for round_ in rounds for r in round_]
-        rank0 = [r for r in ranks if r["rank"] == 0]
-        cpu = statistics.median(v for r in rank0 for v in r["cpu"])
-        wall = statistics.median(v for r in rank0 for v in r["wall"])
-        blocked = [b / w for r in rank0 for b, w in zip(r["blocked"], r["wall"], strict=False)]
-        out[system] = {
-            "cpu_per_step": cpu,
-            "wall_per_step": wall,
-            "blocked_share": statistics.median(blocked) if blocked else None,
-            "max_rss_mb": max(r["max_rss_mb"] for r in ranks),
-            "steps": sum(len(r["cpu"]) for r in rank0),
-        }
-    if "ddp" in out:
-        for system in out:
-            out[system]["cpu_vs_ddp"] = out[system]["cpu_per_step"] / out["ddp"]["cpu_per_step"]
-            out[system]["wall_vs_ddp"] = out[system]["wall_per_step"] / out["ddp"]["wall_per_step"]
-    return out
+        if not rounds:
+            continue
+        by_rank: dict[int, list[dict[str, Any]]] = {}
+        for round_ in rounds:
+            for reading in round_:
+                by_rank.setdefault(reading["rank"], []).append(reading)
+        row: dict[str, Any] = {"rounds": len(rounds), "steps": sum(len(r["cpu"]) for r in by_rank[0])}
+        for rank, readings in sorted(by_rank.items()):
+            row[f"cpu_rank{rank}"] = statistics.median(v for r in readings for v in r["cpu"])
+            row[f"wall_rank{rank}"] = statistics.median(v for r in readings for v in r["wall"])
+            row[f"peak_rss_mib_rank{rank}"] = max(r["peak_rss_mib"] for r in readings)
+        row["cpu_rank0_by_round"] = [statistics.median(r["cpu"]) for r in by_rank[0]]
+        waits = [w / t for r in by_rank[0] for w, t in zip(r["gather_wait"], r["wall"], strict=False) if t > 0]
+        row["gather_wait_share"] = statistics.median(waits) if waits else None
+        row["params"] = by_rank[0][0]["params"]
+        summary[system] = row
+    base = summary.get("ddp")
+    for row in summary.values():
+        for key in [k for k in row if k.startswith(("cpu_rank", "wall_rank")) and not k.endswith("by_round")]:
+            row[f"{key}_vs_ddp"] = row[key] / base[key] if base is not None and key in base else None
+    return summary
 
 
-def _table(summary: dict[str, dict[str, Any]], notes: dict[str, str]) -> str:
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def table(summary: dict[str, dict[str, Any]], notes: dict[str, str]) -> str:
     lines = [
-        "| system | CPU s/step (rank 0) | vs DDP | goal | wall s/step | vs DDP | waiting for gathers | peak RSS/rank MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | CPU s/step rank 0 | vs DDP | goal | CPU s/step rank 1 | vs DDP | wall s/step rank 0 | vs DDP | "
+        "rank-0 CPU by round | waiting for gathers | peak RSS MiB rank 0 / 1 |",
+        "|---|--:|--:|---|--:|--:|--:|--:|---|--:|---|",
     ]
-    for system, s in summary.items():
+    for system, row in summary.items():
         goal = GOALS.get(system)
-        goal_text = f"<= {goal:.2f}: {'PASS' if s.get('cpu_vs_ddp', 9) <= goal else 'FAIL'}" if goal else ""
-        blocked = f"{100 * s['blocked_share']:.1f}%" if s["blocked_share"] is not None else ""
+        ratio = row.get("cpu_rank0_vs_ddp")
+        goal_text = ""
+        if goal is not None:
+            verdict = "no DDP run" if ratio is None else ("PASS" if ratio <= goal else "FAIL")
+            goal_text = f"<= {goal:.2f}: {verdict}"
+        wait = row["gather_wait_share"]
+        rss = " / ".join(f"{row[k]:.0f}" for k in sorted(row) if k.startswith("peak_rss_mib_rank"))
         lines.append(
-            f"| {system} | {s['cpu_per_step']:.3f} | {s.get('cpu_vs_ddp', float('nan')):.2f} | {goal_text} | "
-            f"{s['wall_per_step']:.3f} | {s.get('wall_vs_ddp', float('nan')):.2f} | {blocked} | {s['max_rss_mb']:.0f} |"
+            f"| {system} | {row['cpu_rank0']:.3f} | {_ratio(ratio)} | {goal_text} | {row.get('cpu_rank1', 0):.3f} | "
+            f"{_ratio(row.get('cpu_rank1_vs_ddp'))} | {row['wall_rank0']:.3f} | "
+            f"{_ratio(row.get('wall_rank0_vs_ddp'))} | "
+            f"{' / '.join(f'{v:.3f}' for v in row['cpu_rank0_by_round'])} | "
+            f"{'' if wait is None else f'{100 * wait:.1f}%'} | {rss} |"
         )
     for system, note in notes.items():
-        lines.append(f"| {system} | {note} | | | | | | |")
+        lines.append(f"| {system} | {note} | | | | | | | | | |")
     return "\n".join(lines)
 
 
+def header(meta: dict[str, Any]) -> str:
+    a = meta["args"]
+    loads = meta["load_averages"]
+    return (
+        f"Trainer, {a['world_size']} ranks, LlamaForCausalLM {meta['params'] / 1e6:.1f}M params (hidden {HIDDEN}, "
+        f"{a['layers']} layers, vocab {VOCAB}), fp32, micro-batch {a['micro']}, accumulation {a['accumulation']}, "
+        f"seq {SEQ}; {a['rounds']} rounds x {a['steps']} timed steps after {a['warmup']} warm-up; offload "
+        f"{a['offload']}; {meta['start_utc']} to {meta['end_utc']} UTC ({meta['seconds'] / 60:.1f} min); "
+        f"load average (1 min) {min(loads):.2f}-{max(loads):.2f}; code: {meta['code']}"
+    )
+
+
+def report(payload: dict[str, Any]) -> str:
+    meta = payload["meta"]
+    lines = [header(meta), ""]
+    for system, changes in meta["configs"].items():
+        lines.append(f"- {system}: " + "; ".join(changes))
+    lines += ["", table(payload["summary"], payload["notes"]), ""]
+    for system, goal in GOALS.items():
+        row = payload["summary"].get(system)
+        if row is not None and row.get("cpu_rank0_vs_ddp") is not None:
+            verdict = "PASS" if row["cpu_rank0_vs_ddp"] <= goal else "FAIL"
+            lines.append(
+                f"goal {system}: CPU time per step {row['cpu_rank0_vs_ddp']:.2f}x DDP's (rank 0), at most {goal:.2f}: "
+                f"{verdict}"
+            )
+    ddp = payload["summary"].get("ddp")
+    if ddp is not None and len(ddp["cpu_rank0_by_round"]) > 1:
+        spread = max(ddp["cpu_rank0_by_round"]) / min(ddp["cpu_rank0_by_round"])
+        lines.append(f"noise: DDP's per-round medians of rank-0 CPU time are {spread:.2f}x apart")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--systems", nargs="+", default=AZ_SYSTEMS + DS_SYSTEMS, choices=AZ_SYSTEMS + DS_SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per system and round")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per system and round")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the timed ones")
     parser.add_argument("--layers", type=int, default=LAYERS)
-    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=2, help="per-device train batch size")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--world_size", type=int, default=2)
+    parser.add_argument("--offload", choices=["as_written", "none"], default="as_written")
+    parser.add_argument(
+        "--code",
+        choices=["tree", "head"],
+        default="tree",
+        help="accelerate_zero from the working tree, or from a `git archive` of HEAD (for a tree others are editing)",
+    )
     parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"))
-    parser.add_argument("--json", type=Path, default=None, help="write the raw and summarized numbers here")
-    parser.add_argument("--profile", action="store_true", help="cProfile rank 0 (<out>.prof in the run folder)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds before one system's run is cut")
+    parser.add_argument("--json", type=Path, default=None, help="write the raw readings and the summary here")
+    parser.add_argument("--from_json", type=Path, default=None, help="print a saved run's report, run nothing")
+    parser.add_argument("--profile", action="store_true", help="cProfile rank 0 (a .prof beside each run's log)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args)
+        worker(args.worker, args)
         return
+    if args.from_json:
+        print(report(json.loads(args.from_json.read_text())))
+        return
+
+    start_utc = datetime.datetime.now(datetime.timezone.utc)
+    started = time.perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="trainer_bench_"))
+    code, code_text = code_tree(args, folder)
+    configs = {s: system_config(s, args.offload)[1] for s in args.systems if s != "ddp"}
     runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in args.systems}
     notes: dict[str, str] = {}
     loads = [os.getloadavg()[0]]
+    print(f"logs in {folder}; code: {code_text}", flush=True)
     for round_index in range(args.rounds):
         order = args.systems if round_index % 2 == 0 else args.systems[::-1]
         for system in order:
             if system in notes:
                 continue
-            result = _launch(system, args, folder / f"{system}_{round_index}")
+            mark = time.perf_counter()
+            result = launch(system, args, folder / f"{system}_round{round_index + 1}", code)
+            loads.append(os.getloadavg()[0])
             if isinstance(result, str):
                 notes[system] = result
-                runs.pop(system, None)
+                runs.pop(system)
                 print(f"{system}: {result}", flush=True)
                 continue
             runs[system].append(result)
-            print(f"{system} round {round_index}: done", flush=True)
-            loads.append(os.getloadavg()[0])
-    summary = _summary(runs)
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    print(
-        f"\nTrainer, {args.world_size} ranks, Llama {HIDDEN}x{args.layers} (vocab {VOCAB}), fp32, micro-batch "
-        f"{args.micro}, accumulation {args.accumulation}, {args.rounds} rounds x {args.steps} steps; commit "
-        f"{commit.stdout.strip()}, load average {min(loads):.1f}-{max(loads):.1f}\n"
-    )
-    print(_table(summary, notes))
+            print(
+                f"{system} round {round_index + 1}: rank-0 CPU s/step median {statistics.median(result[0]['cpu']):.3f}"
+                f" ({time.perf_counter() - mark:.0f} s, load {loads[-1]:.2f})",
+                flush=True,
+            )
+    summary = summarize(runs)
+    params = next((row["params"] for row in summary.values()), 0)
+    if args.code == "head":
+        shutil.rmtree(code, ignore_errors=True)
+    meta = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "start_utc": start_utc.strftime("%Y-%m-%d %H:%M"),
+        "end_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "seconds": time.perf_counter() - started,
+        "load_averages": loads,
+        "load_average_1_5_15_at_end": list(os.getloadavg()),
+        "code": code_text,
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "params": params,
+        "configs": configs,
+        "config_used": {s: system_config(s, args.offload)[0] for s in args.systems if s != "ddp"},
+        "versions": {s: copy.deepcopy(r[0][0].get("modules", {})) for s, r in runs.items() if r},
+    }
+    payload = {"meta": meta, "runs": runs, "summary": summary, "notes": notes}
+    print()
+    print(report(payload))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"runs": runs, "summary": summary, "notes": notes}, indent=1))
+        args.json.write_text(json.dumps(payload, indent=1))
+        print(f"\nraw readings: {args.json}")
 
 
 if __name__ == "__main__":
