@@ -661,6 +661,28 @@ class ZeroEngine:
         client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         return str(resolve_tag(Path(load_dir), tag)), client_state
 
+    def gather_groups(self) -> list[list[nn.Parameter]]:
+        """Stage 3: the parameters gathered together, one list per unit in unit order (the same on every rank);
+        empty at stages 0-2. What integrations walk instead of the units themselves."""
+        return [[p for flat in unit.flats for p in flat.params] for unit in self.units]
+
+    def meta_state_dict(self, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """The full state dict's keys, shapes and dtypes as meta tensors, without a collective and without holding a
+        weight (stage 3 parameters have their full shapes, not their placeholders'); `only` keeps just these keys."""
+        views = {
+            id(p): view
+            for unit in self.units
+            for flat in unit.flats
+            for p, view in zip(flat.params, flat.views, strict=True)
+        }
+        with self._state_dict_guard.disabled() if self._state_dict_guard else contextlib.nullcontext():
+            local = self.module.state_dict(keep_vars=True)
+        return {
+            name: torch.empty(views.get(id(t), t).shape, dtype=views.get(id(t), t).dtype, device="meta")
+            for name, t in local.items()
+            if only is None or name in only
+        }
+
     def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]:
         """The stage 3 gather units holding any of `params`, in unit order (the same on every rank)."""
         wanted = {id(p) for p in params}
