@@ -36,8 +36,11 @@ if TYPE_CHECKING:
     from accelerate_zero.engine.collectives import CommStats
     from accelerate_zero.engine.grad_reduce import GradReducer
     from accelerate_zero.engine.groups import DataParallelGroup
-    from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer, ShardSlice
-    from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit
+    from accelerate_zero.engine.shard_slice import ShardSlice
+    from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+    from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
+    from accelerate_zero.engine.stage3.param_unit import ParamUnit
+    from accelerate_zero.engine.stores import ShardStore
 
 
 class ZeroEngine(Protocol):
@@ -55,7 +58,7 @@ class ZeroEngine(Protocol):
     lr_scheduler: Any
     sharded_optimizer: ShardedOptimizer
     reducer: GradReducer
-    param_store: Any
+    shard_store: ShardStore
     global_steps: int
     micro_steps: int
     skipped_steps: int
@@ -385,8 +388,7 @@ def _load_slices(engine: ZeroEngine, reader: FragmentReader, names: dict[int, st
             sharded.write_params([shard_slice])
             if with_state and fragments:
                 engine.optimizer.state[master] = _slice_state(reader, fragments, master, _group_of(engine, master))
-    if engine.param_store is not None:
-        engine.param_store.flush()
+    engine.shard_store.flush()
 
 
 def _group_of(engine: ZeroEngine, master: torch.Tensor) -> dict[str, Any]:
@@ -422,7 +424,7 @@ def _slice_state(
 
 def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, str], from_model: set[str]) -> None:
     """Frozen shards and the parameters no rank shards; those in `from_model` (checked) keep the model's values."""
-    store = engine.param_store
+    store = engine.shard_store
     for flat in _frozen_flats(engine):
         if all(names[id(p)] in from_model for p in flat.params):
             continue
@@ -432,8 +434,7 @@ def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, st
                 shard[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
         if shard is not flat.shard:
             store.overwrite(flat, shard)
-    if store is not None:
-        store.flush()
+    store.flush()
     covered = _covered(engine)
     for name, param in engine.module.named_parameters():
         if id(param) in covered or name in from_model:
@@ -450,8 +451,7 @@ def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, st
 
 def _shard_values(engine: ZeroEngine, flat: FlatUnitBuffer) -> torch.Tensor:
     """A stage-3 flat's shard, read from its file under NVMe parameter offload."""
-    store = engine.param_store
-    return store.read(flat) if store is not None and store.swapped(flat) else flat.shard
+    return engine.shard_store.read(flat)
 
 
 def _validate_tag(engine: ZeroEngine, tag: str) -> None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from accelerate_zero.engine.host_grads import HostStaging
     from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
     from accelerate_zero.engine.stage3.param_unit import ParamUnit
+    from accelerate_zero.engine.stores import ShardStore
     from accelerate_zero.offload.policy import OffloadPolicy
 
 
@@ -30,7 +31,7 @@ class EngineState(Protocol):
     offload: OffloadPolicy
     host_staging: HostStaging | None
     grad_store: Any
-    param_store: Any
+    shard_store: ShardStore
 
 
 def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]:
@@ -94,10 +95,7 @@ def engine_memory(engine: EngineState) -> dict[str, int]:
     host_bytes = bytes_by_kind(host)
     host_bytes["host_total"] = host_bytes.pop("total")
     out.update(host_bytes)
-    swapper = engine.sharded_optimizer.swapper
-    out["nvme_bytes"] = swapper.file_bytes() if swapper is not None else 0
-    if engine.param_store is not None:
-        out["nvme_bytes"] += engine.param_store.file_bytes()
+    out["nvme_bytes"] = engine.sharded_optimizer.step_runner.file_bytes() + engine.shard_store.file_bytes()
     if engine.grad_store is not None:
         out["nvme_bytes"] += engine.grad_store.file_bytes()
     out["communication_buffers_peak"] = engine.reducer.peak_transient_bytes

@@ -1,15 +1,9 @@
-"""ZeroEngine: builds a stage's components from one resolved config; the only object integrations call.
-
-A stage is a composition, not a flag:
-- stage 0: buckets all-reduced (ALL_REDUCE), one shard per rank holding everything (data parallelism);
-- stage 1: buckets reduce-scattered at the accumulation boundary (SCATTER_IN_PLACE), optimizer on the shard;
-- stage 2: buckets reduce-scattered on every micro-step into shard-sized gradients (SCATTER_TO_SHARD).
-"""
+"""ZeroEngine: runs the parts engine/assemble.py built (forward, backward, step), and is DeepSpeed's engine API;
+the only object integrations call."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -23,48 +17,24 @@ from torch import nn
 from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
 from accelerate_zero.checkpoint.io import resolve_tag
 from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, resolve_config
-from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
 from accelerate_zero.debug.memory import engine_memory
 from accelerate_zero.engine import collectives
-from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
+from accelerate_zero.engine.assemble import assemble
 from accelerate_zero.engine.collectives import CommStats
-from accelerate_zero.engine.flat_buffer import all_gather_params, build_group_shard, group_slices
 from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
-from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
-from accelerate_zero.engine.host_copies import HostCopies
-from accelerate_zero.engine.host_grads import HostGradient, HostStaging
-from accelerate_zero.engine.loss_scaler import build_loss_scaler
 from accelerate_zero.engine.progress import BackwardPositionCheck
 from accelerate_zero.engine.setup import (
     build_lr_scheduler_for,
-    build_optimizer_for,
     cast_forward_inputs,
     check_implemented,
-    dtype_from_name,
     forward_input_dtype,
-    trainable_param_groups,
 )
-from accelerate_zero.engine.shard_plan import plan_group
-from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer, ShardSlice
-from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
-from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, register_entry_hooks, register_unit_hooks
-from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
-from accelerate_zero.engine.stage3.schedule import UnitScheduler
-from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_log import StepLog
-from accelerate_zero.offload.host_memory import HostMemory
-from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
-from accelerate_zero.offload.nvme_grads import NvmeGradStore
-from accelerate_zero.offload.nvme_params import build_param_store, choose_swapped
-from accelerate_zero.offload.policy import offload_masters, offload_policy, use_fused_cpu_step
-from accelerate_zero.optim.fused import prefer_fused_step
 
 
 logger = logging.getLogger(__name__)
-
-_MODE_BY_STAGE = {0: ReduceMode.ALL_REDUCE, 1: ReduceMode.SCATTER_IN_PLACE, 2: ReduceMode.SCATTER_TO_SHARD}
 
 
 def initialize(
@@ -136,18 +106,29 @@ class ZeroEngine:
                 "accelerate_zero.initialize, or pass resolve_config(config, world_size=...)"
             )
         self.module, self.config, self.dp, self.device = module, config, dp, device
-        self.unit_classes = unit_classes
         self.stage = config.zero_optimization.stage
         self.compute_dtype = config.compute_dtype
         self.comm_stats_counter = CommStats()
-        self.host_copies = HostCopies(device)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self._position_check = BackwardPositionCheck(dp, self.comm_stats_counter, device)
         self._global_grad_norm: float | None = None
-        self._init_module()
-        self.optimizer = build_optimizer_for(module, optimizer, config)
-        self._init_shards()
+        parts = assemble(
+            module,
+            optimizer,
+            config,
+            dp=dp,
+            device=device,
+            stats=self.comm_stats_counter,
+            progress=lambda: self.micro_steps,
+            unit_classes=unit_classes,
+        )
+        self.optimizer = parts.optimizer
+        self.offload, self.host_copies, self.host_memory = parts.offload, parts.host_copies, parts.host_memory
+        self.groups, self.units, self.scheduler = parts.groups, parts.units, parts.scheduler
+        self.reducer, self.sharded_optimizer = parts.reducer, parts.sharded_optimizer
+        self.shard_store, self.grad_store, self.host_staging = parts.shard_store, parts.grad_store, parts.host_staging
+        self._state_dict_guard, self._hooks = parts.state_dict_guard, parts.hooks
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
         self.step_log = StepLog(config, rank=dp.rank, device=device)
         register_engine_params(self)
@@ -158,268 +139,6 @@ class ZeroEngine:
             dp.world_size,
             len(self.reducer.buckets),
             self.compute_dtype,
-        )
-
-    # ------------------------------------------------------------------ setup
-    def _init_module(self) -> None:
-        if self.stage == 3:
-            return  # [Note: stage 3 initialisation, unit by unit] in engine/stage3/build.py: _place_stage3_module
-        self.module.to(self.device)
-        if self.compute_dtype != torch.float32:
-            for param in self.module.parameters():
-                if param.is_floating_point():
-                    param.data = param.data.to(self.compute_dtype)
-        # Every rank starts from rank 0's weights and buffers, as DDP and DeepSpeed do.
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            collectives.broadcast(tensor.data, 0, self.dp, self.comm_stats_counter)
-
-    def _init_shards(self) -> None:
-        zero = self.config.zero_optimization
-        # [Note: fp32 gradients under mixed precision] in config/schema.py
-        grad_dtype = dtype_from_name(self.config.data_types.grad_accum_dtype or DEFAULT_GRAD_ACCUM_DTYPE)
-        dtypes = DtypePlan(
-            self.compute_dtype, grad_dtype, dtype_from_name(self.config.communication_data_type) or grad_dtype
-        )
-        trainable = trainable_param_groups(self.module, self.optimizer)
-        self.offload = offload_policy(self.config)
-        # [Note: pinned memory at its size] in offload/host_memory.py
-        self.host_memory = HostMemory(pin=self.offload.pin_memory and self.device.type == "cuda")
-        if self.offload.optimizer:
-            # Gradients go to host memory as each bucket is reduced: no device gradient shard is kept.
-            zero = dataclasses.replace(zero, contiguous_gradients=False)
-        self.units: list[ParamUnit] = []
-        self.scheduler: UnitScheduler | None = None
-        self._state_dict_guard: PlaceholderStateDictGuard | None = None
-        if self.stage == 3:
-            buckets, locations, slices, on_complete, spilled = self._init_stage3(trainable, dtypes, zero)
-        else:
-            num_shards = 1 if self.stage == 0 else self.dp.world_size
-            self.groups = [
-                build_group_shard(
-                    params,
-                    plan_group([tuple(p.shape) for p in params], zero.reduce_bucket_size, num_shards),
-                    rank=self.dp.rank if num_shards > 1 else 0,
-                    mode=_MODE_BY_STAGE[self.stage],
-                    compute_dtype=dtypes.compute,
-                    grad_dtype=dtypes.grad,
-                    comm_dtype=dtypes.comm,
-                    device=self.device,
-                    contiguous_gradients=zero.contiguous_gradients,
-                )
-                for params in trainable
-            ]
-            buckets, locations = self._order_group_buckets()
-            slices, on_complete, spilled = [group_slices(shard) for shard in self.groups], None, {}
-        self.param_store = None
-        if self.offload.param_nvme_path is not None:  # first: the masters below read swapped shards from files
-            slices = self._init_param_store(slices, spilled)
-        if not set(spilled) <= set(self.param_store.shards if self.param_store is not None else ()):
-            raise ValueError(
-                "the model was loaded by accelerate_zero.from_pretrained with NVMe parameter offload that this "
-                "engine's config does not match (offload_param.device, max_in_cpu or the unit layout): pass "
-                "initialize the same config as from_pretrained"
-            )
-        if self.offload.optimizer:
-            slices = offload_masters(slices, self.offload, self._slice_values, self.host_memory)
-            use_fused_cpu_step(self.optimizer, self.config.zero_force_ds_cpu_optimizer)
-        else:
-            prefer_fused_step(self.optimizer, [s.master for group in slices for s in group])
-        swapper, self.grad_store, self.host_staging = None, None, None
-        # Stages 2 and 3 reduce each bucket to a slice this rank keeps until the step: under NVMe offload it goes
-        # to a file too. Stages 0 and 1 hold their full gradient on the device anyway.
-        swapped_grads = [b for b in buckets if b.mode is ReduceMode.SCATTER_TO_SHARD]
-        if self.offload.nvme_path is not None:
-            numel = sum(s.end - s.start for group in slices for s in group)
-            grad_numel = sum(b.plan.shard_numel for b in swapped_grads)
-            folder = check_nvme_path(
-                self.offload.nvme_path,
-                self.dp.rank,
-                numel,
-                grad_numel,
-                world_size=self.dp.world_size,
-                barrier=lambda: collectives.barrier(self.dp),
-            )
-            swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
-            self.grad_store = NvmeGradStore(
-                folder / "gradients.bin", swapped_grads, self.offload.buffer_count, self.host_copies
-            )
-            for bucket in swapped_grads:
-                bucket.grad_store = self.grad_store
-        if self.offload.optimizer:
-            # Allocated once the shards and masters went to their files, so the start-up peak is not both.
-            in_host = [bucket for bucket in buckets if bucket.grad_store is None]
-            self.host_staging = staging = HostStaging(
-                max((b.plan.shard_numel for b in in_host), default=0),
-                lambda numel: self.host_memory.zeros(numel, torch.float32),
-            )
-            for bucket in in_host:
-                values = self.host_memory.zeros(bucket.plan.shard_numel, torch.float32)
-                bucket.host_grad = HostGradient(values, staging, self.host_copies)
-        self.reducer = self._build_reducer(buckets, locations, on_complete)
-        self.reducer.register_hooks()
-        self.sharded_optimizer = self._build_sharded_optimizer(slices)
-        self.sharded_optimizer.param_store, self.sharded_optimizer.swapper = self.param_store, swapper
-        self.sharded_optimizer.switch_param_groups()
-
-    def _slice_values(self, shard_slice: ShardSlice) -> torch.Tensor:
-        """The parameter values of a slice (read from its file when the NVMe parameter store holds its shard)."""
-        if self.param_store is not None and self.param_store.holds(shard_slice):
-            return self.param_store.read_slice(shard_slice)
-        return shard_slice.params
-
-    def _init_param_store(self, slices: list[list[ShardSlice]], spilled: dict[int, Path]) -> list[list[ShardSlice]]:
-        """offload_param nvme: moves unit shards into files (adopting those partitioned loading already wrote);
-        returns the slices, none stepping a swapped shard."""
-        config = self.config.zero_optimization.offload_param
-        swapped = choose_swapped(self.units, config.max_in_cpu)
-        in_files = {id(unit.bucket) for unit, flat in swapped if flat is unit.trainable}
-        self.param_store = build_param_store(
-            config.nvme_path,
-            self.dp.rank,
-            swapped,
-            buffer_count=config.buffer_count,
-            buffer_size=config.buffer_size,
-            # page-locked buffers only help (and only exist) when an accelerator copies from them
-            pin_memory=config.pin_memory and self.device.type != "cpu",
-            spilled=spilled,
-        )
-
-        def own_master(s: ShardSlice) -> ShardSlice:
-            # An fp32 master that was the shard itself went to the file with it: the optimizer gets a copy (under
-            # optimizer offload every master is replaced by a host or NVMe one anyway).
-            if s.aliased and id(s.bucket) in in_files and not self.offload.optimizer:
-                return ShardSlice(s.bucket, s.start, s.end, self._slice_values(s).clone(), s.params)
-            return s
-
-        slices = [[own_master(s) for s in group] for group in slices]
-        for unit in self.units:
-            unit.store = self.param_store
-        assert self.scheduler is not None
-        self.scheduler.param_store = self.param_store
-        return slices
-
-    def _init_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
-        leaf = zero.leaf_module
-        extra = [*leaf.classes, *leaf.names] if leaf is not None else []
-        layout = layout_units(
-            self.module,
-            find_unit_modules(self.module, self.unit_classes, extra_leaf=extra),
-            zero.stage3_param_persistence_threshold,
-            model_persistence_threshold=zero.stage3_model_persistence_threshold,
-            numel_of=preloaded_numel(self.module),
-        )
-
-        def from_rank_0(tensor: torch.Tensor) -> None:
-            collectives.broadcast(tensor, 0, self.dp, self.comm_stats_counter)
-
-        parts = build_stage3(
-            self.module,
-            layout,
-            trainable,
-            rank=self.dp.rank,
-            world_size=self.dp.world_size,
-            dtypes=dtypes,
-            device=self.device,
-            reduce_bucket_numel=zero.reduce_bucket_size,
-            contiguous_gradients=zero.contiguous_gradients,
-            host_memory=self.host_memory if self.offload.params else None,
-            broadcast=from_rank_0,
-        )
-        self.groups, self.units = parts.persistent_groups, parts.units
-        self.scheduler = UnitScheduler(
-            parts.units,
-            parts.root,
-            self.dp,
-            self.comm_stats_counter,
-            prefetch_numel=zero.stage3_prefetch_bucket_size,
-            max_live_numel=zero.stage3_max_live_parameters,
-            max_reuse_distance=zero.stage3_max_reuse_distance,
-            use_all_reduce=zero.stage3_use_all_reduce_for_fetch_params,
-            copies=self.host_copies,
-        )
-        self._unit_hooks = register_unit_hooks(parts.units, self.scheduler)
-        self._unit_hooks += register_entry_hooks(self.module, parts.units, self.scheduler)  # sub-module calls
-        # Under stage 3 every forward is a collective: transformers' generate() must keep all ranks stepping
-        # until the longest sequence is done (synced_gpus). It enables that for modules flagged this way.
-        self.module._is_fsdp_managed_module = True
-        self._state_dict_guard = PlaceholderStateDictGuard()
-        self._unit_hooks.append(self.module.register_state_dict_post_hook(self._state_dict_guard))
-        scheduler = self.scheduler
-
-        def on_complete(index: int) -> None:
-            unit = parts.unit_of_bucket.get(index)
-            if unit is not None:
-                scheduler.post_backward(unit)
-
-        return parts.buckets, parts.locations, parts.slices_by_group, on_complete, parts.spilled
-
-    def _order_group_buckets(self) -> tuple[list[GradBucket], dict]:
-        position = {param: i for i, param in enumerate(self.module.parameters())}
-        entries = [(shard, bucket) for shard in self.groups for bucket in shard.buckets]
-        # Launch order = the order backward completes buckets: the bucket whose first parameter comes last in
-        # the model completes first ([Note: collective order is the same on every rank]).
-        entries.sort(key=lambda e: -min(position[e[0].params[s.param_index]] for s in e[1].plan.slots))
-        locations = {}
-        for index, (shard, bucket) in enumerate(entries):
-            for slot in bucket.plan.slots:
-                locations[shard.params[slot.param_index]] = (index, slot)
-        return [bucket for _, bucket in entries], locations
-
-    def _build_reducer(self, buckets: list[GradBucket], locations: dict, on_complete: Any) -> GradReducer:
-        zero = self.config.zero_optimization
-        comm_dtypes = {bucket.comm_dtype for bucket in buckets} or {torch.float32}
-        assert len(comm_dtypes) == 1, f"buckets of one engine reduce in one dtype, got {comm_dtypes}"
-        scaling = GradScaling(
-            self.dp.world_size,
-            self.config.prescale_gradients,
-            self.config.gradient_predivide_factor,
-            comm_dtypes.pop(),
-        )
-        # Two reductions in flight overlap backward as well as more would, and bound the full-size buffers (stages 2
-        # and 3) and the temporaries of a reduction (casts, [Note: reduce-scatter on gloo]) at every stage.
-        in_flight = 2 if zero.overlap_comm else 0
-        return GradReducer(
-            buckets,
-            locations,
-            self.dp,
-            self.comm_stats_counter,
-            scaling,
-            use_reduce_scatter=zero.reduce_scatter,
-            max_in_flight=in_flight,
-            ignore_unused_parameters=zero.ignore_unused_parameters,
-            param_names={p: n for n, p in self.module.named_parameters()},
-            on_bucket_complete=on_complete,
-        )
-
-    def _build_sharded_optimizer(self, slices: list[list[ShardSlice]]) -> ShardedOptimizer:
-        zero = self.config.zero_optimization
-        sharded = self.stage > 0 and self.dp.world_size > 1
-
-        def publish() -> None:
-            if sharded:
-                all_gather_params(
-                    self.groups,
-                    self.dp,
-                    self.comm_stats_counter,
-                    max_numel_in_flight=zero.allgather_bucket_size,
-                    use_all_gather=zero.allgather_partitions,
-                )
-            if self.scheduler is not None:
-                self.scheduler.release_all()  # gathered copies are stale now
-
-        return ShardedOptimizer(
-            self.optimizer,
-            slices,
-            self.dp,
-            self.comm_stats_counter,
-            sharded=sharded,
-            gradient_clipping=self.config.gradient_clipping,
-            loss_scaler=build_loss_scaler(self.config),
-            check_overflow=bool(self.config.fp16.enabled or self.config.bf16.check_overflow),
-            publish=publish,
-            device=self.device,
-            progress=lambda: self.micro_steps,
-            copies=self.host_copies,
         )
 
     # --------------------------------------------------------------- training
@@ -712,12 +431,10 @@ class ZeroEngine:
         self.reducer.remove_hooks()
         if self.grad_store is not None:
             self.grad_store.close()
-        if self.sharded_optimizer.swapper is not None:
-            self.sharded_optimizer.swapper.close()
-        if self.param_store is not None:
-            self.param_store.close()
+        self.sharded_optimizer.step_runner.close()
+        self.shard_store.close()
         self.host_copies.drain()  # before the pinned memory they may copy from is unregistered
         self.host_memory.close()
-        for handle in getattr(self, "_unit_hooks", []):
+        for handle in self._hooks:
             handle.remove()
         unregister_engine_params(self)

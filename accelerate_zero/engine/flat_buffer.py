@@ -17,7 +17,7 @@ from accelerate_zero.engine.buckets import GradBucket, ReduceMode
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.shard_plan import GroupPlan
-from accelerate_zero.engine.sharded_optimizer import ShardSlice
+from accelerate_zero.engine.shard_slice import ShardSlice
 
 
 @dataclass

@@ -9,12 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from accelerate_zero.engine import collectives
-from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
@@ -22,23 +20,8 @@ from accelerate_zero.engine.loss_scaler import LossScaler
 from accelerate_zero.engine.norms import sum_of_squares
 from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
 from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
-
-
-@dataclass(frozen=True)
-class ShardSlice:
-    """A contiguous run of this rank's shard that one optimizer param group steps as one tensor."""
-
-    bucket: GradBucket
-    """Where the averaged gradient of this run comes from."""
-    start: int
-    end: int
-    """The run, relative to the bucket's reduced shard."""
-    master: torch.Tensor  # fp32, end - start; the same tensor as `params` when training in fp32
-    params: torch.Tensor  # compute dtype, end - start: the stored shard of the parameters
-
-    @property
-    def aliased(self) -> bool:
-        return self.master is self.params
+from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 
 
 @dataclass(frozen=True)
@@ -67,6 +50,8 @@ class ShardedOptimizer:
         device: torch.device,
         progress: Callable[[], int] | None = None,
         copies: HostCopies | None = None,
+        step_runner: StepRunner | None = None,
+        shard_store: ShardStore | None = None,
     ) -> None:
         """
         Args:
@@ -77,6 +62,9 @@ class ShardedOptimizer:
             progress: this rank's micro-step counter, compared across ranks at every step ([Note: ranks out of
                 step]); None: not checked.
             copies: how masters in host memory reach device parameters (engine/host_copies.py).
+            step_runner: how the step reaches masters and state ([Note: offload is a store, not a flag] in
+                engine/stores.py); default: all in memory.
+            shard_store: where stage-3 shards live; slices it `holds` are read and written through it.
         """
         self.optimizer, self.slices_by_group, self.dp, self.stats = optimizer, slices_by_group, dp, stats
         self.sharded, self.gradient_clipping = sharded, gradient_clipping
@@ -84,11 +72,9 @@ class ShardedOptimizer:
         self.device, self.progress = device, progress
         self.copies = copies if copies is not None else HostCopies(device)
         """Where the norm is all-reduced (gradients may live in host memory under offload)."""
-        self.swapper: Any = None
-        """NVMe offload (offload/nvme.py): steps the slices sub-group by sub-group from files."""
-        self.param_store: Any = None
-        """NVMe parameter offload (offload/nvme_params.py): the stage-3 shards of some slices live in files."""
         self.slices = [s for group in slices_by_group for s in group]
+        self.step_runner = step_runner if step_runner is not None else StepsInMemory(self.slices)
+        self.shard_store = shard_store if shard_store is not None else ShardsInMemory()
         self.buckets = list({id(s.bucket): s.bucket for s in self.slices}.values())
 
     def switch_param_groups(self) -> None:
@@ -122,12 +108,8 @@ class ShardedOptimizer:
         if self.gradient_clipping > 0:
             # Same coefficient as torch.nn.utils.clip_grad_norm_, folded into the unscale multiply.
             coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        if self.swapper is None:
-            self.step_slices(self.slices, coefficient)
-        else:
-            self.swapper.step(self, coefficient)
-        if self.param_store is not None:
-            self.param_store.flush()
+        self.step_runner.step(self, coefficient)
+        self.shard_store.flush()
         self.publish()
         return StepOutcome(grad_norm=norm, overflow=False)
 
@@ -145,8 +127,8 @@ class ShardedOptimizer:
     def write_params(self, slices: list[ShardSlice]) -> None:
         """Copies the masters of `slices` into the parameter shards (into their files under NVMe offload)."""
         for shard_slice in slices:
-            if self.param_store is not None and self.param_store.holds(shard_slice):
-                self.param_store.write_slice(shard_slice)
+            if self.shard_store.holds(shard_slice):
+                self.shard_store.write_slice(shard_slice)
             elif not shard_slice.aliased:
                 self.copies.into_device(shard_slice.master, shard_slice.params)
 
@@ -193,18 +175,15 @@ class ShardedOptimizer:
         self.copies.drain()
         for slices in self.resident_slices(write_back=True):
             for shard_slice in slices:
-                if self.param_store is not None and self.param_store.holds(shard_slice):
-                    shard_slice.master.copy_(self.param_store.read_slice(shard_slice))
+                if self.shard_store.holds(shard_slice):
+                    shard_slice.master.copy_(self.shard_store.read_slice(shard_slice))
                 elif not shard_slice.aliased:
                     shard_slice.master.copy_(shard_slice.params)
 
     def resident_slices(self, write_back: bool) -> Iterator[list[ShardSlice]]:
         """Every slice, in batches whose masters and optimizer state are in memory while the batch is used (all
         at once, or one NVMe sub-group at a time: with `write_back` changes go back to its file)."""
-        if self.swapper is None:
-            yield self.slices
-        else:
-            yield from self.swapper.each_resident(self.optimizer, write_back)
+        yield from self.step_runner.each_resident(self.optimizer, write_back)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Master weights and optimizer state tensors (for memory accounting)."""

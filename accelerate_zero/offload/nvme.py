@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from accelerate_zero.engine.sharded_optimizer import ShardSlice
+from accelerate_zero.engine.shard_slice import ShardSlice
 
 
 if TYPE_CHECKING:
-    from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+    from accelerate_zero.engine.stores import SliceStepper
 
 # exp_avg and exp_avg_sq for Adam-like optimizers: the most any torch optimizer keeps per element.
 _STATES_PER_ELEMENT = 2
@@ -194,7 +194,7 @@ class NvmeSwapper:
             raise write_error(partial, sum(t.numel() * t.element_size() for t in tensors.values()), error) from error
         os.replace(partial, self._file(index))
 
-    def step(self, sharded: ShardedOptimizer, coefficient: float) -> None:
+    def step(self, sharded: SliceStepper, coefficient: float) -> None:
         """One optimizer step over every sub-group, reading ahead and writing behind."""
         optimizer = sharded.optimizer
         all_params = [group["params"] for group in optimizer.param_groups]

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from accelerate_zero.engine.sharded_optimizer import ShardSlice
-from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit
+from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
+from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.offload.nvme import check_folder, read_at, tensor_bytes, write_at
 
 
@@ -80,30 +81,56 @@ class SwappedShard:
 
 
 class NvmeParamStore:
-    """Keeps unit shards in files and brings them into memory for the all-gather (see the notes above)."""
+    """A `ShardStore` (engine/stores.py) keeping some unit shards in files and bringing them into memory for the
+    all-gather (see the notes above); the shards it was not given stay in memory.
 
-    def __init__(
-        self,
-        folder: Path,
-        swapped: list[tuple[ParamUnit, FlatUnitBuffer]],
-        buffer_count: int,
-        pin_memory: bool,
-        spilled: dict[int, Path] | None = None,
-    ) -> None:
-        """`spilled`: id(flat) -> the file partitioned loading already wrote its shard to (moved, not copied)."""
-        self.folder, self.buffer_count, self.pin_memory = folder, max(1, buffer_count), pin_memory
+    Built before the units (they are constructed with it), empty; `take` then moves the chosen shards into files."""
+
+    def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int, pin_memory: bool) -> None:
+        self.nvme_path, self.rank, self.buffer_size = nvme_path, rank, buffer_size
+        self.buffer_count, self.pin_memory = max(1, buffer_count), pin_memory
+        self.folder: Path | None = None
         self.shards: dict[int, SwappedShard] = {}  # id(flat) -> its file
         self.by_bucket: dict[int, SwappedShard] = {}  # id(unit.bucket) -> the trainable flat's file
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="accelerate_zero_nvme_params")
+        self._writes: collections.deque[Future] = collections.deque()
+        self.peak_resident = 0
+        """Most swapped shards in memory (or in flight to a file) at once."""
+        self._finalizer: weakref.finalize | None = None
+
+    def take(self, swapped: list[tuple[ParamUnit, FlatUnitBuffer]], spilled: dict[int, Path] | None = None) -> None:
+        """Checks `buffer_size` and the path, then moves the `swapped` shards into files (once).
+
+        `spilled`: id(flat) -> the file partitioned loading already wrote its shard to (moved, not copied).
+
+        Raises:
+            ValueError: a shard is larger than `buffer_size` (naming the unit and the size needed).
+            OSError: the path is not writable or lacks room (naming the host, the path and the bytes).
+        """
+        assert self.folder is None, "NvmeParamStore.take() is called once"
+        largest = max(swapped, key=lambda e: e[1].plan.shard_numel, default=None)
+        if largest is not None and largest[1].plan.shard_numel > self.buffer_size:
+            unit, flat = largest
+            raise ValueError(
+                f"zero_optimization.offload_param.buffer_size={self.buffer_size} is smaller than the shard of unit "
+                f"{unit.name or '<root>'!r} ({flat.plan.shard_numel} elements on rank {self.rank}): set buffer_size "
+                f"to at least {flat.plan.shard_numel}"
+            )
+        needed = sum(flat.plan.shard_numel * flat.shard.element_size() for _, flat in swapped)
+        self.folder = folder = check_folder(
+            "zero_optimization.offload_param.nvme_path",
+            self.nvme_path,
+            param_rank_folder(self.nvme_path, self.rank),
+            self.rank,
+            needed,
+            "its parameter shards",
+        )
         for unit, flat in swapped:
             kind = "trainable" if flat is unit.trainable else "frozen"
             entry = SwappedShard(flat, folder / f"unit{unit.index:05d}_{kind}.bin")
             self.shards[id(flat)] = entry
             if flat is unit.trainable and unit.bucket is not None:
                 self.by_bucket[id(unit.bucket)] = entry
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="accelerate_zero_nvme_params")
-        self._writes: collections.deque[Future] = collections.deque()
-        self.peak_resident = 0
-        """Most swapped shards in memory (or in flight to a file) at once."""
         spilled = spilled or {}
         for entry in self.shards.values():
             if id(entry.flat) in spilled:
@@ -138,16 +165,15 @@ class NvmeParamStore:
             flat.shard = flat.shard.new_empty(0)
             entry.resident = False
 
-    def read_ahead(self, units: list[ParamUnit]) -> None:
-        """Starts reading the shards of the units gathered next, while buffers are free."""
-        for unit in units:
-            for flat in unit.flats:
-                entry = self.shards.get(id(flat))
-                if entry is None or entry.resident:
-                    continue
-                if self._resident_count() >= self.buffer_count - 1:  # one buffer stays free for acquire()
-                    return
-                self._start_read(entry)
+    def read_ahead(self, flats: list[FlatUnitBuffer]) -> None:
+        """Starts reading the shards of the flat buffers gathered next, while buffers are free."""
+        for flat in flats:
+            entry = self.shards.get(id(flat))
+            if entry is None or entry.resident:
+                continue
+            if self._resident_count() >= self.buffer_count - 1:  # one buffer stays free for acquire()
+                return
+            self._start_read(entry)
 
     def _start_read(self, entry: SwappedShard) -> None:
         while self._writes:  # a shard file is read only once every write into it landed
@@ -179,15 +205,21 @@ class NvmeParamStore:
         return self.read(entry.flat)[shard_slice.start : shard_slice.end]
 
     def read(self, flat: FlatUnitBuffer) -> torch.Tensor:
-        """A copy of the whole shard (checkpoints, GatheredParameters writes)."""
-        entry = self.shards[id(flat)]
+        """A copy of the whole shard (checkpoints, GatheredParameters writes); a shard kept in memory as it is."""
+        entry = self.shards.get(id(flat))
+        if entry is None:
+            return flat.shard
         self.flush()
         values = torch.empty(flat.plan.shard_numel, dtype=flat.shard.dtype)
         read_at(entry.path, 0, values)
         return values
 
     def overwrite(self, flat: FlatUnitBuffer, values: torch.Tensor, offset: int = 0) -> None:
-        self._write(self.shards[id(flat)], offset, values.detach().to(flat.shard.dtype, copy=True).cpu())
+        entry = self.shards.get(id(flat))
+        if entry is None:
+            flat.shard[offset : offset + values.numel()].copy_(values)
+            return
+        self._write(entry, offset, values.detach().to(flat.shard.dtype, copy=True).cpu())
 
     def _write(self, entry: SwappedShard, offset: int, values: torch.Tensor) -> None:
         self.release(entry.flat)  # a copy read ahead before this write would be stale
@@ -212,7 +244,8 @@ class NvmeParamStore:
     def close(self) -> None:
         self.flush()
         self._pool.shutdown(wait=True)
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def choose_swapped(units: list[ParamUnit], max_in_cpu: int) -> list[tuple[ParamUnit, FlatUnitBuffer]]:
@@ -220,39 +253,3 @@ def choose_swapped(units: list[ParamUnit], max_in_cpu: int) -> list[tuple[ParamU
     flats = [(unit, flat) for unit in units for flat in unit.flats]
     flags = swapped_flags([flat.plan.shard_numel for _, flat in flats], max_in_cpu)
     return [entry for entry, swapped in zip(flats, flags, strict=True) if swapped]
-
-
-def build_param_store(
-    nvme_path: str,
-    rank: int,
-    swapped: list[tuple[ParamUnit, FlatUnitBuffer]],
-    *,
-    buffer_count: int,
-    buffer_size: int,
-    pin_memory: bool,
-    spilled: dict[int, Path] | None = None,
-) -> NvmeParamStore:
-    """Checks `buffer_size` and the path, then moves the `swapped` shards into files.
-
-    Raises:
-        ValueError: a shard is larger than `buffer_size` (naming the unit and the size needed).
-        OSError: the path is not writable or lacks room (naming the host, the path and the bytes).
-    """
-    largest = max(swapped, key=lambda e: e[1].plan.shard_numel, default=None)
-    if largest is not None and largest[1].plan.shard_numel > buffer_size:
-        unit, flat = largest
-        raise ValueError(
-            f"zero_optimization.offload_param.buffer_size={buffer_size} is smaller than the shard of unit "
-            f"{unit.name or '<root>'!r} ({flat.plan.shard_numel} elements on rank {rank}): set buffer_size to at "
-            f"least {flat.plan.shard_numel}"
-        )
-    needed = sum(flat.plan.shard_numel * flat.shard.element_size() for _, flat in swapped)
-    folder = check_folder(
-        "zero_optimization.offload_param.nvme_path",
-        nvme_path,
-        param_rank_folder(nvme_path, rank),
-        rank,
-        needed,
-        "its parameter shards",
-    )
-    return NvmeParamStore(folder, swapped, buffer_count, pin_memory, spilled)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from accelerate_zero.config import ZeroConfig
-from accelerate_zero.engine.sharded_optimizer import ShardSlice
+from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.optim.fused import FUSED_KERNELS, has_fused_kernel
 

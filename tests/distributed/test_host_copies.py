@@ -92,7 +92,7 @@ def _config(stage: int, accumulation: int, param_offload: bool) -> dict:
 
 def _train(rank: int, world_size: int, stage: int, accumulation: int, param_offload: bool, deferred: bool) -> dict:
     import accelerate_zero
-    import accelerate_zero.engine.engine as engine_module
+    import accelerate_zero.engine.assemble as engine_module
 
     batches = make_batches(STEPS, accumulation, PER_RANK_BATCH * world_size)
     model = make_model()

@@ -50,7 +50,7 @@ def _train(rank: int, world_size: int, nvme_path: str, stage: int) -> dict[str, 
     memory = engine.memory_breakdown()
     with accelerate_zero.GatheredParameters(list(model.parameters())):
         diff = max_param_diff(model, reference)
-    swapper = engine.sharded_optimizer.swapper
+    swapper = engine.sharded_optimizer.step_runner
     result = {
         "diff": diff,
         "files_during": files_during,

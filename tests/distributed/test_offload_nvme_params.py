@@ -46,7 +46,7 @@ def _train_case(rank: int, world_size: int, nvme_path: str, name: str) -> dict[s
         config={"gradient_clipping": 1.0, "zero_optimization": zero},
     )
     folder = param_rank_folder(path, rank)
-    store = engine.param_store
+    store = engine.shard_store
     for step in range(STEPS):
         x, y = batches.rank_slice(step, 0, rank, world_size)
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
@@ -90,7 +90,7 @@ def _modify_through_gathered(rank: int, world_size: int, nvme_path: str, optimiz
     x = torch.randn(2, 7)
     engine.backward(engine(x).sum())
     engine.step()  # lr 0: the step writes the masters (now 0.25) back into the files
-    assert engine.param_store.shards, "the shards must be in files for this check"
+    assert engine.shard_store.shards, "the shards must be in files for this check"
     with accelerate_zero.GatheredParameters([model.mid.weight]):
         error = (model.mid.weight - 0.25).abs().max().item()
     engine.destroy()

@@ -148,7 +148,7 @@ def _check_nvme_loading(rank: int, world_size: int, folder: str, nvme_root: str)
         }
         engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=ADAMW_LR), config=config)
         loaded["left_after_initialize"] = len(list(spill_folder.glob("*.bin")))
-        loaded["swapped"] = len(engine.param_store.shards)
+        loaded["swapped"] = len(engine.shard_store.shards)
         for _ in range(2):
             mine = tokens[2 * rank : 2 * rank + 2]
             engine.backward(engine(input_ids=mine, labels=mine).loss)

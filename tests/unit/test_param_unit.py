@@ -7,7 +7,8 @@ import torch
 
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState, build_flat
+from accelerate_zero.engine.stage3.flat_unit import build_flat
+from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
 
 def _unit() -> tuple[ParamUnit, dict[str, torch.Tensor]]:

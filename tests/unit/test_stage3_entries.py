@@ -6,8 +6,9 @@ import sys
 
 import torch
 
+from accelerate_zero.engine.stage3.flat_unit import build_flat
 from accelerate_zero.engine.stage3.hooks import entry_units
-from accelerate_zero.engine.stage3.param_unit import ParamUnit, build_flat
+from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from tests.helpers.models import tiny_llama_config
 

@@ -12,10 +12,12 @@ from torch import nn
 from accelerate_zero.engine.buckets import GradBucket, ReduceMode
 from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard, group_slices
 from accelerate_zero.engine.shard_plan import ParamSlot, plan_group
-from accelerate_zero.engine.sharded_optimizer import ShardSlice
+from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer, build_flat
 from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR, adopt
-from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer, ParamUnit, build_flat, unit_slices
+from accelerate_zero.engine.stage3.param_unit import ParamUnit, unit_slices
 from accelerate_zero.engine.stage3.units import UnitLayout
+from accelerate_zero.engine.stores import ShardStore
 from accelerate_zero.offload.host_memory import HostMemory
 
 
@@ -62,6 +64,7 @@ def build_stage3(
     contiguous_gradients: bool,
     host_memory: HostMemory | None,
     broadcast: Callable[[torch.Tensor], None],
+    shard_store: ShardStore,
 ) -> Stage3Parts:
     """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
     shards every unit, and plans the persistent parameters per optimizer param group."""
@@ -70,7 +73,7 @@ def build_stage3(
         param.data = param.data.to(device=device, dtype=dtypes.compute)
         broadcast(param.data)
     units = _build_units(
-        module, layout, rank, world_size, dtypes, device, contiguous_gradients, host_memory, broadcast
+        module, layout, rank, world_size, dtypes, device, contiguous_gradients, host_memory, broadcast, shard_store
     )
     _place_rest(module, layout, units, device, broadcast)
     root = units[-1]
@@ -148,6 +151,7 @@ def _build_units(
     contiguous_gradients: bool,
     host_memory: HostMemory | None,
     broadcast: Callable[[torch.Tensor], None],
+    shard_store: ShardStore,
 ) -> list[ParamUnit]:
     def flat_of(params: list[nn.Parameter]) -> FlatUnitBuffer | None:
         # The layout never depends on the optimizer, so shards made by partitioned loading are adopted as they are
@@ -180,5 +184,5 @@ def _build_units(
                 storage,
                 train_flat.params,
             )
-        units.append(ParamUnit(index, spec.name, spec.module, train_flat, frozen_flat, bucket))
+        units.append(ParamUnit(index, spec.name, spec.module, train_flat, frozen_flat, bucket, shard_store))
     return units

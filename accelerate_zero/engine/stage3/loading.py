@@ -28,7 +28,7 @@ from accelerate_zero.checkpoint.hf_files import SafetensorsFolder
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.groups import init_data_parallel_group, resolve_device
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
-from accelerate_zero.engine.stage3.param_unit import FlatUnitBuffer
+from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.offload.nvme_params import preload_rank_folder, spill_shard, swapped_flags
 

@@ -13,10 +13,6 @@ backward. Only this rank's shard stays in memory permanently.
 from __future__ import annotations
 
 import enum
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +20,11 @@ from torch import nn
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.collectives import CommStats, Pending
-from accelerate_zero.engine.flat_buffer import flatten_params
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import CopyDone, HostCopies
-from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
-from accelerate_zero.engine.sharded_optimizer import ShardSlice
+from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
+from accelerate_zero.engine.stores import ShardsInMemory, ShardStore
 
 
 class UnitState(enum.Enum):
@@ -38,56 +34,6 @@ class UnitState(enum.Enum):
     """The all-gather is in flight: `wait_for_unshard()` before computing."""
     GATHERED = "gathered"
     """The full parameters are usable."""
-
-
-@dataclass
-class FlatUnitBuffer:
-    """One flat buffer of a unit (its trainable or its frozen parameters)."""
-
-    plan: BucketPlan
-    rank: int
-    """Whose slice `shard` is."""
-    params: list[nn.Parameter]  # `ParamSlot.param_index` indexes this list
-    views: list[torch.Tensor]  # per param: its view into `full` (what `.data` is while gathered)
-    full: torch.Tensor  # 1D, plan.numel; storage freed while sharded
-    shard: torch.Tensor  # 1D, plan.shard_numel: this rank's slice, always resident
-
-    def allocate(self) -> None:
-        storage = self.full.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.plan.numel * self.full.element_size())
-
-    def expose(self) -> None:
-        for param, view in zip(self.params, self.views, strict=True):
-            param.data = view
-
-    def free(self) -> None:
-        placeholder = self.full.new_empty(0)
-        for param in self.params:
-            param.data = placeholder
-        self.full.untyped_storage().resize_(0)
-
-
-def build_flat(
-    params: list[nn.Parameter],
-    rank: int,
-    num_shards: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    broadcast: Callable[[torch.Tensor], None] | None = None,
-) -> FlatUnitBuffer:
-    """Flattens `params` into one padded bucket on `device` (`broadcast` makes it rank 0's, in one collective),
-    keeps this rank's slice, and frees the full buffer."""
-    plan = plan_group([tuple(p.shape) for p in params], sys.maxsize, num_shards)
-    full = flatten_params(params, plan, dtype, device)
-    if broadcast is not None:
-        broadcast(full)
-    (bucket,) = plan.buckets
-    lo, hi = bucket.shard_range(rank)
-    views = [param.data for param in params]
-    flat = FlatUnitBuffer(plan=bucket, rank=rank, params=params, views=views, full=full, shard=full[lo:hi].clone())
-    flat.free()
-    return flat
 
 
 class ParamUnit:
@@ -100,7 +46,7 @@ class ParamUnit:
     trainable: FlatUnitBuffer | None
     bucket: GradBucket | None
     state: UnitState
-    store: Any  # offload/nvme_params.NvmeParamStore when offload_param.device is nvme, else None
+    store: ShardStore  # where the shards live between gathers (engine/stores.py)
 
     def __init__(
         self,
@@ -110,6 +56,7 @@ class ParamUnit:
         trainable: FlatUnitBuffer | None,
         frozen: FlatUnitBuffer | None,
         bucket: GradBucket | None,
+        store: ShardStore | None = None,
     ) -> None:
         self.index, self.name, self.module = index, name, module
         self.trainable, self.bucket = trainable, bucket
@@ -127,7 +74,7 @@ class ParamUnit:
         self._host_read: CopyDone | None = None
         """The last copy from a host shard (offload_param), maybe in flight: waited before a shard is written (copies
         run in order on one stream, so the last one done means all are)."""
-        self.store = None
+        self.store = store if store is not None else ShardsInMemory()
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, {self.name or '<root>'!r}, numel={self.numel}, {self.state.value})"
@@ -146,8 +93,8 @@ class ParamUnit:
             return
         for flat in self.flats:
             flat.allocate()
-            swapped = self.store is not None and self.store.swapped(flat)
-            source = self.store.acquire(flat) if swapped else flat.shard
+            swapped = self.store.swapped(flat)
+            source = self.store.acquire(flat)
             # offload_param keeps the shard in host memory: bring it to the device first (no-op when it is there).
             if copies is None:
                 shard = source.to(flat.full.device)
@@ -208,10 +155,7 @@ class ParamUnit:
         self.wait_for_host_reads()
         for flat in self.flats:
             lo, hi = flat.plan.shard_range(flat.rank)
-            if self.store is not None and self.store.swapped(flat):
-                self.store.overwrite(flat, flat.full[lo:hi])
-            else:
-                flat.shard.copy_(flat.full[lo:hi])
+            self.store.overwrite(flat, flat.full[lo:hi])
 
     def resident_tensors(self) -> list[torch.Tensor]:
         return [t for flat in self.flats for t in (flat.shard, flat.full)]

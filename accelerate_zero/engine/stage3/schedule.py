@@ -51,7 +51,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 
@@ -60,6 +59,7 @@ from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.stage3.external import ExternalUseDetector, param_index
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
+from accelerate_zero.engine.stores import ShardsInMemory, ShardStore
 
 
 logger = logging.getLogger(__name__)
@@ -85,9 +85,11 @@ class UnitScheduler:
         max_reuse_distance: int,
         use_all_reduce: bool = False,
         copies: HostCopies | None = None,
+        shard_store: ShardStore | None = None,
     ) -> None:
         """`use_all_reduce`: `stage3_use_all_reduce_for_fetch_params`, gather with an all-reduce. `copies`: how
-        shards kept in host memory reach the device (engine/host_copies.py)."""
+        shards kept in host memory reach the device (engine/host_copies.py). `shard_store`: where the units' shards
+        live (engine/stores.py): the shards of the units gathered next are read ahead from it."""
         self.units, self.root, self.dp, self.stats, self.copies = list(units), root, dp, stats, copies
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.max_reuse_distance, self.use_all_reduce = max_reuse_distance, use_all_reduce
@@ -115,8 +117,7 @@ class UnitScheduler:
         self.active: list[ParamUnit] = []
         """Units whose forward is running, innermost last."""
         self._detector: ExternalUseDetector | None = None
-        self.param_store: Any = None
-        """offload_param nvme (offload/nvme_params.py): shards of the units gathered next are read ahead."""
+        self.shard_store = shard_store if shard_store is not None else ShardsInMemory()
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ParamUnit) -> None:
@@ -301,8 +302,7 @@ class UnitScheduler:
         budget, live = self.prefetch_numel, self.live_numel()
         by_index = {u.index: u for u in self.units}
         upcoming = list(upcoming)
-        if self.param_store is not None:
-            self.param_store.read_ahead([by_index[i] for i in upcoming])
+        self.shard_store.read_ahead([flat for i in upcoming for flat in by_index[i].flats])
         ahead = 0  # upcoming units gathered already, or issued here
         for index in dict.fromkeys(upcoming):
             unit = by_index[index]

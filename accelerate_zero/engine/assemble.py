@@ -1,0 +1,415 @@
+"""The composition root: builds a stage's parts from one resolved config, once; `ZeroEngine` only runs them.
+
+A stage is a composition, not a flag:
+- stage 0: buckets all-reduced (ALL_REDUCE), one shard per rank holding everything (data parallelism);
+- stage 1: buckets reduce-scattered at the accumulation boundary (SCATTER_IN_PLACE), optimizer on the shard;
+- stage 2: buckets reduce-scattered on every micro-step into shard-sized gradients (SCATTER_TO_SHARD);
+- stage 3: stage 2 per unit, with each unit's parameters sharded and gathered on use (engine/stage3/).
+Offload is where the shards live ([Note: offload is a store, not a flag] in engine/stores.py): the stores are
+chosen here from the config and handed to the constructors that use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from accelerate_zero.config import ResolvedZeroConfig
+from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
+from accelerate_zero.engine import collectives
+from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
+from accelerate_zero.engine.grad_reduce import GradReducer
+from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.host_copies import HostCopies
+from accelerate_zero.engine.host_grads import HostGradient, HostStaging
+from accelerate_zero.engine.loss_scaler import build_loss_scaler
+from accelerate_zero.engine.setup import build_optimizer_for, dtype_from_name, trainable_param_groups
+from accelerate_zero.engine.shard_plan import plan_group
+from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
+from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, register_entry_hooks, register_unit_hooks
+from accelerate_zero.engine.stage3.loading import preloaded_numel
+from accelerate_zero.engine.stage3.param_unit import ParamUnit
+from accelerate_zero.engine.stage3.schedule import UnitScheduler
+from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
+from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
+from accelerate_zero.offload.host_memory import HostMemory
+from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
+from accelerate_zero.offload.nvme_grads import NvmeGradStore
+from accelerate_zero.offload.nvme_params import NvmeParamStore, choose_swapped
+from accelerate_zero.offload.policy import OffloadPolicy, offload_masters, offload_policy, use_fused_cpu_step
+from accelerate_zero.optim.fused import prefer_fused_step
+
+
+_MODE_BY_STAGE = {0: ReduceMode.ALL_REDUCE, 1: ReduceMode.SCATTER_IN_PLACE, 2: ReduceMode.SCATTER_TO_SHARD}
+
+
+@dataclass
+class EngineParts:
+    """What `assemble` built: everything `ZeroEngine` runs, typed, nothing wired in later."""
+
+    optimizer: torch.optim.Optimizer
+    offload: OffloadPolicy
+    host_copies: HostCopies
+    host_memory: HostMemory
+    groups: list[GroupShard]
+    """Stages 0-2: one flat shard per param group; stage 3: the persistent parameters'."""
+    units: list[ParamUnit]
+    """Stage 3: the gather units, in unit order (empty at stages 0-2)."""
+    scheduler: UnitScheduler | None
+    state_dict_guard: PlaceholderStateDictGuard | None
+    hooks: list[RemovableHandle]
+    reducer: GradReducer
+    sharded_optimizer: ShardedOptimizer
+    shard_store: ShardStore
+    step_runner: StepRunner
+    grad_store: NvmeGradStore | None
+    host_staging: HostStaging | None
+
+
+def assemble(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: ResolvedZeroConfig,
+    *,
+    dp: DataParallelGroup,
+    device: torch.device,
+    stats: CommStats,
+    progress: Callable[[], int],
+    unit_classes: list[type[nn.Module] | str] | None = None,
+) -> EngineParts:
+    """Places `module` on `device` (stage 3: sharded unit by unit), builds or adopts the optimizer and builds the
+    stage's buckets, units, stores and sharded optimizer. `progress`: the engine's micro-step counter."""
+    return _Assembly(module, config, dp, device, stats, unit_classes).build(optimizer, progress)
+
+
+class _Assembly:
+    """The build in order; the attributes are the parts made so far (read by the later steps)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ResolvedZeroConfig,
+        dp: DataParallelGroup,
+        device: torch.device,
+        stats: CommStats,
+        unit_classes: list[type[nn.Module] | str] | None,
+    ) -> None:
+        self.module, self.config, self.dp, self.device, self.stats = module, config, dp, device, stats
+        self.unit_classes = unit_classes
+        self.stage = config.zero_optimization.stage
+        self.offload = offload_policy(config)
+        self.host_copies = HostCopies(device)
+        # [Note: pinned memory at its size] in offload/host_memory.py
+        self.host_memory = HostMemory(pin=self.offload.pin_memory and device.type == "cuda")
+        self.shard_store: ShardStore = ShardsInMemory()
+        if self.offload.param_nvme_path is not None and self.stage == 3:
+            params = config.zero_optimization.offload_param
+            self.shard_store = NvmeParamStore(
+                params.nvme_path,
+                dp.rank,
+                buffer_count=params.buffer_count,
+                buffer_size=params.buffer_size,
+                # page-locked buffers only help (and only exist) when an accelerator copies from them
+                pin_memory=params.pin_memory and device.type != "cpu",
+            )
+        self.groups: list[GroupShard] = []
+        self.units: list[ParamUnit] = []
+        self.scheduler: UnitScheduler | None = None
+        self.state_dict_guard: PlaceholderStateDictGuard | None = None
+        self.hooks: list[RemovableHandle] = []
+
+    def build(self, optimizer: torch.optim.Optimizer | None, progress: Callable[[], int]) -> EngineParts:
+        config, zero = self.config, self.config.zero_optimization
+        if self.stage != 3:
+            self._place_module()
+        optimizer = build_optimizer_for(self.module, optimizer, config)
+        # [Note: fp32 gradients under mixed precision] in config/schema.py
+        grad_dtype = dtype_from_name(config.data_types.grad_accum_dtype or DEFAULT_GRAD_ACCUM_DTYPE)
+        comm_dtype = dtype_from_name(config.communication_data_type) or grad_dtype
+        dtypes = DtypePlan(config.compute_dtype, grad_dtype, comm_dtype)
+        trainable = trainable_param_groups(self.module, optimizer)
+        if self.offload.optimizer:
+            # Gradients go to host memory as each bucket is reduced: no device gradient shard is kept.
+            zero = dataclasses.replace(zero, contiguous_gradients=False)
+        if self.stage == 3:
+            buckets, locations, slices, on_complete = self._build_stage3(trainable, dtypes, zero)
+        else:
+            buckets, locations, slices, on_complete = self._build_flat_groups(trainable, dtypes, zero)
+        if self.offload.optimizer:
+            slices = offload_masters(slices, self.offload, self._slice_values, self.host_memory)
+            use_fused_cpu_step(optimizer, config.zero_force_ds_cpu_optimizer)
+        else:
+            prefer_fused_step(optimizer, [s.master for group in slices for s in group])
+        step_runner, grad_store = self._nvme_optimizer(buckets, slices, zero)
+        host_staging = self._host_gradients(buckets)
+        reducer = self._build_reducer(buckets, locations, on_complete)
+        reducer.register_hooks()
+        sharded_optimizer = self._build_sharded_optimizer(optimizer, slices, step_runner, progress)
+        sharded_optimizer.switch_param_groups()
+        return EngineParts(
+            optimizer=optimizer,
+            offload=self.offload,
+            host_copies=self.host_copies,
+            host_memory=self.host_memory,
+            groups=self.groups,
+            units=self.units,
+            scheduler=self.scheduler,
+            state_dict_guard=self.state_dict_guard,
+            hooks=self.hooks,
+            reducer=reducer,
+            sharded_optimizer=sharded_optimizer,
+            shard_store=self.shard_store,
+            step_runner=sharded_optimizer.step_runner,
+            grad_store=grad_store,
+            host_staging=host_staging,
+        )
+
+    # ------------------------------------------------------------ stages 0-2
+    def _place_module(self) -> None:
+        self.module.to(self.device)
+        compute_dtype = self.config.compute_dtype
+        if compute_dtype != torch.float32:
+            for param in self.module.parameters():
+                if param.is_floating_point():
+                    param.data = param.data.to(compute_dtype)
+        # Every rank starts from rank 0's weights and buffers, as DDP and DeepSpeed do.
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            collectives.broadcast(tensor.data, 0, self.dp, self.stats)
+
+    def _build_flat_groups(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
+        num_shards = 1 if self.stage == 0 else self.dp.world_size
+        self.groups = [
+            build_group_shard(
+                params,
+                plan_group([tuple(p.shape) for p in params], zero.reduce_bucket_size, num_shards),
+                rank=self.dp.rank if num_shards > 1 else 0,
+                mode=_MODE_BY_STAGE[self.stage],
+                compute_dtype=dtypes.compute,
+                grad_dtype=dtypes.grad,
+                comm_dtype=dtypes.comm,
+                device=self.device,
+                contiguous_gradients=zero.contiguous_gradients,
+            )
+            for params in trainable
+        ]
+        position = {param: i for i, param in enumerate(self.module.parameters())}
+        entries = [(shard, bucket) for shard in self.groups for bucket in shard.buckets]
+        # Launch order = the order backward completes buckets: the bucket whose first parameter comes last in
+        # the model completes first ([Note: collective order is the same on every rank]).
+        entries.sort(key=lambda e: -min(position[e[0].params[s.param_index]] for s in e[1].plan.slots))
+        locations = {}
+        for index, (shard, bucket) in enumerate(entries):
+            for slot in bucket.plan.slots:
+                locations[shard.params[slot.param_index]] = (index, slot)
+        slices = [group_slices(shard) for shard in self.groups]
+        return [bucket for _, bucket in entries], locations, slices, None
+
+    # ---------------------------------------------------------------- stage 3
+    def _build_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
+        leaf = zero.leaf_module
+        extra = [*leaf.classes, *leaf.names] if leaf is not None else []
+        layout = layout_units(
+            self.module,
+            find_unit_modules(self.module, self.unit_classes, extra_leaf=extra),
+            zero.stage3_param_persistence_threshold,
+            model_persistence_threshold=zero.stage3_model_persistence_threshold,
+            numel_of=preloaded_numel(self.module),
+        )
+
+        def from_rank_0(tensor: torch.Tensor) -> None:
+            collectives.broadcast(tensor, 0, self.dp, self.stats)
+
+        parts = build_stage3(
+            self.module,
+            layout,
+            trainable,
+            rank=self.dp.rank,
+            world_size=self.dp.world_size,
+            dtypes=dtypes,
+            device=self.device,
+            reduce_bucket_numel=zero.reduce_bucket_size,
+            contiguous_gradients=zero.contiguous_gradients,
+            host_memory=self.host_memory if self.offload.params else None,
+            broadcast=from_rank_0,
+            shard_store=self.shard_store,
+        )
+        self.groups, self.units = parts.persistent_groups, parts.units
+        slices = parts.slices_by_group
+        if isinstance(self.shard_store, NvmeParamStore):  # first: the masters read swapped shards from files
+            slices = self._swap_shards(slices, parts.spilled)
+        elif parts.spilled:
+            raise ValueError(
+                "the model was loaded by accelerate_zero.from_pretrained with NVMe parameter offload that this "
+                "engine's config does not match (offload_param.device, max_in_cpu or the unit layout): pass "
+                "initialize the same config as from_pretrained"
+            )
+        self.scheduler = scheduler = UnitScheduler(
+            parts.units,
+            parts.root,
+            self.dp,
+            self.stats,
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            use_all_reduce=zero.stage3_use_all_reduce_for_fetch_params,
+            copies=self.host_copies,
+            shard_store=self.shard_store,
+        )
+        self.hooks = register_unit_hooks(parts.units, scheduler)
+        self.hooks += register_entry_hooks(self.module, parts.units, scheduler)  # sub-module calls
+        # Under stage 3 every forward is a collective: transformers' generate() must keep all ranks stepping
+        # until the longest sequence is done (synced_gpus). It enables that for modules flagged this way.
+        self.module._is_fsdp_managed_module = True
+        self.state_dict_guard = PlaceholderStateDictGuard()
+        self.hooks.append(self.module.register_state_dict_post_hook(self.state_dict_guard))
+
+        def on_complete(index: int) -> None:
+            unit = parts.unit_of_bucket.get(index)
+            if unit is not None:
+                scheduler.post_backward(unit)
+
+        return parts.buckets, parts.locations, slices, on_complete
+
+    def _swap_shards(self, slices: list[list[ShardSlice]], spilled: dict[int, Path]) -> list[list[ShardSlice]]:
+        """offload_param nvme: moves unit shards into files (adopting those partitioned loading already wrote);
+        returns the slices, none stepping a swapped shard."""
+        store = self.shard_store
+        assert isinstance(store, NvmeParamStore)
+        swapped = choose_swapped(self.units, self.config.zero_optimization.offload_param.max_in_cpu)
+        store.take(swapped, spilled)
+        if not set(spilled) <= set(store.shards):
+            raise ValueError(
+                "the model was loaded by accelerate_zero.from_pretrained with NVMe parameter offload that this "
+                "engine's config does not match (offload_param.device, max_in_cpu or the unit layout): pass "
+                "initialize the same config as from_pretrained"
+            )
+        in_files = {id(unit.bucket) for unit, flat in swapped if flat is unit.trainable}
+
+        def own_master(s: ShardSlice) -> ShardSlice:
+            # An fp32 master that was the shard itself went to the file with it: the optimizer gets a copy (under
+            # optimizer offload every master is replaced by a host or NVMe one anyway).
+            if s.aliased and id(s.bucket) in in_files and not self.offload.optimizer:
+                return ShardSlice(s.bucket, s.start, s.end, self._slice_values(s).clone(), s.params)
+            return s
+
+        return [[own_master(s) for s in group] for group in slices]
+
+    def _slice_values(self, shard_slice: ShardSlice) -> torch.Tensor:
+        """The parameter values of a slice (read from its file when the parameter store holds its shard)."""
+        return self.shard_store.read_slice(shard_slice) if self.shard_store.holds(shard_slice) else shard_slice.params
+
+    # --------------------------------------------------------------- offload
+    def _nvme_optimizer(
+        self, buckets: list[GradBucket], slices: list[list[ShardSlice]], zero: Any
+    ) -> tuple[StepRunner, NvmeGradStore | None]:
+        """offload_optimizer nvme: masters and state step sub-group by sub-group from files, and the gradient
+        slices that stages 2 and 3 keep until the step go to a file too (stages 0 and 1 hold their full gradient
+        on the device anyway). Otherwise: all in memory."""
+        if self.offload.nvme_path is None:
+            return StepsInMemory([s for group in slices for s in group]), None
+        swapped_grads = [b for b in buckets if b.mode is ReduceMode.SCATTER_TO_SHARD]
+        folder = check_nvme_path(
+            self.offload.nvme_path,
+            self.dp.rank,
+            sum(s.end - s.start for group in slices for s in group),
+            sum(b.plan.shard_numel for b in swapped_grads),
+            world_size=self.dp.world_size,
+            barrier=lambda: collectives.barrier(self.dp),
+        )
+        swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
+        grad_store = NvmeGradStore(
+            folder / "gradients.bin", swapped_grads, self.offload.buffer_count, self.host_copies
+        )
+        for bucket in swapped_grads:
+            bucket.grad_store = grad_store
+        return swapper, grad_store
+
+    def _host_gradients(self, buckets: list[GradBucket]) -> HostStaging | None:
+        """offload_optimizer: each bucket's reduced slice goes to host memory (engine/host_grads.py); allocated
+        once the shards and masters went to their files, so the start-up peak is not both."""
+        if not self.offload.optimizer:
+            return None
+        in_host = [bucket for bucket in buckets if bucket.grad_store is None]
+        staging = HostStaging(
+            max((b.plan.shard_numel for b in in_host), default=0),
+            lambda numel: self.host_memory.zeros(numel, torch.float32),
+        )
+        for bucket in in_host:
+            values = self.host_memory.zeros(bucket.plan.shard_numel, torch.float32)
+            bucket.host_grad = HostGradient(values, staging, self.host_copies)
+        return staging
+
+    # ------------------------------------------------------ reduction and step
+    def _build_reducer(self, buckets: list[GradBucket], locations: dict, on_complete: Any) -> GradReducer:
+        config, zero = self.config, self.config.zero_optimization
+        comm_dtypes = {bucket.comm_dtype for bucket in buckets} or {torch.float32}
+        assert len(comm_dtypes) == 1, f"buckets of one engine reduce in one dtype, got {comm_dtypes}"
+        scaling = GradScaling(
+            self.dp.world_size, config.prescale_gradients, config.gradient_predivide_factor, comm_dtypes.pop()
+        )
+        # Two reductions in flight overlap backward as well as more would, and bound the full-size buffers (stages 2
+        # and 3) and the temporaries of a reduction (casts, [Note: reduce-scatter on gloo]) at every stage.
+        in_flight = 2 if zero.overlap_comm else 0
+        return GradReducer(
+            buckets,
+            locations,
+            self.dp,
+            self.stats,
+            scaling,
+            use_reduce_scatter=zero.reduce_scatter,
+            max_in_flight=in_flight,
+            ignore_unused_parameters=zero.ignore_unused_parameters,
+            param_names={p: n for n, p in self.module.named_parameters()},
+            on_bucket_complete=on_complete,
+        )
+
+    def _build_sharded_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        slices: list[list[ShardSlice]],
+        step_runner: StepRunner,
+        progress: Callable[[], int],
+    ) -> ShardedOptimizer:
+        zero = self.config.zero_optimization
+        sharded = self.stage > 0 and self.dp.world_size > 1
+        groups, scheduler = self.groups, self.scheduler
+
+        def publish() -> None:
+            if sharded:
+                all_gather_params(
+                    groups,
+                    self.dp,
+                    self.stats,
+                    max_numel_in_flight=zero.allgather_bucket_size,
+                    use_all_gather=zero.allgather_partitions,
+                )
+            if scheduler is not None:
+                scheduler.release_all()  # gathered copies are stale now
+
+        return ShardedOptimizer(
+            optimizer,
+            slices,
+            self.dp,
+            self.stats,
+            sharded=sharded,
+            gradient_clipping=self.config.gradient_clipping,
+            loss_scaler=build_loss_scaler(self.config),
+            check_overflow=bool(self.config.fp16.enabled or self.config.bf16.check_overflow),
+            publish=publish,
+            device=self.device,
+            progress=progress,
+            copies=self.host_copies,
+            step_runner=step_runner,
+            shard_store=self.shard_store,
+        )
