@@ -68,7 +68,7 @@ def engine_memory(engine: EngineState) -> dict[str, int]:
     unit_full = [flat.full for unit in engine.units for flat in unit.flats]
     unit_shards = [flat.shard for unit in engine.units for flat in unit.flats]
     kept = engine.sharded_optimizer.held_tensors()
-    host_grads = [b.host_grad.values for b in engine.reducer.buckets if b.host_grad is not None]
+    host_grads = [t for b in engine.reducer.buckets if b.kept.in_host for t in b.kept.tensors()]
     host_grads += engine.host_staging.buffers if engine.host_staging is not None else []
     if engine.grad_store is not None:
         host_grads += engine.grad_store.resident_tensors()

@@ -31,9 +31,10 @@ from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.host_grads import HostGradient, HostStaging
+from accelerate_zero.engine.kept_grads import KeptGradient
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
 from accelerate_zero.engine.setup import build_optimizer_for, dtype_from_name, trainable_param_groups
-from accelerate_zero.engine.shard_plan import plan_group
+from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
 from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
@@ -123,6 +124,12 @@ class _Assembly:
                 # page-locked buffers only help (and only exist) when an accelerator copies from them
                 pin_memory=params.pin_memory and device.type != "cpu",
             )
+        self.grad_store: NvmeGradStore | None = None
+        self.host_staging: HostStaging | None = None
+        if self.offload.optimizer:
+            self.host_staging = HostStaging(lambda numel: self.host_memory.zeros(numel, torch.float32))
+            if self.offload.nvme_path is not None:
+                self.grad_store = NvmeGradStore(self.offload.buffer_count, self.host_copies)
         self.groups: list[GroupShard] = []
         self.units: list[ParamUnit] = []
         self.scheduler: UnitScheduler | None = None
@@ -151,8 +158,7 @@ class _Assembly:
             use_fused_cpu_step(optimizer, config.zero_force_ds_cpu_optimizer)
         else:
             prefer_fused_step(optimizer, [s.master for group in slices for s in group])
-        step_runner, grad_store = self._nvme_optimizer(buckets, slices, zero)
-        host_staging = self._host_gradients(buckets)
+        step_runner = self._nvme_optimizer(slices, zero)
         reducer = self._build_reducer(buckets, locations, on_complete)
         reducer.register_hooks()
         sharded_optimizer = self._build_sharded_optimizer(optimizer, slices, step_runner, progress)
@@ -171,8 +177,8 @@ class _Assembly:
             sharded_optimizer=sharded_optimizer,
             shard_store=self.shard_store,
             step_runner=sharded_optimizer.step_runner,
-            grad_store=grad_store,
-            host_staging=host_staging,
+            grad_store=self.grad_store,
+            host_staging=self.host_staging,
         )
 
     # ------------------------------------------------------------ stages 0-2
@@ -200,6 +206,7 @@ class _Assembly:
                 comm_dtype=dtypes.comm,
                 device=self.device,
                 contiguous_gradients=zero.contiguous_gradients,
+                kept_for=self._kept_for,
             )
             for params in trainable
         ]
@@ -243,6 +250,7 @@ class _Assembly:
             host_memory=self.host_memory if self.offload.params else None,
             broadcast=from_rank_0,
             shard_store=self.shard_store,
+            kept_for=self._kept_for,
         )
         self.groups, self.units = parts.persistent_groups, parts.units
         slices = parts.slices_by_group
@@ -310,45 +318,38 @@ class _Assembly:
         return self.shard_store.read_slice(shard_slice) if self.shard_store.holds(shard_slice) else shard_slice.params
 
     # --------------------------------------------------------------- offload
-    def _nvme_optimizer(
-        self, buckets: list[GradBucket], slices: list[list[ShardSlice]], zero: Any
-    ) -> tuple[StepRunner, NvmeGradStore | None]:
-        """offload_optimizer nvme: masters and state step sub-group by sub-group from files, and the gradient
-        slices that stages 2 and 3 keep until the step go to a file too (stages 0 and 1 hold their full gradient
-        on the device anyway). Otherwise: all in memory."""
+    def _kept_for(self, plan: BucketPlan, mode: ReduceMode) -> KeptGradient | None:
+        """Where a bucket keeps its averaged slice ([Note: a reduced gradient has one home] in
+        engine/kept_grads.py): under optimizer offload in host memory, or at stages 2/3 on NVMe in the gradient file
+        (stages 0 and 1 hold their full gradient on the device anyway); else on the device (None)."""
+        if self.grad_store is not None and mode is ReduceMode.SCATTER_TO_SHARD:
+            return self.grad_store.slot(plan.shard_numel)
+        if self.host_staging is not None:
+            return HostGradient(
+                plan.shard_numel,
+                self.host_staging,
+                self.host_copies,
+                lambda numel: self.host_memory.zeros(numel, torch.float32),
+            )
+        return None
+
+    def _nvme_optimizer(self, slices: list[list[ShardSlice]], zero: Any) -> StepRunner:
+        """offload_optimizer nvme: masters and state step sub-group by sub-group from files, beside the gradient
+        file. Otherwise: all in memory."""
         if self.offload.nvme_path is None:
-            return StepsInMemory([s for group in slices for s in group]), None
-        swapped_grads = [b for b in buckets if b.mode is ReduceMode.SCATTER_TO_SHARD]
+            return StepsInMemory([s for group in slices for s in group])
+        assert self.grad_store is not None
         folder = check_nvme_path(
             self.offload.nvme_path,
             self.dp.rank,
             sum(s.end - s.start for group in slices for s in group),
-            sum(b.plan.shard_numel for b in swapped_grads),
+            self.grad_store.numel,
             world_size=self.dp.world_size,
             barrier=lambda: collectives.barrier(self.dp),
         )
         swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
-        grad_store = NvmeGradStore(
-            folder / "gradients.bin", swapped_grads, self.offload.buffer_count, self.host_copies
-        )
-        for bucket in swapped_grads:
-            bucket.grad_store = grad_store
-        return swapper, grad_store
-
-    def _host_gradients(self, buckets: list[GradBucket]) -> HostStaging | None:
-        """offload_optimizer: each bucket's reduced slice goes to host memory (engine/host_grads.py); allocated
-        once the shards and masters went to their files, so the start-up peak is not both."""
-        if not self.offload.optimizer:
-            return None
-        in_host = [bucket for bucket in buckets if bucket.grad_store is None]
-        staging = HostStaging(
-            max((b.plan.shard_numel for b in in_host), default=0),
-            lambda numel: self.host_memory.zeros(numel, torch.float32),
-        )
-        for bucket in in_host:
-            values = self.host_memory.zeros(bucket.plan.shard_numel, torch.float32)
-            bucket.host_grad = HostGradient(values, staging, self.host_copies)
-        return staging
+        self.grad_store.open(folder / "gradients.bin")
+        return swapper
 
     # ------------------------------------------------------ reduction and step
     def _build_reducer(self, buckets: list[GradBucket], locations: dict, on_complete: Any) -> GradReducer:

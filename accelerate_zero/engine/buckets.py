@@ -25,35 +25,15 @@ zeroed once, when the buffer is allocated, and stays zero (every rank reduces ze
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
 
 import torch
 
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.kept_grads import DeviceShardGradient, KeptGradient, ReducedInPlace
 from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
-
-
-if TYPE_CHECKING:
-    from accelerate_zero.engine.host_grads import HostGradient
-
-
-class GradientFile(Protocol):
-    """Where buckets keep their averaged slices when they live in a file (offload/nvme_grads.py implements it; the
-    engine owns the contract, so this module imports nothing from offload/)."""
-
-    def accumulate(self, bucket: GradBucket, reduced: torch.Tensor, post: float, fresh: bool) -> None:
-        """Adds `reduced * post` to the bucket's slice; `fresh` replaces what an earlier step left."""
-        ...
-
-    def read(self, bucket: GradBucket, start: int, end: int) -> torch.Tensor:
-        """A fresh fp32 tensor with elements [start, end) of the slice."""
-        ...
-
-    def norm(self, bucket: GradBucket) -> torch.Tensor:
-        """The L2 norm (fp64, 0-dim) of the slice as last written."""
-        ...
 
 
 class ReduceMode(enum.Enum):
@@ -68,6 +48,10 @@ class ReduceMode(enum.Enum):
         full-size gradient, and at stage 3 the gathered unit, are released as soon as the bucket is reduced);
         the other modes keep the full local gradient anyway, so reducing once per optimizer step moves less."""
         return self is ReduceMode.SCATTER_TO_SHARD
+
+
+KeptFor = Callable[[BucketPlan, ReduceMode], KeptGradient | None]
+"""Chooses a bucket's home when it is built (engine/assemble.py); None: the compute device (GradBucket's default)."""
 
 
 class BucketState(enum.Enum):
@@ -108,9 +92,7 @@ class GradBucket:
     mode: ReduceMode
     state: BucketState
     grad: torch.Tensor | None  # 1D, plan.numel: the full local gradient (stages 0/1: kept; stage 2: transient)
-    shard_grad: torch.Tensor | None  # 1D, plan.shard_numel, stage 2 only: the accumulated averaged slice
-    host_grad: HostGradient | None  # the averaged slice in host memory when the optimizer is offloaded
-    grad_store: GradientFile | None  # stage 2/3 under NVMe optimizer offload: the slice lives in a file
+    kept: KeptGradient  # where the averaged slice this rank steps is kept ([Note: a reduced gradient has one home])
 
     def __init__(
         self,
@@ -122,36 +104,42 @@ class GradBucket:
         device: torch.device,
         storage: torch.Tensor | None,
         params: list[torch.nn.Parameter],
+        kept: KeptGradient | None = None,
     ) -> None:
         """`storage`, when given, is a persistent view this bucket keeps its gradient in (full-size for stages 0/1,
         shard-size for stage 2: `contiguous_gradients`); otherwise storage is allocated on first use and released
-        after each step. `params` is the list `ParamSlot.param_index` indexes."""
+        after each step. `params` is the list `ParamSlot.param_index` indexes. `kept`: where the averaged slice goes
+        (engine/kept_grads.py); default: the compute device (`storage` is then the shard-size buffer at stage 2)."""
         self.plan, self.mode, self.rank, self.params = plan, mode, rank, params
         self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
+        to_shard = mode is ReduceMode.SCATTER_TO_SHARD
+        if kept is None:
+            if to_shard:
+                kept = DeviceShardGradient(plan.shard_numel, grad_dtype, device, storage)
+            else:
+                kept = ReducedInPlace(plan.numel if mode is ReduceMode.ALL_REDUCE else plan.shard_numel)
+        if to_shard:
+            storage = None  # the shard-size storage is the home's
+        assert kept.numel == (plan.numel if mode is ReduceMode.ALL_REDUCE else plan.shard_numel), "kept slice size"
+        self.kept = kept
         self._storage = storage
-        self.host_grad, self.grad_store = None, None
         self.state = BucketState.EMPTY
-        self.grad = None
-        self.shard_grad = None
-        self._shard_has_data = False
+        self.grad = storage
+        self._has_reduced = False
+        """`kept` holds this step's averaged gradient (else it holds an earlier step's, or nothing)."""
         self._pending: Pending | None = None
         self._unwritten: set[int] | None = None  # slots not written since the buffer was (re)used, see the note
         self._comm_buffer: torch.Tensor | None = None
         self._scaling: GradScaling | None = None
-        if storage is not None:
-            if mode is ReduceMode.SCATTER_TO_SHARD:
-                self.shard_grad = storage
-            else:
-                self.grad = storage
 
     # ----------------------------------------------------------------- accumulation
     def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
         """Adds one parameter's gradient; returns True when the bucket had already been reduced in this step."""
         late = self.state in (BucketState.REDUCING, BucketState.REDUCED)
-        if late and self.host_grad is not None and self.mode is not ReduceMode.SCATTER_TO_SHARD:
-            # The host copy of the reduced gradient is stale now, and its copy may still read `grad`.
-            self.host_grad.settle()
-            self._shard_has_data = False
+        if late and self.mode is not ReduceMode.SCATTER_TO_SHARD:
+            # What `kept` holds is stale now (and a copy into it may still read `grad`): the bucket reduces again.
+            self.kept.settle()
+            self._has_reduced = False
         if self.state is BucketState.REDUCING:
             self.finish_reduce()
         if self.state is BucketState.REDUCED:
@@ -221,12 +209,13 @@ class GradBucket:
         comm, post, self._pending, self._comm_buffer = self._comm_buffer, self._scaling.post, None, None
         if self.mode is ReduceMode.ALL_REDUCE:
             self._store_all_reduced(comm, post)
-            self._start_host_copy()
+            self._keep_reduced_in_place()
         elif self.mode is ReduceMode.SCATTER_IN_PLACE:
             self._store_scattered_in_place(comm, post)
-            self._start_host_copy()
+            self._keep_reduced_in_place()
         else:
-            self._add_to_shard(self._owned(comm), post)
+            self.kept.add(self._owned(comm), post, fresh=not self._has_reduced)
+            self._has_reduced = True
             self.grad = None
             self.state = BucketState.EMPTY
             return
@@ -247,92 +236,57 @@ class GradBucket:
         if post != 1.0:
             owned.mul_(post)
 
-    def _start_host_copy(self) -> None:
-        """Stages 0/1 under optimizer offload: the reduced gradient goes to host memory once, as soon as it is
-        reduced ([Note: a gradient slice in host memory] in engine/host_grads.py)."""
-        if self.host_grad is not None:
-            full = self._full_grad()
-            self.host_grad.add(full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full), fresh=True)
-            self._shard_has_data = True
-
-    def _add_to_shard(self, reduced: torch.Tensor, post: float) -> None:
-        if self.grad_store is not None:
-            self.grad_store.accumulate(self, reduced, post, fresh=not self._shard_has_data)
-            self._shard_has_data = True
-            return
-        if self.host_grad is not None:
-            # Offloaded optimizer: the averaged slice goes to host memory as soon as it is reduced, scaled on the
-            # device so that one copy carries it (engine/host_grads.py).
-            self.host_grad.add(reduced if post == 1.0 else reduced.float().mul_(post), fresh=not self._shard_has_data)
-            self._shard_has_data = True
-            return
-        if self.shard_grad is None:
-            self.shard_grad = torch.empty(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device)
-        if self._shard_has_data:
-            self.shard_grad.add_(reduced, alpha=post)
-        else:
-            torch.mul(reduced, post, out=self.shard_grad) if post != 1.0 else self.shard_grad.copy_(reduced)
-            self._shard_has_data = True
+    def _keep_reduced_in_place(self) -> None:
+        """Stages 0/1: the averaged values are in the full buffer; `kept` takes them (a view, or under optimizer
+        offload one copy to host memory, started now: [Note: a gradient slice in host memory])."""
+        full = self._full_grad()
+        self.kept.add(full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full), 1.0, fresh=True)
+        self._has_reduced = True
 
     # ------------------------------------------------------------------ after step
     def reduced_slice(self, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of `reduced_shard()`, read from the file when the slice lives in one."""
-        if self.grad_store is None:
-            return self.reduced_shard()[start:end]
-        if self.state is BucketState.REDUCING:
-            raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
-        if not self._shard_has_data:
-            return torch.zeros(end - start, dtype=torch.float32)
-        return self.grad_store.read(self, start, end)
-
-    def reduced_norm(self) -> torch.Tensor:
-        """L2 norm (fp64) of a gradient slice that lives in a file, taken when it was written (no read)."""
-        assert self.grad_store is not None, "reduced_norm() is for buckets whose gradient is in a file"
-        return self.grad_store.norm(self) if self._shard_has_data else torch.zeros(())
+        """Elements [start, end) of this rank's averaged gradient slice (the whole bucket at stage 0)."""
+        self._ensure_kept()
+        return self.kept.read(start, end)
 
     def reduced_shard(self) -> torch.Tensor:
         """This rank's averaged gradient slice (the whole bucket at stage 0), ready for the optimizer."""
-        if self.grad_store is not None:
-            raise RuntimeError(f"bucket {self.plan.index}: its gradient lives in a file; use reduced_slice()")
+        return self.reduced_slice(0, self.kept.numel)
+
+    def square_norm(self, device: torch.device) -> torch.Tensor:
+        """The sum of squares of `reduced_shard()` (fp64, 0-dim, on `device`), without reading a slice kept in a
+        file."""
+        self._ensure_kept()
+        return self.kept.square_norm(device)
+
+    def _ensure_kept(self) -> None:
         if self.state is BucketState.REDUCING:
             raise RuntimeError(f"bucket {self.plan.index}: finish_reduce() before reading the gradient")
+        if self._has_reduced:
+            return
         if self.mode is ReduceMode.SCATTER_TO_SHARD:
-            if self.host_grad is not None:
-                if not self._shard_has_data:
-                    self.host_grad.clear()
-                    self._shard_has_data = True
-                return self.host_grad.read()
-            if not self._shard_has_data:
-                self._add_to_shard(torch.zeros(self.plan.shard_numel, dtype=self.grad_dtype, device=self.device), 1.0)
-            assert self.shard_grad is not None
-            return self.shard_grad
-        if self.host_grad is not None:
-            if not self._shard_has_data:
-                self._start_host_copy()
-            return self.host_grad.read()
-        full = self._full_grad()
-        return full if self.mode is ReduceMode.ALL_REDUCE else self._owned(full)
+            self.kept.clear()  # nothing was reduced into it in this step
+            self._has_reduced = True
+        else:
+            self._keep_reduced_in_place()  # what the buffer holds (not reduced in this step)
 
     def zero(self) -> None:
         """Clears the gradients after an optimizer step (or a skipped one); releases lazily allocated storage."""
         if self.state is BucketState.REDUCING:
             self.finish_reduce()
-        if self.host_grad is not None:
-            self.host_grad.settle()  # a copy in flight may still read the gradient zeroed or released below
+        self.kept.reset()  # a copy in flight may still read the gradient zeroed or released below
         if self._storage is None:
-            self.grad, self.shard_grad = None, None
-        elif self.mode is ReduceMode.SCATTER_TO_SHARD:
             self.grad = None
         else:
             # [Note: the first gradient of a cycle is copied, not added]: no pass over the buffer here.
             self._unwritten = {slot.param_index for slot in self.plan.slots}
-        self._shard_has_data = False
+        self._has_reduced = False
         self.state = BucketState.EMPTY
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The gradient storage kept across micro-steps (for memory accounting)."""
-        kept = self.shard_grad if self.mode is ReduceMode.SCATTER_TO_SHARD else self.grad
-        return [] if kept is None else [kept]
+        full = [self.grad] if self.mode is not ReduceMode.SCATTER_TO_SHARD and self.grad is not None else []
+        return full + ([] if self.kept.in_host else self.kept.tensors())
 
     def transient_tensors(self) -> list[torch.Tensor]:
         """Buffers that live only while the bucket fills and reduces (stage 2's full gradient, a cast copy)."""

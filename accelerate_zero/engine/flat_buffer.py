@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from accelerate_zero.engine import collectives
-from accelerate_zero.engine.buckets import GradBucket, ReduceMode
+from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.shard_plan import GroupPlan
@@ -70,6 +70,7 @@ def build_group_shard(
     comm_dtype: torch.dtype,
     device: torch.device,
     contiguous_gradients: bool,
+    kept_for: KeptFor | None = None,
 ) -> GroupShard:
     """Flattens one param group and creates its buckets and fp32 master shard."""
     param_buffer = flatten_params(params, plan, compute_dtype, device)
@@ -82,7 +83,8 @@ def build_group_shard(
     for bucket, offset in zip(plan.buckets, offsets, strict=True):
         size = bucket.shard_numel if mode is ReduceMode.SCATTER_TO_SHARD else bucket.numel
         storage = None if grad_storage is None else grad_storage[offset : offset + size]
-        buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage, params))
+        kept = kept_for(bucket, mode) if kept_for is not None else None
+        buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage, params, kept))
     shard = GroupShard(
         plan=plan,
         rank=rank,

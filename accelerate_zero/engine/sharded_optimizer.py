@@ -17,7 +17,6 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.loss_scaler import LossScaler
-from accelerate_zero.engine.norms import sum_of_squares
 from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
 from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 from accelerate_zero.engine.shard_slice import ShardSlice
@@ -133,13 +132,11 @@ class ShardedOptimizer:
                 self.copies.into_device(shard_slice.master, shard_slice.params)
 
     def _global_norm(self) -> float:
-        grads = [bucket.reduced_shard() for bucket in self.buckets if bucket.grad_store is None]
-        # [Note: the norm of a large flat buffer]: summed in fp64 from chunks, exact to fp32 rounding at any size.
-        sum_sq = sum_of_squares(grads, self.device)
-        # A gradient slice in a file: its norm was taken when it was written (offload/nvme_grads.py).
+        # [Note: the norm of a large flat buffer]: summed in fp64 from chunks, exact to fp32 rounding at any size (a
+        # slice kept in a file gives the norm taken when it was written: offload/nvme_grads.py).
+        sum_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for bucket in self.buckets:
-            if bucket.grad_store is not None:
-                sum_sq += bucket.reduced_norm().to(device=self.device, dtype=torch.float64).square()
+            sum_sq += bucket.square_norm(self.device)
         if self.sharded:
             # Each element belongs to exactly one rank's shard: summing the squares over ranks gives the full norm.
             sum_sq = self._all_reduce_checking_progress(sum_sq, "all_reduce")

@@ -19,17 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.norms import sum_of_squares
 from accelerate_zero.offload.nvme import read_at, write_at
-
-
-if TYPE_CHECKING:
-    from accelerate_zero.engine.buckets import GradBucket
 
 
 @dataclass
@@ -43,27 +38,72 @@ class SwappedGrad:
     writing: Future | None = None
 
 
-class NvmeGradStore:
-    """Keeps the gradient slices of `buckets` in one file (see the module docstring). Whether a slice holds this
-    step's gradient is the bucket's to know: it says so when it adds (`fresh`) and reads only what it wrote."""
+class NvmeGradSlot:
+    """One bucket's slice in the store's file: a `KeptGradient` (engine/kept_grads.py). Whether it holds this
+    step's gradient is the bucket's to know: it says so when it adds (`fresh`); a cleared slot reads zeros."""
 
-    def __init__(self, path: Path, buckets: list[GradBucket], buffer_count: int, copies: HostCopies) -> None:
-        self.path, self.buffer_count, self.copies = path, max(1, buffer_count), copies
-        self.entries: dict[int, SwappedGrad] = {}  # id(bucket) -> its place
-        offset = 0
-        for bucket in buckets:
-            self.entries[id(bucket)] = SwappedGrad(offset, bucket.plan.shard_numel)
-            offset += 4 * bucket.plan.shard_numel
-        with open(path, "wb") as file:
-            file.truncate(offset)
+    in_host = True
+
+    def __init__(self, store: NvmeGradStore, entry: SwappedGrad) -> None:
+        self.store, self.entry, self.numel = store, entry, entry.numel
+        self._zeros = True  # nothing written in this step yet
+
+    def add(self, reduced: torch.Tensor, post: float, fresh: bool) -> None:
+        self.store.accumulate(self.entry, reduced, post, fresh=fresh or self._zeros)
+        self._zeros = False
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        if self._zeros:
+            return torch.zeros(end - start, dtype=torch.float32)
+        return self.store.read(self.entry, start, end)
+
+    def square_norm(self, device: torch.device) -> torch.Tensor:
+        if self._zeros:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return self.store.norm(self.entry).to(device=device, dtype=torch.float64).square()
+
+    def clear(self) -> None:
+        self._zeros = True
+
+    def settle(self) -> None:
+        pass  # `accumulate` copied what it was given before returning
+
+    def reset(self) -> None:
+        self._zeros = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []  # the store's slices being written are counted by `NvmeGradStore.resident_tensors`
+
+
+class NvmeGradStore:
+    """Keeps gradient slices in one file (see the module docstring): `slot` gives each bucket its place while the
+    engine is built, `open` then creates the file once its folder was checked."""
+
+    def __init__(self, buffer_count: int, copies: HostCopies) -> None:
+        self.buffer_count, self.copies = max(1, buffer_count), copies
+        self.path: Path | None = None
+        self.numel = 0
+        """Elements of every slot."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="accelerate_zero_nvme_grads")
         self._writes: collections.deque[tuple[Future, torch.Tensor]] = collections.deque()
         self.peak_resident = 0
         """Most gradient slices in memory at once (being written)."""
 
-    def accumulate(self, bucket: GradBucket, reduced: torch.Tensor, post: float, fresh: bool) -> None:
-        """Adds `reduced * post` to the bucket's slice; `fresh` overwrites it (the file holds an earlier step's)."""
-        entry = self.entries[id(bucket)]
+    def slot(self, numel: int) -> NvmeGradSlot:
+        assert self.path is None, "NvmeGradStore.slot() after open()"
+        entry = SwappedGrad(4 * self.numel, numel)
+        self.numel += numel
+        return NvmeGradSlot(self, entry)
+
+    def open(self, path: Path) -> None:
+        """Creates the file (`4 * numel` bytes) the slots live in."""
+        self.path = path
+        with open(path, "wb") as file:
+            file.truncate(4 * self.numel)
+
+    def accumulate(self, entry: SwappedGrad, reduced: torch.Tensor, post: float, fresh: bool) -> None:
+        """Adds `reduced * post` to the entry's slice; `fresh` overwrites it (the file holds an earlier step's)."""
+        assert self.path is not None, "NvmeGradStore.open() before the first gradient"
         # A private fp32 copy, scaled where it was reduced; the writer thread brings it to host memory, so backward
         # does not wait for the copy ([Note: asynchronous host copies] in engine/host_copies.py).
         scaled = reduced.to(torch.float32, copy=True)
@@ -72,32 +112,32 @@ class NvmeGradStore:
         fetch = self.copies.to_host_in_worker(scaled)
         while len(self._writes) >= self.buffer_count:
             self._writes.popleft()[0].result()
-        entry.writing = self._pool.submit(self._land, entry, fetch, fresh)
+        entry.writing = self._pool.submit(self._land, self.path, entry, fetch, fresh)
         self._writes.append((entry.writing, scaled))
         self.peak_resident = max(self.peak_resident, sum(not w.done() for w, _ in self._writes))
 
-    def _land(self, entry: SwappedGrad, fetch: Callable[[], torch.Tensor], fresh: bool) -> None:
-        """On the writer thread (one: a bucket's earlier write is done before its next starts)."""
+    @staticmethod
+    def _land(path: Path, entry: SwappedGrad, fetch: Callable[[], torch.Tensor], fresh: bool) -> None:
+        """On the writer thread (one: a slice's earlier write is done before its next starts)."""
         values = fetch()
         if not fresh:
             earlier = torch.empty(entry.numel, dtype=torch.float32)
-            read_at(self.path, entry.byte_offset, earlier)
+            read_at(path, entry.byte_offset, earlier)
             values.add_(earlier)
         entry.norm = sum_of_squares([values]).sqrt()  # [Note: the norm of a large flat buffer]
-        write_at(self.path, entry.byte_offset, values)
+        write_at(path, entry.byte_offset, values)
 
-    def read(self, bucket: GradBucket, start: int, end: int) -> torch.Tensor:
-        """A fresh fp32 tensor with elements [start, end) of the bucket's slice as last written."""
-        entry = self.entries[id(bucket)]
+    def read(self, entry: SwappedGrad, start: int, end: int) -> torch.Tensor:
+        """A fresh fp32 tensor with elements [start, end) of the slice as last written."""
+        assert self.path is not None
         if entry.writing is not None:
             entry.writing.result()  # reads run on other threads too (the optimizer's read-ahead)
         values = torch.empty(end - start, dtype=torch.float32)
         read_at(self.path, entry.byte_offset + 4 * start, values)
         return values
 
-    def norm(self, bucket: GradBucket) -> torch.Tensor:
-        """The L2 norm of the bucket's slice as last written (taken when it was written: no read)."""
-        entry = self.entries[id(bucket)]
+    def norm(self, entry: SwappedGrad) -> torch.Tensor:
+        """The L2 norm of the slice as last written (taken when it was written: no read)."""
         if entry.writing is not None:
             entry.writing.result()  # the norm is taken by the write
         norm = entry.norm
@@ -116,7 +156,7 @@ class NvmeGradStore:
         return [values for _, values in self._writes]
 
     def file_bytes(self) -> int:
-        return self.path.stat().st_size if self.path.exists() else 0
+        return self.path.stat().st_size if self.path is not None and self.path.exists() else 0
 
     def close(self) -> None:
         self.flush()

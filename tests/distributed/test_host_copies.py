@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from accelerate_zero.engine.host_copies import CopyDone, HostCopies
+from accelerate_zero.engine.host_grads import HostGradient
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import make_batches, make_model, max_param_diff, train_reference
 
@@ -106,7 +107,7 @@ def _train(rank: int, world_size: int, stage: int, accumulation: int, param_offl
     finally:
         engine_module.HostCopies = original
     copies = engine.host_copies
-    in_host = sum(b.host_grad is not None for b in engine.reducer.buckets)
+    in_host = sum(isinstance(b.kept, HostGradient) for b in engine.reducer.buckets)
     per_step = []
     for step in range(STEPS):
         before = copies.copies

@@ -121,16 +121,16 @@ def test_host_gradients_fold_staged_micro_steps_through_a_two_slot_ring() -> Non
         allocated.append(numel)
         return torch.zeros(numel)
 
-    staging = HostStaging(4, allocate)
-    grads = [HostGradient(torch.zeros(n), staging, copies) for n in (4, 3, 2)]
+    staging = HostStaging(allocate)
+    grads = [HostGradient(n, staging, copies, torch.zeros) for n in (4, 3, 2)]
     expected = [torch.zeros(n) for n in (4, 3, 2)]
     torch.manual_seed(0)
     for micro in range(3):
         for index in (2, 0, 1) if micro % 2 else (0, 1, 2):  # interleaved: a slot is taken back from another
-            value = torch.randn(grads[index].values.numel())
-            grads[index].add(value, fresh=micro == 0)
+            value = torch.randn(grads[index].numel)
+            grads[index].add(value, 1.0, fresh=micro == 0)
             expected[index] = value.clone() if micro == 0 else expected[index] + value
     assert allocated == [4, 4], "two staging buffers, allocated on first use"
     for grad, want in zip(grads, expected, strict=True):
-        assert torch.allclose(grad.read(), want)
+        assert torch.allclose(grad.read(0, grad.numel), want)
     assert copies.copies == 9  # one copy per bucket per micro-step

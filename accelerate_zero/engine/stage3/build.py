@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from accelerate_zero.engine.buckets import GradBucket, ReduceMode
+from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard, group_slices
 from accelerate_zero.engine.shard_plan import ParamSlot, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
@@ -65,6 +65,7 @@ def build_stage3(
     host_memory: HostMemory | None,
     broadcast: Callable[[torch.Tensor], None],
     shard_store: ShardStore,
+    kept_for: KeptFor | None = None,
 ) -> Stage3Parts:
     """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
     shards every unit, and plans the persistent parameters per optimizer param group."""
@@ -73,7 +74,17 @@ def build_stage3(
         param.data = param.data.to(device=device, dtype=dtypes.compute)
         broadcast(param.data)
     units = _build_units(
-        module, layout, rank, world_size, dtypes, device, contiguous_gradients, host_memory, broadcast, shard_store
+        module,
+        layout,
+        rank,
+        world_size,
+        dtypes,
+        device,
+        contiguous_gradients,
+        host_memory,
+        broadcast,
+        shard_store,
+        kept_for,
     )
     _place_rest(module, layout, units, device, broadcast)
     root = units[-1]
@@ -93,6 +104,7 @@ def build_stage3(
                 comm_dtype=dtypes.comm,
                 device=device,
                 contiguous_gradients=contiguous_gradients,
+                kept_for=kept_for,
             )
         )
     ordered_units = [u for u in reversed(units) if u is not root] + [root]
@@ -152,6 +164,7 @@ def _build_units(
     host_memory: HostMemory | None,
     broadcast: Callable[[torch.Tensor], None],
     shard_store: ShardStore,
+    kept_for: KeptFor | None,
 ) -> list[ParamUnit]:
     def flat_of(params: list[nn.Parameter]) -> FlatUnitBuffer | None:
         # The layout never depends on the optimizer, so shards made by partitioned loading are adopted as they are
@@ -183,6 +196,7 @@ def _build_units(
                 device,
                 storage,
                 train_flat.params,
+                kept_for(train_flat.plan, ReduceMode.SCATTER_TO_SHARD) if kept_for is not None else None,
             )
         units.append(ParamUnit(index, spec.name, spec.module, train_flat, frozen_flat, bucket, shard_store))
     return units
