@@ -29,39 +29,32 @@ from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whol
 from accelerate_zero.checkpoint.io import FragmentReader, check_tag, fresh_partial_dir, publish_dir, resolve_tag
 from accelerate_zero.checkpoint.meta import FORMAT, file_digest, rank_file_name, read_meta, verify_files, write_meta
 from accelerate_zero.engine import collectives
+from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange, StepCounters, TrainableRange
 
 
 if TYPE_CHECKING:
     from accelerate_zero.config import ZeroConfig
     from accelerate_zero.engine.collectives import CommStats
-    from accelerate_zero.engine.grad_reduce import GradReducer
     from accelerate_zero.engine.groups import DataParallelGroup
-    from accelerate_zero.engine.shard_slice import ShardSlice
-    from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
-    from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
-    from accelerate_zero.engine.stage3.param_unit import ParamUnit
-    from accelerate_zero.engine.stores import ShardStore
 
 
 class ZeroEngine(Protocol):
-    """What saving and loading read and restore of the engine (engine.py implements it, and calls this module: typed
-    here so that this module does not import the engine back)."""
+    """What saving and loading use of an engine: its group and config, and the contract of
+    engine/checkpoint_state.py (engine.py implements it, and calls this module: typed here so that this module does
+    not import the engine back)."""
 
-    module: torch.nn.Module
     config: ZeroConfig
     dp: DataParallelGroup
     device: torch.device
     comm_stats_counter: CommStats
     stage: int
-    units: list[ParamUnit]
-    optimizer: torch.optim.Optimizer
     lr_scheduler: Any
-    sharded_optimizer: ShardedOptimizer
-    reducer: GradReducer
-    shard_store: ShardStore
-    global_steps: int
-    micro_steps: int
-    skipped_steps: int
+
+    def checkpoint_state(self) -> CheckpointState: ...
+
+    def step_counters(self) -> StepCounters: ...
+
+    def restore_step_counters(self, counters: StepCounters) -> None: ...
 
     def zero_grad(self) -> None: ...
 
@@ -70,22 +63,12 @@ __all__ = ["FORMAT", "load_engine", "save_engine"]
 _DIGEST_SUFFIX = ".sha256"
 
 
-def _names(engine: ZeroEngine) -> dict[int, str]:
-    return {id(p): n for n, p in engine.module.named_parameters()}
+def _names(state: CheckpointState) -> dict[int, str]:
+    return {id(p): n for n, p in state.module.named_parameters()}
 
 
-def _slice_fragments(shard_slice: ShardSlice, names: dict[int, str]) -> list[Fragment]:
-    bucket = shard_slice.bucket
-    lo = bucket.plan.shard_range(bucket.rank)[0]
-    return range_fragments(bucket.plan, bucket.params, names, lo + shard_slice.start, lo + shard_slice.end)
-
-
-def _flat_fragments(flat: FlatUnitBuffer, names: dict[int, str]) -> list[Fragment]:
-    return range_fragments(flat.plan, flat.params, names, *flat.plan.shard_range(flat.rank))
-
-
-def _frozen_flats(engine: ZeroEngine) -> list[FlatUnitBuffer]:
-    return [flat for unit in engine.units for flat in unit.flats if flat is not unit.trainable]
+def _fragments(shard_range: ShardRange, names: dict[int, str]) -> list[Fragment]:
+    return range_fragments(shard_range.plan, shard_range.params, names, shard_range.lo, shard_range.hi)
 
 
 # [Note: frozen parameters are not saved]
@@ -100,25 +83,26 @@ def _frozen_flats(engine: ZeroEngine) -> list[FlatUnitBuffer]:
 FINGERPRINT_RTOL = 1e-6
 
 
-def _frozen_names(engine: ZeroEngine) -> list[str]:
-    return [n for n, p in engine.module.named_parameters() if not p.requires_grad]
+def _frozen_names(state: CheckpointState) -> list[str]:
+    return [n for n, p in state.module.named_parameters() if not p.requires_grad]
 
 
 def _frozen_fingerprints(engine: ZeroEngine) -> dict[str, list[float]]:
     """Per frozen parameter [sum, sum of |values|] in float64 over the whole parameter; every rank must call it."""
-    names = _frozen_names(engine)
+    state = engine.checkpoint_state()
+    names = _frozen_names(state)
     index = {name: i for i, name in enumerate(names)}
     sums = torch.zeros(len(names), 2, dtype=torch.float64)
     in_flats: set[str] = set()
-    by_id = _names(engine)
-    for flat in _frozen_flats(engine):
-        shard = _shard_values(engine, flat)
-        for frag in _flat_fragments(flat, by_id):
+    by_id = _names(state)
+    for frozen in state.frozen_shards():
+        shard = state.read_frozen(frozen)
+        for frag in _fragments(frozen.range, by_id):
             values = shard[frag.offset : frag.offset + frag.numel].detach().double().cpu()
             sums[index[frag.name]] += torch.stack([values.sum(), values.abs().sum()])
-        in_flats.update(by_id[id(p)] for p in flat.params)
+        in_flats.update(by_id[id(p)] for p in frozen.range.params)
     if engine.dp.rank == 0:  # parameters held whole on every rank: counted once
-        for name, param in engine.module.named_parameters():
+        for name, param in state.module.named_parameters():
             if name in index and name not in in_flats:
                 values = param.detach().double().cpu()
                 sums[index[name]] += torch.stack([values.sum(), values.abs().sum()])
@@ -157,13 +141,6 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-def _covered(engine: ZeroEngine) -> set[int]:
-    """Parameters whose values live in shards (trainable buckets, stage-3 frozen flats), whether or not this rank's
-    slice holds any of their elements (a small bucket's slice can be padding only)."""
-    covered = {id(b.params[slot.param_index]) for b in engine.reducer.buckets for slot in b.plan.slots}
-    return covered | {id(p) for flat in _frozen_flats(engine) for p in flat.params}
-
-
 # --------------------------------------------------------------------------- save
 def save_engine(
     engine: ZeroEngine,
@@ -174,16 +151,17 @@ def save_engine(
 ) -> Path:
     """Writes every rank's shard and the rank-independent state; returns the checkpoint folder."""
     save_dir = Path(save_dir)
-    tag = check_tag(tag or f"global_step{engine.global_steps}", "save_checkpoint tag")
+    tag = check_tag(tag or f"global_step{engine.step_counters().global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
     rank, is_main = engine.dp.rank, engine.dp.rank == 0
-    excluded = _frozen_fingerprints(engine) if exclude_frozen_parameters and _frozen_names(engine) else {}
+    state = engine.checkpoint_state()
+    excluded = _frozen_fingerprints(engine) if exclude_frozen_parameters and _frozen_names(state) else {}
     work = fresh_partial_dir(save_dir, tag) if is_main else save_dir / f".{tag}.partial"
     _barrier(engine)
     # At stage 0 every rank holds the same full state: rank 0's file is enough.
     if engine.stage > 0 or is_main:
         path = work / rank_file_name(rank)
-        save_file(_rank_tensors(engine, is_main, set(excluded)), str(path))
+        save_file(_rank_tensors(state, is_main, set(excluded)), str(path))
         # Each rank hashes its own file (in parallel); rank 0 collects the digests into meta.json.
         (work / (path.name + _DIGEST_SUFFIX)).write_text(file_digest(path))
     _barrier(engine)
@@ -206,23 +184,23 @@ def _collect_digests(work: Path) -> dict[str, str]:
     return digests
 
 
-def _rank_tensors(engine: ZeroEngine, is_main: bool, excluded: set[str]) -> dict[str, torch.Tensor]:
-    names, out = _names(engine), {}
+def _rank_tensors(state: CheckpointState, is_main: bool, excluded: set[str]) -> dict[str, torch.Tensor]:
+    names, out = _names(state), {}
     # Under NVMe optimizer offload the masters and their state are in memory one sub-group at a time.
-    for slices in engine.sharded_optimizer.resident_slices(write_back=False):
-        for shard_slice in slices:
-            out.update(_slice_tensors(engine, shard_slice, names))
-    for flat in _frozen_flats(engine):
-        shard = _shard_values(engine, flat)
-        for frag in _flat_fragments(flat, names):
+    for batch in state.trainable_batches(write_back=False):
+        for trainable in batch:
+            out.update(_trainable_tensors(state, trainable, names))
+    for frozen in state.frozen_shards():
+        shard = state.read_frozen(frozen)
+        for frag in _fragments(frozen.range, names):
             if frag.name not in excluded:
                 out[frag.key("param")] = _to_host(shard[frag.offset : frag.offset + frag.numel])
     if is_main:
-        covered = _covered(engine)
-        for name, param in engine.module.named_parameters():
+        covered = state.sharded_parameters()
+        for name, param in state.module.named_parameters():
             if id(param) not in covered and name not in excluded:
                 out[whole_key(name, "full")] = _to_host(param)
-        for name, buffer in _persistent_buffers(engine.module):
+        for name, buffer in _persistent_buffers(state.module):
             out[whole_key(name, "buffer")] = _to_host(buffer)
     return {key: value.contiguous() for key, value in out.items()}
 
@@ -238,14 +216,16 @@ def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
     return out
 
 
-def _slice_tensors(engine: ZeroEngine, shard_slice: ShardSlice, names: dict[int, str]) -> dict[str, torch.Tensor]:
+def _trainable_tensors(
+    state: CheckpointState, trainable: TrainableRange, names: dict[int, str]
+) -> dict[str, torch.Tensor]:
     out = {}
-    state = engine.optimizer.state.get(shard_slice.master, {})
-    for frag in _slice_fragments(shard_slice, names):
+    optimizer_state = state.optimizer.state.get(trainable.master, {})
+    for frag in _fragments(trainable.range, names):
         piece = slice(frag.offset, frag.offset + frag.numel)
-        out[frag.key("master")] = _to_host(shard_slice.master[piece]).float()
-        for kind, value in state.items():
-            if torch.is_tensor(value) and value.numel() == shard_slice.master.numel() and value.ndim > 0:
+        out[frag.key("master")] = _to_host(trainable.master[piece]).float()
+        for kind, value in optimizer_state.items():
+            if torch.is_tensor(value) and value.numel() == trainable.master.numel() and value.ndim > 0:
                 out[frag.key(kind)] = _to_host(value[piece])
             elif torch.is_tensor(value) and value.numel() == 1:
                 out[frag.key(kind)] = _to_host(value.reshape(()))
@@ -253,35 +233,24 @@ def _slice_tensors(engine: ZeroEngine, shard_slice: ShardSlice, names: dict[int,
 
 
 def _meta(engine: ZeroEngine) -> dict[str, Any]:
-    scaler = engine.sharded_optimizer.loss_scaler
+    state, counters = engine.checkpoint_state(), engine.step_counters()
+    scaler = state.loss_scaler
     return {
         "format": FORMAT,
         "stage": engine.stage,
         "world_size": engine.dp.world_size,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
+        "global_steps": counters.global_steps,
+        "micro_steps": counters.micro_steps,
+        "skipped_steps": counters.skipped_steps,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "param_shapes": _param_shapes(engine),
-        "optimizer": type(engine.optimizer).__name__,
+        "param_shapes": state.param_shapes(),
+        "optimizer": type(state.optimizer).__name__,
         "param_groups": [
             {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, str, bool, list, tuple))}
-            for group in engine.optimizer.param_groups
+            for group in state.optimizer.param_groups
         ],
         "config": engine.config.to_dict(),
     }
-
-
-def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
-    """Every parameter's real shape; at stage 3 from the unit plans (the parameters hold empty placeholders), so a
-    checkpoint can be consolidated without the model."""
-    planned = {
-        id(flat.params[slot.param_index]): list(slot.shape)
-        for unit in engine.units
-        for flat in unit.flats
-        for slot in flat.plan.slots
-    }
-    return {n: planned.get(id(p), list(p.shape)) for n, p in engine.module.named_parameters()}
 
 
 # --------------------------------------------------------------------------- load
@@ -301,34 +270,34 @@ def load_engine(
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
     files = verify_files(folder, meta)
-    _check_shapes(engine, meta, folder)
+    state = engine.checkpoint_state()
+    _check_shapes(state, meta, folder)
     if load_optimizer_states:
-        _check_optimizer(engine, meta, folder)
+        _check_optimizer(state, meta, folder)
     from_model = _check_frozen(engine, meta, folder)
     reader = FragmentReader(files)
-    names = _names(engine)
+    names = _names(state)
     with torch.no_grad():
-        _load_slices(engine, reader, names, load_optimizer_states)
-        _load_frozen(engine, reader, names, from_model)
-        engine.sharded_optimizer.publish()
+        _load_trainable(state, reader, names, load_optimizer_states)
+        _load_frozen(state, reader, names, from_model)
+        state.finish_load()
     if load_optimizer_states:
-        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"], strict=True):
+        for group, saved in zip(state.optimizer.param_groups, meta["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k in group})
-        scaler = engine.sharded_optimizer.loss_scaler
+        scaler = state.loss_scaler
         if scaler is not None and meta["loss_scaler"] is not None:
             scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and (folder / "scheduler.pt").exists():
         engine.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
-    engine.skipped_steps = meta["skipped_steps"]
+    engine.restore_step_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
     engine.zero_grad()
     return torch.load(folder / "client_state.pt", weights_only=True)
 
 
-def _check_shapes(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> None:
+def _check_shapes(state: CheckpointState, meta: dict[str, Any], folder: Path) -> None:
     """Every model parameter is in the checkpoint with the same shape; checkpoint extras only warn."""
     saved: dict[str, list[int] | None] = meta["param_shapes"]
-    model = _param_shapes(engine)
+    model = state.param_shapes()
     wrong = [
         f"{name}: checkpoint {saved[name]}, model {shape}"
         for name, shape in model.items()
@@ -355,9 +324,9 @@ def _check_shapes(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> Non
         )
 
 
-def _check_optimizer(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> None:
-    saved, current = meta["optimizer"], type(engine.optimizer).__name__
-    groups, saved_groups = len(engine.optimizer.param_groups), len(meta["param_groups"])
+def _check_optimizer(state: CheckpointState, meta: dict[str, Any], folder: Path) -> None:
+    saved, current = meta["optimizer"], type(state.optimizer).__name__
+    groups, saved_groups = len(state.optimizer.param_groups), len(meta["param_groups"])
     if saved != current or groups != saved_groups:
         raise ValueError(
             f"{folder} holds the state of a {saved} optimizer with {saved_groups} param groups; this engine's "
@@ -377,22 +346,18 @@ def _values(reader: FragmentReader, frag: Fragment) -> torch.Tensor:
     return full.reshape(-1)[frag.start : frag.end]
 
 
-def _load_slices(engine: ZeroEngine, reader: FragmentReader, names: dict[int, str], with_state: bool) -> None:
-    sharded = engine.sharded_optimizer
-    for slices in sharded.resident_slices(write_back=True):
-        for shard_slice in slices:
-            master = shard_slice.master
-            fragments = _slice_fragments(shard_slice, names)
+def _load_trainable(state: CheckpointState, reader: FragmentReader, names: dict[int, str], with_state: bool) -> None:
+    optimizer = state.optimizer
+    for batch in state.trainable_batches(write_back=True):
+        for trainable in batch:
+            master = trainable.master
+            fragments = _fragments(trainable.range, names)
             for frag in fragments:
                 master[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
-            sharded.write_params([shard_slice])
+            state.write_trainable([trainable])
             if with_state and fragments:
-                engine.optimizer.state[master] = _slice_state(reader, fragments, master, _group_of(engine, master))
-    engine.shard_store.flush()
-
-
-def _group_of(engine: ZeroEngine, master: torch.Tensor) -> dict[str, Any]:
-    return next(g for g in engine.optimizer.param_groups if any(p is master for p in g["params"]))
+                group = next(g for g in optimizer.param_groups if any(p is master for p in g["params"]))
+                optimizer.state[master] = _slice_state(reader, fragments, master, group)
 
 
 def _slice_state(
@@ -422,36 +387,28 @@ def _slice_state(
     return state
 
 
-def _load_frozen(engine: ZeroEngine, reader: FragmentReader, names: dict[int, str], from_model: set[str]) -> None:
+def _load_frozen(state: CheckpointState, reader: FragmentReader, names: dict[int, str], from_model: set[str]) -> None:
     """Frozen shards and the parameters no rank shards; those in `from_model` (checked) keep the model's values."""
-    store = engine.shard_store
-    for flat in _frozen_flats(engine):
-        if all(names[id(p)] in from_model for p in flat.params):
+    for frozen in state.frozen_shards():
+        if all(names[id(p)] in from_model for p in frozen.range.params):
             continue
-        shard = _shard_values(engine, flat)
-        for frag in _flat_fragments(flat, names):
+        shard = state.read_frozen(frozen)
+        for frag in _fragments(frozen.range, names):
             if frag.name not in from_model:
                 shard[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
-        if shard is not flat.shard:
-            store.overwrite(flat, shard)
-    store.flush()
-    covered = _covered(engine)
-    for name, param in engine.module.named_parameters():
+        state.write_frozen(frozen, shard)
+    covered = state.sharded_parameters()
+    for name, param in state.module.named_parameters():
         if id(param) in covered or name in from_model:
             continue
         full = reader.read_whole(whole_key(name, "full"))
         if full is None:
             full = _values(reader, Fragment(name, 0, param.numel(), 0)).reshape(param.shape)
         param.data.copy_(full)
-    for name, buffer in engine.module.named_buffers():
+    for name, buffer in state.module.named_buffers():
         saved = reader.read_whole(whole_key(name, "buffer"))
         if saved is not None:
             buffer.copy_(saved)
-
-
-def _shard_values(engine: ZeroEngine, flat: FlatUnitBuffer) -> torch.Tensor:
-    """A stage-3 flat's shard, read from its file under NVMe parameter offload."""
-    return engine.shard_store.read(flat)
 
 
 def _validate_tag(engine: ZeroEngine, tag: str) -> None:

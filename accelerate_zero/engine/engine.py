@@ -20,6 +20,7 @@ from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, resolve_confi
 from accelerate_zero.debug.memory import engine_memory
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.assemble import assemble
+from accelerate_zero.engine.checkpoint_state import CheckpointState, StepCounters
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
@@ -379,6 +380,18 @@ class ZeroEngine:
         """
         client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         return str(resolve_tag(Path(load_dir), tag)), client_state
+
+    def checkpoint_state(self) -> CheckpointState:
+        """What a checkpoint reads of this engine and restores into it (engine/checkpoint_state.py)."""
+        return CheckpointState(self.module, self.units, self.reducer.buckets, self.sharded_optimizer, self.shard_store)
+
+    def step_counters(self) -> StepCounters:
+        return StepCounters(self.global_steps, self.micro_steps, self.skipped_steps)
+
+    def restore_step_counters(self, counters: StepCounters) -> None:
+        """Sets the step counters (a loaded checkpoint's); the accumulation boundary follows from `micro_steps`."""
+        self.global_steps, self.micro_steps = counters.global_steps, counters.micro_steps
+        self.skipped_steps = counters.skipped_steps
 
     def gather_groups(self) -> list[list[nn.Parameter]]:
         """Stage 3: the parameters gathered together, one list per unit in unit order (the same on every rank);

@@ -1,0 +1,133 @@
+"""The contract between the engine and checkpointing: which element ranges of which parameters this rank holds, their
+values out and in, and the step counters. checkpoint/engine_io.py reads and restores an engine only through this
+(never its units, stores or optimizer slices), so the engine may change how it holds state without breaking the
+checkpoint format ([Note: universal checkpoints] in checkpoint/fragments.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from accelerate_zero.engine.buckets import GradBucket
+from accelerate_zero.engine.loss_scaler import LossScaler
+from accelerate_zero.engine.shard_plan import BucketPlan
+from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
+from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
+from accelerate_zero.engine.stage3.param_unit import ParamUnit
+from accelerate_zero.engine.stores import ShardStore
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Elements [lo, hi) of a flat buffer laid out by `plan`, whose slots index `params`."""
+
+    plan: BucketPlan
+    params: list[nn.Parameter]
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class TrainableRange:
+    """A run of this rank's trainable shard: its fp32 `master` values (loading writes into them, then
+    `CheckpointState.write_trainable`) and the optimizer state keyed by `master`."""
+
+    range: ShardRange
+    master: torch.Tensor
+    _slice: ShardSlice = field(repr=False)
+
+
+@dataclass(frozen=True)
+class FrozenShard:
+    """This rank's shard of a stage-3 unit's parameters without gradient."""
+
+    range: ShardRange
+    _flat: FlatUnitBuffer = field(repr=False)
+
+
+@dataclass(frozen=True)
+class StepCounters:
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+
+
+class CheckpointState:
+    """What a checkpoint saves of one engine and restores into it (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[ParamUnit],
+        buckets: list[GradBucket],
+        sharded_optimizer: ShardedOptimizer,
+        shard_store: ShardStore,
+    ) -> None:
+        self.module, self._units, self._buckets = module, units, buckets
+        self._sharded, self._store = sharded_optimizer, shard_store
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer; its state is keyed by the `master` tensors of the trainable ranges."""
+        return self._sharded.optimizer
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        return self._sharded.loss_scaler
+
+    # --------------------------------------------------------------- trainable
+    def trainable_batches(self, write_back: bool) -> Iterator[list[TrainableRange]]:
+        """Every trainable range, in batches whose masters and optimizer state are in memory while the batch is used
+        (under NVMe optimizer offload one sub-group at a time; `write_back`: changes go back to its file)."""
+        for slices in self._sharded.resident_slices(write_back=write_back):
+            yield [self._trainable(s) for s in slices]
+
+    @staticmethod
+    def _trainable(shard_slice: ShardSlice) -> TrainableRange:
+        bucket = shard_slice.bucket
+        lo = bucket.plan.shard_range(bucket.rank)[0]
+        shard_range = ShardRange(bucket.plan, bucket.params, lo + shard_slice.start, lo + shard_slice.end)
+        return TrainableRange(shard_range, shard_slice.master, shard_slice)
+
+    def write_trainable(self, ranges: list[TrainableRange]) -> None:
+        """Copies the masters of `ranges` into the parameters they train."""
+        self._sharded.write_params([r._slice for r in ranges])
+
+    # ------------------------------------------------------------------ frozen
+    def frozen_shards(self) -> list[FrozenShard]:
+        flats = [flat for unit in self._units for flat in unit.flats if flat is not unit.trainable]
+        return [FrozenShard(ShardRange(f.plan, f.params, *f.plan.shard_range(f.rank)), f) for f in flats]
+
+    def read_frozen(self, shard: FrozenShard) -> torch.Tensor:
+        """The shard's values (a copy when it lives in a file: write changes back with `write_frozen`)."""
+        return self._store.read(shard._flat)
+
+    def write_frozen(self, shard: FrozenShard, values: torch.Tensor) -> None:
+        if values is not shard._flat.shard:
+            self._store.overwrite(shard._flat, values)
+
+    # ------------------------------------------------------------------ whole
+    def sharded_parameters(self) -> set[int]:
+        """ids of the parameters whose values live in shards (trainable buckets, stage-3 frozen shards), whether or
+        not this rank's slice holds any of their elements (a small bucket's slice can be padding only)."""
+        covered = {id(b.params[slot.param_index]) for b in self._buckets for slot in b.plan.slots}
+        return covered | {id(p) for shard in self.frozen_shards() for p in shard.range.params}
+
+    def param_shapes(self) -> dict[str, list[int]]:
+        """Every parameter's real shape; at stage 3 from the unit plans (the parameters hold empty placeholders)."""
+        planned = {
+            id(flat.params[slot.param_index]): list(slot.shape)
+            for unit in self._units
+            for flat in unit.flats
+            for slot in flat.plan.slots
+        }
+        return {n: planned.get(id(p), list(p.shape)) for n, p in self.module.named_parameters()}
+
+    def finish_load(self) -> None:
+        """After every range was written: files are current and the parameters show the loaded values."""
+        self._store.flush()
+        self._sharded.publish()
