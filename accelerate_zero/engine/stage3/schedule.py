@@ -48,6 +48,7 @@ that calls a different sub-module than the others waits for them until the proce
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -65,8 +66,25 @@ from accelerate_zero.engine.stores import ShardsInMemory, ShardStore
 logger = logging.getLogger(__name__)
 
 
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (activation checkpointing recomputes forwards there)."""
+class TrainingPhase(enum.Enum):
+    """What the hooks are running in ([Note: the training phase])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    """A forward started at the model or at a sub-module ([Note: sub-module calls]) is running."""
+    BACKWARD = "backward"
+    """Autograd runs a backward pass; forward hooks now are recomputations (activation checkpointing)."""
+
+
+# [Note: the training phase]
+# The scheduler keeps its phase itself and asserts each transition: IDLE -> FORWARD when a forward begins, back to
+# IDLE when it ends; -> BACKWARD when a backward reaches the first unit (its pre-backward hook), back to the phase it
+# interrupted when autograd finishes the pass (a callback queued on autograd's engine, as FSDP2 does, so a plain
+# `loss.backward()` the engine never sees ends it too). One case has no hook to announce it: a recomputation that
+# runs before backward reached any unit's outputs (a model checkpointed as a whole, or a backward started inside a
+# forward). Forward hooks therefore ask autograd whether a pass is running while the phase is not BACKWARD, and
+# enter it then.
+def _autograd_running() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
@@ -118,17 +136,43 @@ class UnitScheduler:
         """Units whose forward is running, innermost last."""
         self._detector: ExternalUseDetector | None = None
         self.shard_store = shard_store if shard_store is not None else ShardsInMemory()
+        self.phase = TrainingPhase.IDLE
+        self._resume_phase = TrainingPhase.IDLE  # the phase a backward interrupted
+
+    # ------------------------------------------------------------------ phase
+    def _enter(self, phase: TrainingPhase, *allowed_from: TrainingPhase) -> None:
+        assert self.phase in allowed_from, (
+            f"stage 3 scheduler: cannot enter {phase.value} from {self.phase.value} "
+            f"(expected {' or '.join(p.value for p in allowed_from)})"
+        )
+        self.phase = phase
+
+    def in_backward(self) -> bool:
+        """True while autograd runs a backward pass ([Note: the training phase])."""
+        if self.phase is not TrainingPhase.BACKWARD and _autograd_running():
+            self._begin_backward()
+        return self.phase is TrainingPhase.BACKWARD
+
+    def _begin_backward(self) -> None:
+        resume = self.phase
+        self._enter(TrainingPhase.BACKWARD, TrainingPhase.IDLE, TrainingPhase.FORWARD)
+        self._resume_phase = resume
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
+    def _backward_finished(self) -> None:
+        if self.phase is TrainingPhase.BACKWARD:  # end_backward() may have run already
+            self._enter(self._resume_phase, TrainingPhase.BACKWARD)
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ParamUnit) -> None:
-        if unit is self.root and not in_backward():
+        if unit is self.root and not self.in_backward():
             self._begin_forward(id(unit.module))
         self._run(unit)
 
     def post_forward(self, unit: ParamUnit) -> None:
         if self.active and self.active[-1] is unit:
             self.active.pop()
-        if in_backward():
+        if self.in_backward():
             return  # recomputed for backward: keep until the gradients are done
         if unit is self.root:
             self._end_forward()
@@ -141,7 +185,7 @@ class UnitScheduler:
         """
         in_use = self._held_ids()
         entered = [unit for unit in needed if id(unit) not in in_use]
-        begins = bool(entered) and not self.active and not in_backward()
+        begins = bool(entered) and not self.active and not self.in_backward()
         if begins:
             self._begin_forward(key)
         for unit in entered:
@@ -160,7 +204,7 @@ class UnitScheduler:
                 f"stage 3 sub-module call left {unit} while {self.active[-1:]} runs: forwards must nest"
             )
             self.active.pop()
-        if in_backward():
+        if self.in_backward():
             return
         if began:
             self._end_forward()
@@ -168,7 +212,7 @@ class UnitScheduler:
             self._release_after_forward(unit)
 
     def _run(self, unit: ParamUnit) -> None:
-        recompute = in_backward()
+        recompute = self.in_backward()
         if not recompute:
             self._follow_trace(unit)
         self.active.append(unit)
@@ -195,6 +239,8 @@ class UnitScheduler:
                 done.reshard()
 
     def _begin_forward(self, key: int) -> None:
+        # FORWARD too: a forward that raised never ended.
+        self._enter(TrainingPhase.FORWARD, TrainingPhase.IDLE, TrainingPhase.FORWARD)
         self._entry_key, self.trace = key, self.traces.get(key)
         self._observed = []
         self._on_trace = self.trace is not None
@@ -212,6 +258,7 @@ class UnitScheduler:
             self._on_trace = False
 
     def _end_forward(self) -> None:
+        self._enter(TrainingPhase.IDLE, TrainingPhase.FORWARD)
         if self._detector is not None:
             self._detector.__exit__(None, None, None)
             self._detector = None
@@ -241,6 +288,8 @@ class UnitScheduler:
 
     # ----------------------------------------------------------------- backward
     def pre_backward(self, unit: ParamUnit) -> None:
+        if self.phase is not TrainingPhase.BACKWARD:  # the first unit this backward reaches
+            self._begin_backward()
         for needed in (unit, *unit.external):
             self._gather_now(needed)
         if self.trace is not None and unit.index in self.trace:
@@ -252,7 +301,7 @@ class UnitScheduler:
         computed their gradients ([Note: release after backward]); counts them when so."""
         if not unit.has_frozen:
             return False
-        if in_backward() and self._input_grads.get(unit.index, 0) > 0:
+        if self.in_backward() and self._input_grads.get(unit.index, 0) > 0:
             return False  # a non-reentrant recomputation: the first forward's inputs are the ones backward reaches
         self._input_grads[unit.index] = self._input_grads.get(unit.index, 0) + count
         return True
@@ -277,6 +326,9 @@ class UnitScheduler:
         unit.reshard()
 
     def end_backward(self) -> None:
+        """The engine's backward returned (or its step came): nothing of the backward is kept."""
+        if self.phase is TrainingPhase.BACKWARD:
+            self._enter(self._resume_phase, TrainingPhase.BACKWARD)
         self._input_grads.clear()
         self._grads_done.clear()
         self.release_all()
