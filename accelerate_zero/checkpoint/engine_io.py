@@ -52,10 +52,6 @@ class ZeroEngine(Protocol):
 
     def checkpoint_state(self) -> CheckpointState: ...
 
-    def step_counters(self) -> StepCounters: ...
-
-    def restore_step_counters(self, counters: StepCounters) -> None: ...
-
     def zero_grad(self) -> None: ...
 
 
@@ -151,7 +147,7 @@ def save_engine(
 ) -> Path:
     """Writes every rank's shard and the rank-independent state; returns the checkpoint folder."""
     save_dir = Path(save_dir)
-    tag = check_tag(tag or f"global_step{engine.step_counters().global_steps}", "save_checkpoint tag")
+    tag = check_tag(tag or f"global_step{engine.checkpoint_state().counters.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
     rank, is_main = engine.dp.rank, engine.dp.rank == 0
     state = engine.checkpoint_state()
@@ -233,7 +229,8 @@ def _trainable_tensors(
 
 
 def _meta(engine: ZeroEngine) -> dict[str, Any]:
-    state, counters = engine.checkpoint_state(), engine.step_counters()
+    state = engine.checkpoint_state()
+    counters = state.counters
     scaler = state.loss_scaler
     return {
         "format": FORMAT,
@@ -289,7 +286,7 @@ def load_engine(
             scaler.load_state_dict(meta["loss_scaler"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and (folder / "scheduler.pt").exists():
         engine.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    engine.restore_step_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
+    state.restore_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
     engine.zero_grad()
     return torch.load(folder / "client_state.pt", weights_only=True)
 

@@ -5,7 +5,7 @@ checkpoint format ([Note: universal checkpoints] in checkpoint/fragments.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -66,9 +66,15 @@ class CheckpointState:
         buckets: list[GradBucket],
         sharded_optimizer: ShardedOptimizer,
         shard_store: ShardStore,
+        counters: StepCounters,
+        restore_counters: Callable[[StepCounters], None],
     ) -> None:
         self.module, self._units, self._buckets = module, units, buckets
         self._sharded, self._store = sharded_optimizer, shard_store
+        self.counters = counters
+        """The engine's step counters when this state was taken."""
+        self.restore_counters = restore_counters
+        """Sets the engine's step counters (a loaded checkpoint's)."""
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

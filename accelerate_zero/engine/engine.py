@@ -31,7 +31,6 @@ from accelerate_zero.engine.setup import (
     check_implemented,
     forward_input_dtype,
 )
-from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.step_log import StepLog
 
 
@@ -187,22 +186,19 @@ class ZeroEngine:
         """
         if self.is_gradient_accumulation_boundary():
             with self.step_log.timed("step"):
-                self._optimizer_step()
+                self.reducer.finish_step()
+                if self.scheduler is not None:
+                    self.scheduler.end_backward()
+                outcome = self.sharded_optimizer.step()
+                self.reducer.zero_grad()
+                self._global_grad_norm = outcome.grad_norm
+                if outcome.overflow:
+                    self.skipped_steps += 1
+                elif self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                self.global_steps += 1
+                self.step_log.after_step(self)
         self.micro_steps += 1
-
-    def _optimizer_step(self) -> None:
-        self.reducer.finish_step()
-        if self.scheduler is not None:
-            self.scheduler.end_backward()
-        outcome = self.sharded_optimizer.step()
-        self.reducer.zero_grad()
-        self._global_grad_norm = outcome.grad_norm
-        if outcome.overflow:
-            self.skipped_steps += 1
-        elif self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.global_steps += 1
-        self.step_log.after_step(self)
 
     def zero_grad(self) -> None:
         """Drops the accumulated gradients (the engine also does this after every optimizer step)."""
@@ -383,13 +379,18 @@ class ZeroEngine:
 
     def checkpoint_state(self) -> CheckpointState:
         """What a checkpoint reads of this engine and restores into it (engine/checkpoint_state.py)."""
-        return CheckpointState(self.module, self.units, self.reducer.buckets, self.sharded_optimizer, self.shard_store)
+        return CheckpointState(
+            self.module,
+            self.units,
+            self.reducer.buckets,
+            self.sharded_optimizer,
+            self.shard_store,
+            StepCounters(self.global_steps, self.micro_steps, self.skipped_steps),
+            self._restore_step_counters,
+        )
 
-    def step_counters(self) -> StepCounters:
-        return StepCounters(self.global_steps, self.micro_steps, self.skipped_steps)
-
-    def restore_step_counters(self, counters: StepCounters) -> None:
-        """Sets the step counters (a loaded checkpoint's); the accumulation boundary follows from `micro_steps`."""
+    def _restore_step_counters(self, counters: StepCounters) -> None:
+        # The accumulation boundary follows from `micro_steps`.
         self.global_steps, self.micro_steps = counters.global_steps, counters.micro_steps
         self.skipped_steps = counters.skipped_steps
 
@@ -414,11 +415,6 @@ class ZeroEngine:
             for name, t in local.items()
             if only is None or name in only
         }
-
-    def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]:
-        """The stage 3 gather units holding any of `params`, in unit order (the same on every rank)."""
-        wanted = {id(p) for p in params}
-        return [u for u in self.units if any(id(p) in wanted for flat in u.flats for p in flat.params)]
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, per kind, counted from the engine's tensors (each storage once).

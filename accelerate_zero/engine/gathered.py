@@ -32,7 +32,11 @@ class ZeroEngine(Protocol):
     host_copies: HostCopies
     sharded_optimizer: Any
 
-    def units_of(self, params: list[nn.Parameter]) -> list[ParamUnit]: ...
+
+def units_of(engine: ZeroEngine, params: list[nn.Parameter]) -> list[ParamUnit]:
+    """The stage 3 gather units holding any of `params`, in unit order (the same on every rank)."""
+    wanted = {id(p) for p in params}
+    return [u for u in engine.units if any(id(p) in wanted for flat in u.flats for p in flat.params)]
 
 
 # Keyed by identity: tensors compare element-wise, so a plain WeakKeyDictionary cannot hold them.
@@ -79,7 +83,7 @@ class GatheredParameters:
         if not self.enabled:
             return
         for engine, params in _by_engine(self.params):
-            units = engine.units_of(params)
+            units = units_of(engine, params)
             was_gathered = [unit.state is UnitState.GATHERED for unit in units]
             for unit in units:
                 unit.holds += 1
@@ -130,6 +134,6 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     engine = _ENGINE_OF_PARAM.get(parameter)
     if engine is None or not engine.units:
         return
-    (used,) = engine.units_of([parameter]) or (None,)
+    (used,) = units_of(engine, [parameter]) or (None,)
     if used is not None:
         attach(find_unit(engine.units, module), used)
