@@ -527,7 +527,18 @@ class ZeroAccelerator(Accelerator):
                 "`accelerator.save_state(save_dir)`: every rank writes its shards."
             )
         state_dict = entry.engine.full_state_dict(only=only)
-        return state_dict if self.is_main_process else _placeholder_state_dict(entry.engine, only)
+        if self.is_main_process:
+            return state_dict
+        # [Note: state dict on the other ranks] accelerate's documented stage-3 save,
+        # `unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save,
+        # state_dict=accelerator.get_state_dict(model))`, runs on every rank. Under DeepSpeed the other ranks get None
+        # and `save_pretrained` falls back to `model.state_dict()`, which there holds empty partitions; here that call
+        # refuses placeholders (they would become empty weight files), so a None made those ranks raise while the main
+        # process went on to its next collective (a hang until the timeout). They get meta tensors instead: the keys,
+        # shapes and dtypes `save_pretrained` works through (tied weights, shard plan) without holding the weights,
+        # and it writes nothing with them (`is_main_process=False`). Gathering every weight to every rank would cost a
+        # full 16-bit copy per rank for nothing.
+        return entry.engine.meta_state_dict(only)
 
     def save_model(
         self,
@@ -723,32 +734,6 @@ def _with_process_group_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
         handlers.append(InitProcessGroupKwargs(timeout=process_group_timeout()))
     kwargs["kwargs_handlers"] = handlers
     return kwargs
-
-
-def _placeholder_state_dict(engine: ZeroEngine, only: Collection[str] | None) -> dict[str, torch.Tensor]:
-    """[Note: state dict on the other ranks] accelerate's documented stage-3 save,
-    `unwrap_model(model).save_pretrained(dir, is_main_process=..., save_function=accelerator.save,
-    state_dict=accelerator.get_state_dict(model))`, runs on every rank. Under DeepSpeed the other ranks get None and
-    `save_pretrained` falls back to `model.state_dict()`, which there holds empty partitions; here that call refuses
-    placeholders (they would become empty weight files), so a None made those ranks raise while the main process
-    went on to its next collective (a hang until the timeout). They get meta tensors instead: the keys, shapes and
-    dtypes `save_pretrained` works through (tied weights, shard plan) without holding the weights, and it writes
-    nothing with them (`is_main_process=False`). Gathering every weight to every rank would cost a full 16-bit
-    copy per rank for nothing."""
-    views = {
-        id(p): view
-        for unit in engine.units
-        for flat in unit.flats
-        for p, view in zip(flat.params, flat.views, strict=True)
-    }
-    guard = engine._state_dict_guard
-    with guard.disabled() if guard is not None else contextlib.nullcontext():
-        local = engine.module.state_dict(keep_vars=True)
-    return {
-        name: torch.empty(views.get(id(t), t).shape, dtype=views.get(id(t), t).dtype, device="meta")
-        for name, t in local.items()
-        if only is None or name in only
-    }
 
 
 def _with_models(hook: Callable[..., None], models: list) -> Callable[..., None]:

@@ -78,8 +78,7 @@ class PreparedModel:
         dtype), the original `requires_grad` flags, no hooks."""
         engine = self.engine
         full: dict[int, torch.Tensor] = {}
-        for unit in engine.units:  # stage 3: each parameter gets its own full tensor again
-            params = [p for flat in unit.flats for p in flat.params]
+        for params in engine.gather_groups():  # stage 3: each parameter gets its own full tensor again
             with GatheredParameters(params):
                 full.update({id(p): p.data.clone() for p in params})
         self.close()
