@@ -100,12 +100,12 @@ def dpo(folder: Path) -> dict[str, Any]:
 
     class Held(TrainerCallback):
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:  # what the reference model holds between steps
-            entry = trainer.accelerator._entry_of(trainer.ref_model)
+            entry = trainer.accelerator.prepared_model_of(trainer.ref_model)
             seen.append(held_bytes(trainer.ref_model, entry.engine if entry is not None else None))
 
     trainer.add_callback(Held())
     trainer.train()
-    entry = trainer.accelerator._entry_of(trainer.ref_model)
+    entry = trainer.accelerator.prepared_model_of(trainer.ref_model)
     return {
         "steps": trainer.state.global_step,
         "ref_prepared": entry is not None and entry.optimizer is None,
@@ -151,7 +151,7 @@ def grpo(folder: Path, gather: bool) -> dict[str, Any]:
         processing_class=AutoTokenizer.from_pretrained(MODEL, padding_side="left"),
     )
     trainer.train()
-    ref_entry = trainer.accelerator._entry_of(trainer.ref_model)
+    ref_entry = trainer.accelerator.prepared_model_of(trainer.ref_model)
     return {
         "steps": trainer.state.global_step,
         "generate": calls,

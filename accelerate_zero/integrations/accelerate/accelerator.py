@@ -145,7 +145,16 @@ class ZeroAccelerator(Accelerator):
                 "`accelerate-zero launch`"
             )
 
-    def _entry_of(self, model: Any) -> PreparedModel | None:
+    def prepared_model_of(self, model: Any) -> PreparedModel | None:
+        """The preparation record of `model`: its engine, its optimizer wrapper (None when it was prepared for
+        inference) and what `release_model` restores.
+
+        Args:
+            model: the model object `prepare` returned (the one passed in: prepare works in place).
+
+        Returns:
+            The record, or None when this accelerator did not prepare `model` (or released it since).
+        """
         return next((entry for entry in self._zero_models if entry.model is model), None)
 
     def _entry_of_param(self, param: torch.Tensor) -> PreparedModel | None:
@@ -193,7 +202,7 @@ class ZeroAccelerator(Accelerator):
     def _prepare_zero_objects(self, args: tuple, result: list) -> set[int]:
         """Builds the engines of the models in `args`; writes the returned objects into `result`."""
         self._release_models_to_train(args)
-        owned = {i for i, obj in enumerate(args) if self._entry_of(obj) is not None or is_zero_wrapper(obj)}
+        owned = {i for i, obj in enumerate(args) if self.prepared_model_of(obj) is not None or is_zero_wrapper(obj)}
         for i, obj in enumerate(args):
             wrapper = next(
                 (e.optimizer for e in self._zero_models if e.optimizer and e.optimizer.optimizer is obj), None
@@ -233,7 +242,7 @@ class ZeroAccelerator(Accelerator):
         optimizers = [o for o in args if isinstance(o, (torch.optim.Optimizer, DummyOptim)) and not is_zero_wrapper(o)]
         held = {id(p) for optimizer in optimizers for p in optimizer_params(optimizer)}
         for obj in args:
-            entry = self._entry_of(obj) if isinstance(obj, nn.Module) else None
+            entry = self.prepared_model_of(obj) if isinstance(obj, nn.Module) else None
             if entry is not None and entry.optimizer is None and any(id(p) in held for p in obj.parameters()):
                 self.release_model(obj)
 
@@ -430,7 +439,7 @@ class ZeroAccelerator(Accelerator):
     def _training_entry(self, model: nn.Module | None) -> PreparedModel | None:
         training = [entry for entry in self._zero_models if entry.optimizer is not None]
         if model is not None:
-            entry = self._entry_of(model)
+            entry = self.prepared_model_of(model)
             if entry is None or entry.optimizer is None:
                 raise ValueError("backward(model=...) must be a model prepared together with its optimizer")
             return entry
@@ -445,7 +454,7 @@ class ZeroAccelerator(Accelerator):
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Backward passes inside accumulate without stepping the optimizer (at every stage; stage 2 still reduces
         each micro-step into its gradient shard)."""
-        entry = self._entry_of(model)
+        entry = self.prepared_model_of(model)
         if entry is None:
             with super().no_sync(model):
                 yield
@@ -512,7 +521,7 @@ class ZeroAccelerator(Accelerator):
             ValueError: at stage 3 when `stage3_gather_16bit_weights_on_model_save` is false (accelerate's
                 DeepSpeed message).
         """
-        entry = self._entry_of(model)
+        entry = self.prepared_model_of(model)
         if entry is None:
             return super().get_state_dict(model, unwrap)
         config = entry.engine.config
@@ -549,7 +558,7 @@ class ZeroAccelerator(Accelerator):
     ) -> None:
         """accelerate's `save_model` (the main process writes the 16-bit weights); the other ranks take part in the
         gather and write nothing. Every rank must call it."""
-        if self._entry_of(model) is None or self.is_main_process:
+        if self.prepared_model_of(model) is None or self.is_main_process:
             super().save_model(model, save_directory, max_shard_size, safe_serialization)
         else:
             self.get_state_dict(model)
@@ -668,7 +677,7 @@ class ZeroAccelerator(Accelerator):
         Raises:
             ValueError: `model` was not prepared by this accelerator.
         """
-        entry = self._entry_of(model)
+        entry = self.prepared_model_of(model)
         if entry is None:
             raise ValueError("release_model() takes a model this accelerator prepared")
         entry.release()

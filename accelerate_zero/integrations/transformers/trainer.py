@@ -107,12 +107,12 @@ class ZeroTrainerMixin:
     @property
     def zero_engine(self) -> Any:
         """The engine training `self.model` (None before training starts)."""
-        entry = self.accelerator._entry_of(self.model) if hasattr(self, "accelerator") else None
+        entry = self.accelerator.prepared_model_of(self.model) if hasattr(self, "accelerator") else None
         return entry.engine if entry is not None and entry.optimizer is not None else None
 
     # ---------------------------------------------------------------- training
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None) -> Any:
-        entry = self.accelerator._entry_of(self.model)
+        entry = self.accelerator.prepared_model_of(self.model)
         if entry is not None:  # prepared for evaluation before training: train it from its full weights now
             self.accelerator.release_model(self.model)
         if self._created_lr_scheduler:
@@ -176,7 +176,7 @@ class ZeroTrainerMixin:
         return prepared
 
     def _update_auto_batch_size(self, batch_size: int) -> None:
-        entry = self.accelerator._entry_of(self.model)
+        entry = self.accelerator.prepared_model_of(self.model)
         if entry is not None and entry.optimizer is not None:
             raise RuntimeError(
                 "auto_find_batch_size: the ZeRO engine cannot be rebuilt for a new batch size once training started"
