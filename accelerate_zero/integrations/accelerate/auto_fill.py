@@ -1,18 +1,14 @@
-"""How `ZeroAccelerator.prepare` fills a config's "auto" values and pairs models with optimizers, as accelerate's
+"""How `ZeroAccelerator.prepare` fills a config's "auto" values from the dataloaders and the model, as accelerate's
 `_prepare_deepspeed` does (INTEGRATION_NOTES §3.3; same messages)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from accelerate import Accelerator
-from accelerate.utils.deepspeed import DummyOptim  # importable without deepspeed
 from torch import nn
 
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.config.hidden_size import HIDDEN_SIZE_KEYS, hidden_size_autos
-from accelerate_zero.integrations.accelerate.prepared import PreparedModel
 
 
 def micro_batch_size(acc: Accelerator, args: tuple, required: bool) -> int | None:
@@ -44,34 +40,6 @@ def without_optimizer_blocks(config: ZeroConfig) -> ZeroConfig:
     raw.pop("optimizer", None)
     raw.pop("scheduler", None)
     return ZeroConfig.from_any(raw)
-
-
-def pair_optimizers(args: tuple, models: list[int], optimizers: list[int], prepared: list[PreparedModel]) -> dict:
-    """model index -> the index of the optimizer over its parameters (each optimizer belongs to exactly one model)."""
-    owner_of = {id(p): i for i in models for p in args[i].parameters()}
-    pairs: dict[int, int] = {}
-    for opt_index in optimizers:
-        params = optimizer_params(args[opt_index])
-        owners = {owner_of.get(id(p)) for p in params}
-        if len(owners) != 1 or None in owners:
-            earlier = any(any(p is q for q in e.model.parameters()) for e in prepared for p in params[:1])
-            raise ValueError(
-                "an optimizer was passed to prepare() without the model owning all its parameters"
-                + (" (its model was prepared earlier without an optimizer, for inference)" if earlier else "")
-                + ": with ZeroAccelerator a model and its optimizer must be passed together to the same prepare() call"
-            )
-        model_index = owners.pop()
-        if model_index in pairs:
-            raise ValueError("several optimizers for one model: the ZeRO engine steps one optimizer per model")
-        pairs[model_index] = opt_index
-    return pairs
-
-
-def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    if isinstance(optimizer, DummyOptim):
-        groups = list(optimizer.params)
-        return [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def hidden_size_values(model: nn.Module, config: ZeroConfig) -> dict[str, int]:

@@ -1,5 +1,6 @@
 """What `ZeroAccelerator.prepare` returns and keeps for each model: the no-op optimizer and scheduler wrappers (the
-engine steps both), and the record of a prepared model (its engine, hooks, and how to give it back)."""
+engine steps both), the record of a prepared model (its engine, hooks, and how to give it back), and the lookups
+over those records."""
 
 from __future__ import annotations
 
@@ -88,6 +89,32 @@ class PreparedModel:
             param.requires_grad_(flag)
         if getattr(self.model, "_is_fsdp_managed_module", False):
             del self.model._is_fsdp_managed_module
+
+
+def prepared_of_param(prepared: list[PreparedModel], param: torch.Tensor) -> PreparedModel | None:
+    """The prepared model holding `param`, or None."""
+    return next((e for e in prepared if any(p is param for p in e.model.parameters())), None)
+
+
+def trained_by_backward(prepared: list[PreparedModel], model: nn.Module | None) -> PreparedModel | None:
+    """The prepared model a backward trains: `model`'s, else the only one prepared with an optimizer (None: none is).
+
+    Raises:
+        ValueError: `model` was not prepared together with its optimizer.
+        RuntimeError: `model` is None and several models were prepared with optimizers.
+    """
+    if model is not None:
+        entry = next((e for e in prepared if e.model is model), None)
+        if entry is None or entry.optimizer is None:
+            raise ValueError("backward(model=...) must be a model prepared together with its optimizer")
+        return entry
+    training = [entry for entry in prepared if entry.optimizer is not None]
+    if len(training) > 1:
+        raise RuntimeError(
+            f"{len(training)} models were prepared with optimizers and one backward drives one engine: pass "
+            "the model this loss trains, accelerator.backward(loss, model=model)"
+        )
+    return training[0] if training else None
 
 
 def is_zero_wrapper(obj: Any) -> bool:

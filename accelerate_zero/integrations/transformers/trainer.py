@@ -31,7 +31,8 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable 
 from transformers import Trainer
 
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
-from accelerate_zero.integrations.accelerate.accelerator import CHECKPOINT_TAG, ZeroAccelerator
+from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
+from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model

@@ -50,7 +50,7 @@ class ZeroArgumentsMixin:
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # arguments are serialised to JSON (logging, hub)
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not has_accelerator():
-            # [Note: process group under plain torchrun] (integrations/accelerate/accelerator.py): without a GPU,
+            # [Note: process group under plain torchrun] (integrations/accelerate/accelerate_setup.py): without a GPU,
             # accelerate forms the gloo group only when told the run is on the CPU.
             self.use_cpu = True
         super().__post_init__()  # type: ignore[misc]

@@ -1,0 +1,191 @@
+"""How `ZeroAccelerator` saves: `save_state`/`load_state` split the work (every rank's engine writes and reads its
+own shards from a pre-hook, accelerate's own save_state/load_state do the rest with the ZeRO objects hidden from them,
+[Note: save_state/load_state]; registered objects are loaded without unpickling arbitrary objects), and when the
+16-bit weights of a stage-3 model may be gathered for `get_state_dict`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import load
+
+from accelerate_zero.engine.engine import ZeroEngine
+from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
+from accelerate_zero.integrations.accelerate.prepared import (
+    PreparedModel,
+    ZeroOptimizerWrapper,
+    ZeroSchedulerWrapper,
+)
+
+
+CHECKPOINT_TAG = "zero_model"
+"""`save_state` writes the i-th trained model's engine checkpoint to `<output_dir>/zero_model[_i]/`."""
+
+
+def checkpointed(prepared: list[PreparedModel]) -> list[tuple[str, PreparedModel]]:
+    """The models prepared with an optimizer, each with the tag its engine checkpoint is saved under."""
+    trained = [entry for entry in prepared if entry.optimizer is not None]
+    return [(CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", entry) for i, entry in enumerate(trained)]
+
+
+def save_state(
+    accelerator: Accelerator,
+    prepared: list[PreparedModel],
+    save: Callable[[str | None, bool], str],
+    output_dir: str | None,
+    safe_serialization: bool,
+    engine_kwargs: dict[str, Any],
+) -> str:
+    """`ZeroAccelerator.save_state`: `save` (accelerate's own) with every trained engine saving its shards first.
+
+    Returns:
+        The folder written.
+    """
+
+    def save_engines(models: list, weights: list, folder: str) -> None:
+        for tag, entry in checkpointed(prepared):
+            entry.engine.save_checkpoint(folder, tag=tag, **engine_kwargs)
+
+    with accelerate_state_only(accelerator, prepared, "_save_model_state_pre_hook", save_engines):
+        return save(output_dir, safe_serialization)
+
+
+def load_state(
+    accelerator: Accelerator,
+    prepared: list[PreparedModel],
+    load: Callable[..., None],
+    input_dir: str | None,
+    load_kwargs: dict | None,
+    load_model_func_kwargs: dict[str, Any],
+) -> None:
+    """`ZeroAccelerator.load_state`: `load` (accelerate's own) with every trained engine loading its shards and the
+    registered objects loaded safely first. `load_optimizer_states` / `load_lr_scheduler_states` in
+    `load_model_func_kwargs` go to the engines, the rest to `load`."""
+    keys = ("load_optimizer_states", "load_lr_scheduler_states")
+    engine_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key in keys}
+    accelerate_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key not in keys}
+    with custom_objects_hidden(accelerator) as custom_objects:
+
+        def load_engines(models: list, folder: str) -> None:
+            for tag, entry in checkpointed(prepared):
+                entry.engine.load_checkpoint(folder, tag=tag, **engine_kwargs)
+                entry.optimizer._step_was_skipped = False
+            load_custom_objects_safely(custom_objects, folder)
+
+        with accelerate_state_only(accelerator, prepared, "_load_model_state_pre_hook", load_engines):
+            load(input_dir, load_kwargs, **accelerate_kwargs)
+
+
+def check_16bit_weights_gathered(engine: ZeroEngine, plugin: ZeroPlugin) -> None:
+    """Refuses to gather a stage-3 model's 16-bit weights unless the config or the plugin allows it (as accelerate
+    does for DeepSpeed).
+
+    Raises:
+        ValueError: at stage 3 when `stage3_gather_16bit_weights_on_model_save` is false (accelerate's DeepSpeed
+            message).
+    """
+    gather = engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+    if engine.stage == 3 and not (gather or plugin.zero3_save_16bit_model):
+        raise ValueError(
+            "Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` in the ZeRO "
+            "config is False. To save the model weights in 16bit, set "
+            "`zero_optimization.stage3_gather_16bit_weights_on_model_save` to True in the DeepSpeed config file "
+            "or set `zero3_save_16bit_model` to True when using `accelerate config` (or "
+            "`ZeroPlugin(zero3_save_16bit_model=True)`). To save the full checkpoint, run "
+            "`accelerator.save_state(save_dir)`: every rank writes its shards."
+        )
+
+
+@contextlib.contextmanager
+def accelerate_state_only(
+    accelerator: Accelerator, prepared: list[PreparedModel], hooks_attr: str, engine_hook: Callable[..., None]
+) -> Iterator[None]:
+    """[Note: save_state/load_state] accelerate's own save_state/load_state run unchanged (folder naming,
+    RNG, schedulers, dataloaders, custom objects) with the ZeRO models, optimizers and engine-owned schedulers
+    hidden from them: their generic path writes model/optimizer files on the main process only, which would
+    lose the other ranks' shards. The engines are saved/loaded by a pre-hook, which accelerate calls with the
+    resolved folder, before its own files.
+
+    Args:
+        accelerator: whose `_models`, `_optimizers`, `_schedulers` and pre-hooks are swapped while the block runs.
+        prepared: the models its engines train.
+        hooks_attr: `_save_model_state_pre_hook` or `_load_model_state_pre_hook`.
+        engine_hook: the pre-hook saving or loading the engines; the user's pre-hooks run after it, with every
+            prepared model.
+    """
+    saved = accelerator._models, accelerator._optimizers, accelerator._schedulers, getattr(accelerator, hooks_attr)
+    all_models = list(accelerator._models)
+    zero_models = {id(entry.model) for entry in prepared}
+    hooks: OrderedDict = OrderedDict(zero=engine_hook)
+    for key, hook in saved[3].items():
+        hooks[key] = _with_models(hook, all_models)
+    accelerator._models = [m for m in accelerator._models if id(m) not in zero_models]
+    accelerator._optimizers = [o for o in accelerator._optimizers if not isinstance(o, ZeroOptimizerWrapper)]
+    accelerator._schedulers = [s for s in accelerator._schedulers if not isinstance(s, ZeroSchedulerWrapper)]
+    setattr(accelerator, hooks_attr, hooks)
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers, accelerator._schedulers = saved[:3]
+        setattr(accelerator, hooks_attr, saved[3])
+
+
+@contextlib.contextmanager
+def custom_objects_hidden(accelerator: Accelerator) -> Iterator[list]:
+    """Yields the objects registered for checkpointing while accelerate sees a stand-in with their count and no
+    items: accelerate unpickles them with weights_only=False, so they are loaded by `load_custom_objects_safely`
+    instead (accelerate still checks their count against the files)."""
+    custom_objects = accelerator._custom_objects
+    accelerator._custom_objects = _LoadedByZero(len(custom_objects))
+    try:
+        yield custom_objects
+    finally:
+        accelerator._custom_objects = custom_objects
+
+
+def load_custom_objects_safely(objects: list, folder: str) -> None:
+    """Loads `custom_checkpoint_<i>.pkl` into each registered object with `weights_only=True`: tensors, numbers,
+    strings and containers (and numpy arrays, as accelerate allows) only; never arbitrary pickled objects.
+
+    Raises:
+        ValueError: a file holds anything else (naming the file and the fix).
+    """
+    for index, obj in enumerate(objects):
+        path = os.path.join(folder, f"custom_checkpoint_{index}.pkl")
+        if not os.path.isfile(path):
+            continue  # accelerate reports a count mismatch itself, after the pre-hook
+        try:
+            state = load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"{path} (the state of {type(obj).__name__}, registered with register_for_checkpointing) holds "
+                f"objects that are not tensors, numbers, strings or containers ({str(error).splitlines()[0]}): "
+                "accelerate_zero never unpickles arbitrary objects. Make its state_dict() return plain values, or "
+                "load the file yourself with torch.load(weights_only=False) if you trust it."
+            ) from None
+        obj.load_state_dict(state)
+
+
+def _with_models(hook: Callable[..., None], models: list) -> Callable[..., None]:
+    def call(_hidden: list, *args: Any) -> None:
+        hook(models, *args)
+
+    return call
+
+
+class _LoadedByZero(list):
+    """Stands in for the objects registered for checkpointing while accelerate's `load_state` runs: it has their
+    count and no items, so accelerate unpickles none of their files."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
