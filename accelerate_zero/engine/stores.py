@@ -9,7 +9,7 @@ runs, instead of asking whether a store exists.
 - `ShardStore`: where stage-3 unit shards live between gathers (memory, or some of them in files).
 - `StepRunner`: how the optimizer step walks the master weights and their state (all in memory at once, or one
   sub-group at a time from files).
-(The third contract, where a reduced gradient slice goes, is `GradientFile` in engine/buckets.py.)
+(The third contract, where a reduced gradient slice waits for the step, is `KeptGradient` in engine/kept_grads.py.)
 """
 
 from __future__ import annotations

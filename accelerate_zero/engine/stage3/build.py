@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,7 +19,10 @@ from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR, adopt
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, unit_slices
 from accelerate_zero.engine.stage3.units import UnitLayout
 from accelerate_zero.engine.stores import ShardStore
-from accelerate_zero.offload.host_memory import HostMemory
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.offload.host_memory import HostMemory
 
 
 @dataclass
