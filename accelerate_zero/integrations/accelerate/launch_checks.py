@@ -1,0 +1,73 @@
+"""Checks on a built DeepSpeed config before any process starts: the `resolve_config` rules, and NVMe folders.
+
+`accelerate-zero launch`, `validate` and `doctor` run them so that a config that cannot work fails once, here,
+instead of on every rank; what only a rank can know (the Trainer's "auto" values, a writable NVMe folder) is left
+to the ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from accelerate_zero.config import ZeroConfig, resolve_config
+from accelerate_zero.integrations.accelerate.plugin_fields import OFFLOAD_BLOCKS, find_node
+
+
+class Resolved(NamedTuple):
+    """A config resolved for a world size with its "auto" values left to the integration that fills them."""
+
+    config: dict[str, Any]
+    """The resolved DeepSpeed config (JSON form) with each "auto" value put back as "auto"."""
+    auto_keys: list[str]
+    """Dotted keys still "auto": the Trainer / `ZeroAccelerator.prepare` fill them when the run starts."""
+
+
+def resolve_leaving_auto(config: ZeroConfig | Mapping[str, Any], world_size: int) -> Resolved:
+    """Applies every rule `resolve_config` applies at `world_size` to the values that are set, leaving "auto" alone.
+
+    An "auto" value is dropped for the check (the rules then see the default, or infer the batch size DeepSpeed's
+    way) and put back in the result, so a config the Trainer will complete passes while a rule that cannot hold
+    whatever the Trainer fills (`train_batch_size` 32 with micro 4 x accumulation 8 x 2 processes) fails here,
+    before any process starts, instead of on every rank.
+
+    Raises:
+        ZeroConfigError: every problem `resolve_config` finds in the values that are set.
+    """
+    validated = config if isinstance(config, ZeroConfig) else ZeroConfig.from_any(dict(config))
+    autos = validated.auto_keys()
+    concrete = validated.to_dict()
+    for path in autos:
+        node, key = find_node(concrete, path)
+        if node is not None:
+            del node[key]
+    resolved = resolve_config(ZeroConfig.from_any(concrete), world_size=world_size).to_dict()
+    for path in autos:
+        node, key = find_node(resolved, path)
+        if isinstance(node, dict):
+            node[key] = "auto"
+    return Resolved(resolved, autos)
+
+
+def nvme_path_problems(config: Mapping[str, Any]) -> list[str]:
+    """NVMe folders that cannot exist on this machine: a path below a regular file (e.g. `/data/ckpt.bin/swap`).
+
+    Checked by the launcher before it starts any process; the ranks check the rest (writable, room) themselves.
+    """
+    zero = config.get("zero_optimization")
+    problems = []
+    for block in OFFLOAD_BLOCKS:
+        offload = zero.get(block) if isinstance(zero, Mapping) else None
+        if not isinstance(offload, Mapping) or str(offload.get("device")).lower() != "nvme":
+            continue
+        path = offload.get("nvme_path")
+        if not isinstance(path, str) or path.lower() == "none":
+            continue
+        blocker = next((p for p in (Path(path), *Path(path).parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            problems.append(
+                f"zero_optimization.{block}.nvme_path={path!r}: {str(blocker)!r} is a file, not a folder, so no "
+                "folder can be made there: set the path to a folder on a fast local disk"
+            )
+    return problems
