@@ -77,7 +77,7 @@ def register(subcommands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs `doctor`; returns 0, or 2 when the config is invalid."""
     from accelerate_zero.cli.validate import config_from_accelerate_file, is_accelerate_config
-    from accelerate_zero.integrations.accelerate.launch_config import resolve_leaving_auto
+    from accelerate_zero.integrations.accelerate.launch_checks import resolve_leaving_auto
 
     accelerate_file = is_accelerate_config(args.config)
     problems: list[str] = []

@@ -70,7 +70,7 @@ def register(subcommands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs `validate`; returns 0 for a valid config, 2 (problems on stderr) otherwise."""
-    from accelerate_zero.integrations.accelerate.launch_config import resolve_leaving_auto
+    from accelerate_zero.integrations.accelerate.launch_checks import resolve_leaving_auto
 
     try:
         if is_accelerate_config(args.config):

@@ -4,8 +4,8 @@
 """
 
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
-from accelerate_zero.integrations.accelerate.launch_config import CONFIG_ENV, ENV_PREFIX
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
+from accelerate_zero.integrations.accelerate.rank_env import CONFIG_ENV, ENV_PREFIX
 
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "ZeroAccelerator", "ZeroPlugin"]

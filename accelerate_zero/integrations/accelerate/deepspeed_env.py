@@ -9,7 +9,7 @@ starts the ranks through accelerate's DeepSpeed launcher, which exports the YAML
 `DeepSpeedPlugin` and `Accelerator()` initialise DeepSpeed. `adopt_accelerate_deepspeed_launch` runs first thing in
 `ZeroPlugin`, `ZeroAccelerator` and our `TrainingArguments`: it builds the DeepSpeed config from those variables
 with the rules `accelerate-zero launch` applies to the YAML (accelerate's `DeepSpeedPlugin` rules,
-`launch_config.py`), exports it as `accelerate-zero launch` would (`ACCELERATE_ZERO_CONFIG`,
+`deepspeed_build.py`), exports it as `accelerate-zero launch` would (`ACCELERATE_ZERO_CONFIG`,
 `ACCELERATE_ZERO_<FIELD>`), and sets `ACCELERATE_USE_DEEPSPEED=false` in this process, so accelerate sees
 MULTI_GPU/MULTI_CPU and nothing imports deepspeed. accelerate 1.15 does not export what it ignores: DeepSpeed keys
 written directly in the YAML's `deepspeed_config` block (`overlap_comm`, ...) and the NVMe paths do not reach the
@@ -23,14 +23,9 @@ import os
 from collections.abc import MutableMapping
 
 from accelerate_zero.engine.groups import has_accelerator
-from accelerate_zero.integrations.accelerate.launch_config import (
-    CONFIG_ENV,
-    MOE_ENV,
-    ZeroSettings,
-    build_deepspeed_config,
-    plugin_env,
-    settings_from_accelerate,
-)
+from accelerate_zero.integrations.accelerate.deepspeed_build import build_deepspeed_config
+from accelerate_zero.integrations.accelerate.rank_env import CONFIG_ENV, MOE_ENV, plugin_env
+from accelerate_zero.integrations.accelerate.zero_settings import ZeroSettings, settings_from_accelerate
 
 
 logger = logging.getLogger(__name__)

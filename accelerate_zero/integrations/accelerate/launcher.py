@@ -5,8 +5,8 @@
 first statement raises ImportError when deepspeed is not installed (INTEGRATION_NOTES.md §3.4). So:
 
 1. the accelerate config is read as `accelerate launch` reads it (`load_config_from_file`; the default config file
-   when --config_file is not given), and the DeepSpeed config is built and validated (`launch_config.py`): a bad
-   config stops here, before any process starts;
+   when --config_file is not given), and the DeepSpeed config is built (`zero_settings.py`, `deepspeed_build.py`)
+   and checked (`launch_checks.py`): a bad config stops here, before any process starts;
 2. a copy of the accelerate config without its `deepspeed_config` block, with `distributed_type: MULTI_GPU` (NO for
    one process), is written to a temporary file, and accelerate's `launch_command` runs with it: its multi-GPU
    launcher calls `torch.distributed.run`, which starts `num_processes / num_machines` processes on this machine
@@ -41,15 +41,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from accelerate_zero.config import ZeroConfigError
 from accelerate_zero.engine.groups import has_accelerator
-from accelerate_zero.integrations.accelerate.launch_config import (
-    MOE_ENV,
-    BuiltConfig,
-    build_deepspeed_config,
-    nvme_path_problems,
-    plugin_env,
-    resolve_leaving_auto,
-    settings_from_accelerate,
-)
+from accelerate_zero.integrations.accelerate.deepspeed_build import BuiltConfig, build_deepspeed_config
+from accelerate_zero.integrations.accelerate.launch_checks import nvme_path_problems, resolve_leaving_auto
+from accelerate_zero.integrations.accelerate.rank_env import MOE_ENV, plugin_env
+from accelerate_zero.integrations.accelerate.zero_settings import settings_from_accelerate
 
 
 logger = logging.getLogger(__name__)

@@ -8,24 +8,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.integrations.accelerate.deepspeed_build import build_deepspeed_config
 from accelerate_zero.integrations.accelerate.deepspeed_env import adopt_accelerate_deepspeed_launch
-from accelerate_zero.integrations.accelerate.launch_config import (
-    CONFIG_ENV,
-    PLUGIN_FIELDS,
-    ZeroSettings,
-    build_deepspeed_config,
-    coerce_fields,
-    env_name,
-    read_deepspeed_config,
-    read_env,
-)
+from accelerate_zero.integrations.accelerate.plugin_fields import PLUGIN_FIELDS, coerce_fields
+from accelerate_zero.integrations.accelerate.rank_env import CONFIG_ENV, env_name, read_env
+from accelerate_zero.integrations.accelerate.zero_settings import ZeroSettings, read_deepspeed_config
 
 
 @dataclass
 class ZeroPlugin:
     """
     This plugin configures ZeRO for accelerate_zero. Its fields are those of accelerate's `DeepSpeedPlugin` that
-    apply, and it builds the DeepSpeed config with the same rules (see `integrations/accelerate/launch_config.py`).
+    apply, and it builds the DeepSpeed config with the same rules (see `integrations/accelerate/deepspeed_build.py`).
 
     A field left `None` is read from the environment `accelerate-zero launch` sets (`ACCELERATE_ZERO_<FIELD>`, e.g.
     `ACCELERATE_ZERO_ZERO_STAGE`); an argument given here wins over the environment.
