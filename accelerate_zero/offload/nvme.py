@@ -40,10 +40,23 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def read_at(path: Path, byte_offset: int, target: torch.Tensor) -> None:
-    """Fills `target` with the raw bytes of `path` from `byte_offset` (swap files: parameter shards, gradients)."""
+    """Fills `target` with the raw bytes of `path` from `byte_offset` (swap files: parameter shards, gradients).
+
+    Raises:
+        OSError: the file ends before `target` is full (truncated while the job ran: the rest of `target` would be
+            whatever memory held before, so it is never returned).
+    """
+    nbytes = target.numel() * target.element_size()
     with open(path, "rb") as file:
         file.seek(byte_offset)
-        file.readinto(tensor_bytes(target))
+        got = file.readinto(tensor_bytes(target))
+    if got != nbytes:
+        raise OSError(
+            errno.EIO,
+            f"{socket.gethostname()}: {path} holds {got or 0:,} of the {nbytes:,} bytes expected at byte {byte_offset:,}:"
+            " the file was truncated or replaced while the job ran; offload files are only valid for the job that"
+            " wrote them",
+        )
 
 
 def write_at(path: Path, byte_offset: int, values: torch.Tensor) -> None:

@@ -151,8 +151,8 @@ class NvmeParamStore:
         if not entry.resident:
             self._start_read(entry)
         if entry.reading is not None:
-            entry.reading.result()
-            entry.reading = None
+            reading, entry.reading = entry.reading, None  # a failed read raises here once, not again on release
+            reading.result()
         return flat.shard
 
     def release(self, flat: FlatUnitBuffer) -> None:
@@ -160,8 +160,8 @@ class NvmeParamStore:
         entry = self.shards.get(id(flat))
         if entry is not None and entry.resident:
             if entry.reading is not None:
-                entry.reading.result()
-                entry.reading = None
+                reading, entry.reading = entry.reading, None
+                reading.result()
             flat.shard = flat.shard.new_empty(0)
             entry.resident = False
 

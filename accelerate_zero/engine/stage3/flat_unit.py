@@ -14,7 +14,7 @@ from accelerate_zero.engine.flat_buffer import flatten_params
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 
 
-@dataclass
+@dataclass(repr=False)
 class FlatUnitBuffer:
     """One flat buffer of a unit (its trainable or its frozen parameters)."""
 
@@ -25,6 +25,11 @@ class FlatUnitBuffer:
     views: list[torch.Tensor]  # per param: its view into `full` (what `.data` is while gathered)
     full: torch.Tensor  # 1D, plan.numel; storage freed while sharded
     shard: torch.Tensor  # 1D, plan.shard_numel: this rank's slice, always resident
+
+    # The generated repr would print the parameters' views, whose storage is freed while the unit is sharded (and
+    # printing freed storage crashes the interpreter): say what the buffer is instead.
+    def __repr__(self) -> str:
+        return f"FlatUnitBuffer({len(self.params)} params, {self.plan.shard_numel} elements per rank)"
 
     def allocate(self) -> None:
         storage = self.full.untyped_storage()
