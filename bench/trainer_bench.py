@@ -236,19 +236,25 @@ def _versions() -> dict[str, str]:
 
 # --------------------------------------------------------------------------------------------------- launching
 def code_tree(args: argparse.Namespace, folder: Path) -> tuple[Path, str]:
-    """Where accelerate_zero is imported from: this checkout's working tree, or a `git archive` of its HEAD (no git
-    state changes) when others are editing the tree during the run."""
-    commit = _git("rev-parse", "--short", "HEAD")
+    """Where accelerate_zero is imported from: this checkout's working tree, or a `git archive` of a commit (HEAD,
+    or any revision: a before/after comparison of two commits with the same benchmark code); no git state changes,
+    so others may edit the tree during the run."""
     modified = _git("diff", "--name-only", "HEAD", "--", "accelerate_zero").split()
     if args.code == "tree":
+        commit = _git("rev-parse", "--short", "HEAD")
         state = f"{len(modified)} modified files in accelerate_zero/" if modified else "accelerate_zero/ as committed"
         return REPO, f"working tree at {commit} ({state})"
+    revision = "HEAD" if args.code == "head" else args.code
+    commit = _git("rev-parse", "--short", f"{revision}^{{commit}}")
+    if not commit:
+        raise SystemExit(f"--code {args.code}: not a commit of {REPO}; use tree, head or a revision git knows")
     snapshot = folder / f"code_{commit}"
     snapshot.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True, check=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(snapshot)], input=archive.stdout, check=True)
     unused = f", {len(modified)} modified files in the tree's accelerate_zero/ not used" if modified else ""
-    return snapshot, f"accelerate_zero from a git archive of HEAD {commit}{unused}"
+    name = "HEAD " if revision == "HEAD" else ""
+    return snapshot, f"accelerate_zero from a git archive of {name}{commit}{unused}"
 
 
 def _git(*command: str) -> str:
@@ -402,9 +408,9 @@ def main() -> None:
     parser.add_argument("--offload", choices=["as_written", "none"], default="as_written")
     parser.add_argument(
         "--code",
-        choices=["tree", "head"],
         default="tree",
-        help="accelerate_zero from the working tree, or from a `git archive` of HEAD (for a tree others are editing)",
+        help="accelerate_zero from the working tree (tree), or from a `git archive` of HEAD (head: for a tree others "
+        "are editing) or of any other commit (a before/after comparison with the same benchmark code)",
     )
     parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"))
     parser.add_argument("--timeout", type=int, default=900, help="seconds before one system's run is cut")
@@ -451,7 +457,7 @@ def main() -> None:
             )
     summary = summarize(runs)
     params = next((row["params"] for row in summary.values()), 0)
-    if args.code == "head":
+    if args.code != "tree":
         shutil.rmtree(code, ignore_errors=True)
     meta = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
