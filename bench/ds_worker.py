@@ -1,7 +1,7 @@
 """One benchmark run of DeepSpeed ZeRO on every rank; runs in DeepSpeed's own virtualenv, started by engine_bench.py.
 
 Usage (what engine_bench.py runs; accelerate_zero is neither imported nor installed there):
-    DS_ACCELERATOR=cpu /work/ds-venv/bin/torchrun --standalone --nproc_per_node 4 bench/ds_worker.py \
+    DS_ACCELERATOR=cpu .ds-venv/bin/torchrun --standalone --nproc_per_node 4 bench/ds_worker.py \
         --stage 2 --steps 20 --warmup 3 --out r.json
 
 Bytes are counted by DeepSpeed's comms logger (every deepspeed.comm call, `prof_all`) and converted with the same

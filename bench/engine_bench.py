@@ -1,14 +1,14 @@
 """Memory, bytes moved and step time of accelerate_zero stages 0-2 against DDP, ZeroRedundancyOptimizer and DeepSpeed.
 
 Usage:
-    /work/venv/bin/python bench/engine_bench.py                       # 4 processes, 20 timed steps, ~6 minutes
-    /work/venv/bin/python bench/engine_bench.py --world_size 2 --steps 30 --json bench/out/w2.json
-    /work/venv/bin/python bench/engine_bench.py --systems ddp az2     # a subset
+    .venv/bin/python bench/engine_bench.py                       # 4 processes, 20 timed steps, ~6 minutes
+    .venv/bin/python bench/engine_bench.py --world_size 2 --steps 30 --json bench/out/w2.json
+    .venv/bin/python bench/engine_bench.py --systems ddp az2     # a subset
 
 Each system runs alone, in its own freshly launched `torchrun --standalone` group (gloo, one thread per rank,
 MALLOC_MMAP_THRESHOLD_=131072), on a stack of 16 `nn.Linear(1024, 1024)` (16.8M fp32 parameters) trained with
 AdamW on a fixed random 8x1024 batch per rank and an MSE loss. DeepSpeed runs only from its own virtualenv
-(`--ds_venv`, default /work/ds-venv), skipped when that does not exist. How each number is measured:
+(`--ds_venv`, default: bench/ds_venv.py), skipped when that does not exist. How each number is measured:
 bench_common.py, [Note: how the benchmark measures]. Compare ratios within one run: the machine is shared.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import report
+from ds_venv import DEFAULT_DS_VENV
 
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -50,7 +51,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="zero_optimization.reduce_bucket_size for accelerate_zero and DeepSpeed (default: theirs, 5e8 elements)",
     )
-    parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"), help="DeepSpeed's own virtualenv")
+    parser.add_argument("--ds_venv", type=Path, default=DEFAULT_DS_VENV, help="DeepSpeed's own virtualenv")
     parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out", help="worker logs and raw JSON")
     parser.add_argument("--json", type=Path, default=None, help="write every raw and summarized number here")
     parser.add_argument(

@@ -1,11 +1,11 @@
 """Offload: step time of each mode against no offload, and the largest model each system trains in a RAM budget.
 
 Usage:
-    /work/venv/bin/python bench/offload_bench.py                         # both parts; budget 24 GiB (this machine)
-    /work/venv/bin/python bench/offload_bench.py --ram_budget_gb 4       # the largest-model search within 4 GiB
-    /work/venv/bin/python bench/offload_bench.py --part step_time --steps 12
-    /work/venv/bin/python bench/offload_bench.py --part largest --ram_budget_gb 4 --systems ddp az3_nvme
-    /work/venv/bin/python bench/offload_bench.py --from_json bench/out/offload.json   # print a saved run again
+    .venv/bin/python bench/offload_bench.py                         # both parts; budget 24 GiB (this machine)
+    .venv/bin/python bench/offload_bench.py --ram_budget_gb 4       # the largest-model search within 4 GiB
+    .venv/bin/python bench/offload_bench.py --part step_time --steps 12
+    .venv/bin/python bench/offload_bench.py --part largest --ram_budget_gb 4 --systems ddp az3_nvme
+    .venv/bin/python bench/offload_bench.py --from_json bench/out/offload.json   # print a saved run again
 
 Part 1, step time: at 2 processes (gloo, one thread per rank, fp32 AdamW), a stack of `--layers` x
 Linear(--hidden, --hidden) with ReLU, 8 samples per rank. One torchrun group per stage trains every mode in turn
@@ -440,7 +440,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"largest model: decoder layer counts to try, ascending (default {LADDER})",
     )
     parser.add_argument("--point_timeout", type=float, default=900, help="seconds before a ladder point is cut")
-    parser.add_argument("--nvme_dir", type=Path, default=Path("/work/nvme_bench"), help="local disk folder")
+    parser.add_argument(
+        "--nvme_dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "accelerate_zero_nvme_bench",
+        help="a folder on the local disk to measure (default: in the system's temporary folder)",
+    )
     parser.add_argument("--json", type=Path, default=BENCH_DIR / "out" / "offload.json")
     parser.add_argument("--from_json", type=Path, help="print the tables of a saved run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

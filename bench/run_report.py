@@ -38,6 +38,7 @@ from typing import Any
 
 import engine_bench
 from bench_common import SIZE_ENV
+from ds_venv import DEFAULT_DS_VENV
 
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -62,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per system, at least 10 (12)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
-    parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"), help="DeepSpeed's own virtualenv")
+    parser.add_argument("--ds_venv", type=Path, default=DEFAULT_DS_VENV, help="DeepSpeed's own virtualenv")
     parser.add_argument("--skip_offload_run", action="store_true", help=f"read {OFFLOAD_JSON} instead of running")
     parser.add_argument(
         "--offload_args",
@@ -227,8 +228,8 @@ def run_trainer(args: argparse.Namespace) -> dict[str, Any]:
         sys.executable,
         str(TRAINER_SCRIPT),
         *shlex.split(args.trainer_args),
-        "--ds_venv",
-        str(args.ds_venv),
+        # The default is the trainer bench's too (bench/ds_venv.py): only another folder is passed on.
+        *([] if args.ds_venv == DEFAULT_DS_VENV else ["--ds_venv", str(args.ds_venv)]),
         "--json",
         str(json_path),
     ]

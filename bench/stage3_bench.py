@@ -1,11 +1,11 @@
 """ZeRO stage 3 of accelerate_zero against DDP, stage 2, PyTorch FSDP2 and DeepSpeed stage 3; and partitioned loading.
 
 Usage:
-    /work/venv/bin/python bench/stage3_bench.py                                  # W = 4 then 2, loading at W = 2
-    /work/venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --json bench/out/s3_w4.json
-    /work/venv/bin/python bench/stage3_bench.py --world_sizes 2 --systems ddp fsdp2 az3 --no_load
-    /work/venv/bin/python bench/stage3_bench.py --world_sizes --load_only        # only the loading measurement
-    /work/venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --systems ddp fsdp2 az2 az3 \
+    .venv/bin/python bench/stage3_bench.py                                  # W = 4 then 2, loading at W = 2
+    .venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --json bench/out/s3_w4.json
+    .venv/bin/python bench/stage3_bench.py --world_sizes 2 --systems ddp fsdp2 az3 --no_load
+    .venv/bin/python bench/stage3_bench.py --world_sizes --load_only        # only the loading measurement
+    .venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --systems ddp fsdp2 az2 az3 \
         --grad_accums 1 4 --steps 3 --warmup 1                                   # peak memory under accumulation
 
 The training systems run on the same model, data and machinery as engine_bench.py (bench_common.py,
@@ -37,6 +37,7 @@ from typing import Any
 
 import engine_bench
 import report
+from ds_venv import DEFAULT_DS_VENV
 
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -82,7 +83,7 @@ def parse_args() -> argparse.Namespace:
         default=[1],
         help="run every system at each of these gradient accumulation steps (default: 1 only)",
     )
-    parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"))
+    parser.add_argument("--ds_venv", type=Path, default=DEFAULT_DS_VENV)
     parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out" / "stage3")
     parser.add_argument("--json", type=Path, default=None, help="write the raw readings and summaries here")
     parser.add_argument(

@@ -11,9 +11,9 @@ Systems (each in its own `torchrun --standalone --nproc_per_node 2` group; gloo,
 - `ddp`: the plain transformers Trainer (`TrainingArguments` without `zero_config` / `deepspeed`);
 - `az2` / `az3`: `accelerate_zero.Trainer` with `TrainingArguments(zero_config=<config>)`;
 - `ds2` / `ds3`: transformers' Trainer with `TrainingArguments(deepspeed=<config>)`, DeepSpeed from its own
-  virtualenv (`--ds_venv`, default /work/ds-venv, `DS_ACCELERATOR=cpu`); skipped with a note when it is missing.
+  virtualenv (`--ds_venv`, default: bench/ds_venv.py; `DS_ACCELERATOR=cpu`); skipped with a note when it is missing.
 The configs are transformers' own example configs, `ds_config_zero2.json` / `ds_config_zero3.json` (the copies in
-tests/fixtures/, else /work/shared/reference/), read from the file; the one change is `fp16.enabled: false` in
+tests/fixtures/), read from the file; the one change is `fp16.enabled: false` in
 zero3 (written `true` there) because every system here trains in fp32. Their CPU offload blocks stay as written
 (zero2: optimizer; zero3: optimizer and parameters) unless `--offload none`. zero3 writes its optimizer and
 scheduler values out, so every system, DDP included, gets TrainingArguments that agree with them (AdamW, lr 3e-5,
@@ -51,13 +51,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ds_venv import DEFAULT_DS_VENV
+
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 SYSTEMS = ["ddp", "az2", "az3", "ds2", "ds3"]
 GOALS = {"az2": 1.05, "az3": 1.15}
 """Issue 18's goals: accelerate_zero's CPU time per optimizer step at most this many times DDP's."""
-CONFIG_DIRS = [REPO / "tests" / "fixtures", Path("/work/shared/reference")]
+CONFIG_DIRS = [REPO / "tests" / "fixtures"]
 
 HIDDEN, LAYERS, INTERMEDIATE, VOCAB, HEADS, SEQ = 512, 4, 1376, 20000, 8, 128
 # TrainingArguments that agree with the values ds_config_zero3.json writes out (the rest of both files is "auto").
@@ -412,7 +414,7 @@ def main() -> None:
         help="accelerate_zero from the working tree (tree), or from a `git archive` of HEAD (head: for a tree others "
         "are editing) or of any other commit (a before/after comparison with the same benchmark code)",
     )
-    parser.add_argument("--ds_venv", type=Path, default=Path("/work/ds-venv"))
+    parser.add_argument("--ds_venv", type=Path, default=DEFAULT_DS_VENV)
     parser.add_argument("--timeout", type=int, default=900, help="seconds before one system's run is cut")
     parser.add_argument("--json", type=Path, default=None, help="write the raw readings and the summary here")
     parser.add_argument("--from_json", type=Path, default=None, help="print a saved run's report, run nothing")
