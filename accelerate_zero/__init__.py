@@ -1,15 +1,24 @@
 """accelerate_zero: ZeRO (stages 0-3, offload) in pure PyTorch for Accelerate and the transformers Trainer."""
 
+import importlib
+from typing import TYPE_CHECKING
+
 from accelerate_zero.config import AUTO, ZeroConfig, ZeroConfigError
 from accelerate_zero.engine.engine import ZeroEngine, initialize
 from accelerate_zero.engine.gathered import GatheredParameters, register_external_parameter
 from accelerate_zero.engine.stage3.loading import from_pretrained
-from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
 
+
+if TYPE_CHECKING:
+    from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
 
 __version__ = "0.1.0"
 
-# The Trainer integration imports transformers' Trainer (seconds): loaded on first use.
+# The integrations import their libraries (accelerate: ~3 MB of modules; transformers' Trainer: seconds), which the
+# engine alone does not need: loaded on first use.
+_INTEGRATION_NAMES = {
+    "ZeroAccelerator": ("accelerate_zero.integrations.accelerate.accelerator", "ZeroAccelerator"),
+}
 _TRAINER_NAMES = {
     "Trainer": "ZeroTrainer",
     "TrainingArguments": "ZeroTrainingArguments",
@@ -21,6 +30,9 @@ _TRAINER_NAMES = {
 
 
 def __getattr__(name: str):
+    if name in _INTEGRATION_NAMES:
+        module, attribute = _INTEGRATION_NAMES[name]
+        return getattr(importlib.import_module(module), attribute)
     if name in _TRAINER_NAMES:
         from accelerate_zero.integrations import transformers as integration
 

@@ -348,6 +348,13 @@ def main() -> None:
         measure_loading(measurement, args.system, args.load_dir, LlamaForCausalLM)
         finish(measurement, args.out)
         return
+    # Every system's libraries are imported before the baseline, so RSS above it is training state, not modules:
+    # `import accelerate_zero` alone holds ~4 MB (its modules, yaml, safetensors), and FSDP2's modules are already
+    # loaded by the DDP imports above.
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    import accelerate_zero  # noqa: F401
+
     measurement: Measurement = start_measurement()
     model = build_model()
     measurement.params = sum(p.numel() for p in model.parameters())
