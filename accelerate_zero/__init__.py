@@ -15,28 +15,24 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 # The integrations import their libraries (accelerate: ~3 MB of modules; transformers' Trainer: seconds), which the
-# engine alone does not need: loaded on first use.
-_INTEGRATION_NAMES = {
-    "ZeroAccelerator": ("accelerate_zero.integrations.accelerate.accelerator", "ZeroAccelerator"),
-}
-_TRAINER_NAMES = {
-    "Trainer": "ZeroTrainer",
-    "TrainingArguments": "ZeroTrainingArguments",
-    "ZeroArgumentsMixin": "ZeroArgumentsMixin",
-    "ZeroTrainer": "ZeroTrainer",
-    "ZeroTrainerMixin": "ZeroTrainerMixin",
-    "ZeroTrainingArguments": "ZeroTrainingArguments",
+# engine alone does not need: each public name below is loaded from its module on first use.
+_ACCELERATE = "accelerate_zero.integrations.accelerate"
+_TRANSFORMERS = "accelerate_zero.integrations.transformers"
+_LAZY_NAMES = {
+    "ZeroAccelerator": (_ACCELERATE, "ZeroAccelerator"),
+    "Trainer": (_TRANSFORMERS, "ZeroTrainer"),
+    "TrainingArguments": (_TRANSFORMERS, "ZeroTrainingArguments"),
+    "ZeroArgumentsMixin": (_TRANSFORMERS, "ZeroArgumentsMixin"),
+    "ZeroTrainer": (_TRANSFORMERS, "ZeroTrainer"),
+    "ZeroTrainerMixin": (_TRANSFORMERS, "ZeroTrainerMixin"),
+    "ZeroTrainingArguments": (_TRANSFORMERS, "ZeroTrainingArguments"),
 }
 
 
 def __getattr__(name: str):
-    if name in _INTEGRATION_NAMES:
-        module, attribute = _INTEGRATION_NAMES[name]
+    if name in _LAZY_NAMES:
+        module, attribute = _LAZY_NAMES[name]
         return getattr(importlib.import_module(module), attribute)
-    if name in _TRAINER_NAMES:
-        from accelerate_zero.integrations import transformers as integration
-
-        return getattr(integration, _TRAINER_NAMES[name])
     raise AttributeError(f"module 'accelerate_zero' has no attribute {name!r}")
 
 
