@@ -4,6 +4,7 @@ error, the command line, the launcher's config, and which checkpoints count as c
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,3 +126,42 @@ def test_last_complete_checkpoint_skips_a_save_that_did_not_finish(tmp_path: Pat
     (tmp_path / "checkpoint-8" / "zero_model").mkdir(parents=True)  # killed before trainer_state.json
     (tmp_path / "checkpoint-4" / ".zero_model.partial").mkdir()  # killed while re-writing the engine state
     assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+
+
+def _launched_env(*flags: str) -> dict[str, str]:
+    """What `accelerate-zero launch <flags> train.py` exports to its ranks (no accelerate config file)."""
+    import argparse
+
+    from accelerate_zero.cli import launch
+    from accelerate_zero.integrations.accelerate.launcher import prepare_launch
+
+    parser = argparse.ArgumentParser()
+    launch.register(parser.add_subparsers())
+    args = parser.parse_args(["launch", "--config_file", os.devnull, "--num_processes", "2", *flags, "train.py"])
+    args.config_file = None  # no accelerate config: the flags alone
+    return prepare_launch(args).env
+
+
+@pytest.mark.parametrize("flags", [(), ("--zero_stage", "3")])
+def test_launcher_defaults_nobody_set_do_not_contradict_the_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...]
+) -> None:
+    # `accelerate-zero launch --num_processes 2 train.py` fills accelerate's defaults (stage 2, no offload, no
+    # 16-bit save); transformers' zero3 config differs on each, and nobody wrote the launcher's values.
+    for name, value in _launched_env(*flags).items():
+        monkeypatch.setenv(name, value)
+    args = _args(tmp_path, zero_config=str(FIXTURES / "ds_config_zero3.json"), fp16=False)
+    zero = args.zero_fill.config["zero_optimization"]
+    assert args.zero_stage == 3 and zero["offload_param"]["device"] == "cpu"
+    assert zero["stage3_gather_fp16_weights_on_model_save"] is True  # the old name of the 16-bit save key
+
+
+def test_a_launcher_flag_the_user_set_still_contradicts_the_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in _launched_env("--zero_stage", "2", "--offload_param_device", "none").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as raised:
+        _args(tmp_path, zero_config=str(FIXTURES / "ds_config_zero3.json"), fp16=False)
+    assert "zero_optimization.stage=3 vs launcher zero_optimization.stage=2" in str(raised.value)
+    assert "offload_param.device='cpu' vs launcher zero_optimization.offload_param.device='none'" in str(raised.value)

@@ -71,6 +71,9 @@ class BuiltConfig(NamedTuple):
     """The same, validated by `ZeroConfig.from_any` (not resolved)."""
     fields: dict[str, Any]
     """Plugin field -> the value the config gives it (None or "auto" fields left out), incl. `zero3_init_flag`."""
+    defaulted: tuple[str, ...] = ()
+    """DeepSpeed key paths holding accelerate's defaults because nothing set them ([Note: two config sources] in
+    integrations/transformers/training_args.py: a script's own config may differ there)."""
 
 
 def build_deepspeed_config(settings: ZeroSettings) -> BuiltConfig:
@@ -96,7 +99,7 @@ def build_deepspeed_config(settings: ZeroSettings) -> BuiltConfig:
         problems.extend(error.problems)
     if problems or zero_config is None:
         raise ZeroConfigError(problems)
-    return BuiltConfig(config, zero_config, _fields_of(config, values, settings))
+    return BuiltConfig(config, zero_config, _fields_of(config, values, settings), _defaulted_paths(config, settings))
 
 
 def _generate(values: Mapping[str, Any], zero_keys: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,6 +217,22 @@ def _offload_problems(config: Mapping[str, Any], settings: ZeroSettings) -> list
             "stage 3; set zero_stage to 3 or offload_param_device to 'none'"
         )
     return problems
+
+
+def _defaulted_paths(config: Mapping[str, Any], settings: ZeroSettings) -> tuple[str, ...]:
+    """The keys of `config` no file, flag, accelerate config key, environment value or block key wrote: accelerate's
+    defaults (stage 2, no offload, no 16-bit save, mixed precision "no")."""
+    chosen = settings.fields.keys() | settings.env_fields.keys()
+    paths = [path for name, path in FIELD_DS_KEYS.items() if path is not None and name not in chosen]
+    if not settings.mixed_precision_set:
+        paths += ["fp16.enabled", "bf16.enabled"]
+    written = [settings.config or {}, {"zero_optimization": settings.zero_optimization}]
+    return tuple(path for path in paths if _has(config, path) and not any(_has(source, path) for source in written))
+
+
+def _has(config: Mapping[str, Any], path: str) -> bool:
+    node, key = find_node(config, path)
+    return node is not None and key in node
 
 
 def _fields_of(config: Mapping[str, Any], values: Mapping[str, Any], settings: ZeroSettings) -> dict[str, Any]:

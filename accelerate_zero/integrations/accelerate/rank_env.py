@@ -20,6 +20,8 @@ CONFIG_ENV = "ACCELERATE_ZERO_CONFIG"
 ENV_PREFIX = "ACCELERATE_ZERO_"
 """`ACCELERATE_ZERO_<FIELD>` holds the value of each `ZeroPlugin` field (e.g. ACCELERATE_ZERO_ZERO_STAGE)."""
 MOE_ENV = "ACCELERATE_ZERO_MOE_LAYER_CLS_NAMES"
+DEFAULTED_ENV = "ACCELERATE_ZERO_DEFAULTED_KEYS"
+"""JSON list of the exported config's key paths that hold accelerate's defaults because nothing set them."""
 """Comma-separated MoE layer class names (accelerate's `deepspeed_moe_layer_cls_names`), for stage 3 leaf modules."""
 
 
@@ -49,8 +51,19 @@ def read_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]
 
 
 def plugin_env(built: BuiltConfig) -> dict[str, str]:
-    """The environment that hands `built` to every rank: `ACCELERATE_ZERO_CONFIG` and `ACCELERATE_ZERO_<FIELD>`."""
-    env = {CONFIG_ENV: json.dumps(built.deepspeed_config)}
+    """The environment that hands `built` to every rank: `ACCELERATE_ZERO_CONFIG`, `ACCELERATE_ZERO_<FIELD>`, and
+    which of the config's keys are accelerate's defaults (`ACCELERATE_ZERO_DEFAULTED_KEYS`)."""
+    env = {CONFIG_ENV: json.dumps(built.deepspeed_config), DEFAULTED_ENV: json.dumps(list(built.defaulted))}
     for name, value in built.fields.items():
         env[env_name(name)] = str(value).lower() if isinstance(value, bool) else str(value)
     return env
+
+
+def read_defaulted(environ: Mapping[str, str]) -> frozenset[str]:
+    """The key paths of the exported config that nobody set (`DEFAULTED_ENV`; none when it is absent or unreadable:
+    then every exported key counts as chosen, the strict reading)."""
+    try:
+        paths = json.loads(environ.get(DEFAULTED_ENV, "[]"))
+    except json.JSONDecodeError:
+        return frozenset()
+    return frozenset(path for path in paths if isinstance(path, str)) if isinstance(paths, list) else frozenset()

@@ -78,6 +78,8 @@ class ZeroSettings:
     """DeepSpeed `zero_optimization` keys written in the accelerate `deepspeed_config` block."""
     mixed_precision: str | None = None
     """"no", "fp16" or "bf16" (accelerate's setting); None leaves `fp16`/`bf16` as the config has them."""
+    mixed_precision_set: bool = False
+    """True when a flag or the accelerate config chose `mixed_precision` (else "no" is accelerate's default)."""
     file_owned: list[str] = field(default_factory=list)
     """accelerate config keys that are an error next to a DeepSpeed config file (accelerate's
     ACCELERATE_CONFIG_DS_FIELDS: the `deepspeed_config` block's keys, and `mixed_precision` when the config sets it)."""
@@ -138,6 +140,7 @@ def settings_from_accelerate(
         if config_is_deepspeed:
             settings.file_owned.append("mixed_precision")
     settings.mixed_precision = str(mixed_precision or "no").lower()
+    settings.mixed_precision_set = mixed_precision is not None
     settings.sources = sources
     for name, value in values.items():
         typed, problem = coerce_field(name, value, sources[name])

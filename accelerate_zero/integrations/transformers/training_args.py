@@ -17,6 +17,7 @@ from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.deepspeed_env import adopt_accelerate_deepspeed_launch
 from accelerate_zero.integrations.accelerate.launch_config import CONFIG_ENV, read_deepspeed_config, same_value
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
+from accelerate_zero.integrations.accelerate.rank_env import read_defaulted
 from accelerate_zero.integrations.transformers.auto_values import AutoFill, fill_from_training_args
 
 
@@ -88,7 +89,7 @@ class ZeroArgumentsMixin:
             written = _as_dict(self.zero_config)
             launcher = os.environ.get(CONFIG_ENV)
             if launcher is not None:
-                _refuse_conflicts(written, json.loads(launcher), self.zero_config)
+                _refuse_conflicts(written, json.loads(launcher), self.zero_config, read_defaulted(os.environ))
             return written
         plugin = ZeroPlugin()
         if os.environ.get(CONFIG_ENV) is None:
@@ -124,12 +125,17 @@ def _as_dict(config: dict | str | os.PathLike[str] | ZeroConfig) -> dict[str, An
     return read_deepspeed_config(config)
 
 
-def _refuse_conflicts(written: dict[str, Any], launcher: dict[str, Any], source: Any) -> None:
+def _refuse_conflicts(
+    written: dict[str, Any], launcher: dict[str, Any], source: Any, defaulted: frozenset[str] = frozenset()
+) -> None:
     """[Note: two config sources] `zero_config` (or `deepspeed`) and the config `accelerate-zero launch` exported
     (ACCELERATE_ZERO_CONFIG) both describe the run. The arguments' config is used; a key both set to different
     values (neither "auto") is an error naming both values, as transformers reports its "auto" mismatches. A key only
-    one of them sets is no conflict (the launcher writes e.g. fp16/bf16 for every launch)."""
-    ours, theirs = _leaves(written), _leaves(launcher)
+    one of them sets is no conflict, and neither is a launcher key in `defaulted`: accelerate's default that no file,
+    flag or accelerate config chose (`accelerate-zero launch train.py` alone writes stage 2 and no offload; a script
+    asking for stage 3 contradicts nobody)."""
+    ours = _leaves(written)
+    theirs = {path: value for path, value in _leaves(launcher).items() if path not in defaulted}
     conflicts = [
         f"- zero_config {path}={ours[path]!r} vs launcher {path}={theirs[path]!r}"
         for path in sorted(ours.keys() & theirs.keys())
