@@ -424,7 +424,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args)
-        return
+        # The readings are written: leave without interpreter teardown, where torch's DDP and gloo can abort or
+        # deadlock (a DDP rank ended with SIGABRT after writing its readings; see bench_worker.py's end).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if args.from_json:
         print(report(json.loads(args.from_json.read_text())))
         return

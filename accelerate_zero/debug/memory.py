@@ -99,4 +99,5 @@ def engine_memory(engine: EngineState) -> dict[str, int]:
     if engine.grad_store is not None:
         out["nvme_bytes"] += engine.grad_store.file_bytes()
     out["communication_buffers_peak"] = engine.reducer.peak_transient_bytes
+    out["cached_buffers"] = bytes_by_kind({"cached": engine.reducer.cached_tensors()})["total"]
     return out

@@ -33,6 +33,7 @@ from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.host_grads import HostGradient, HostStaging
 from accelerate_zero.engine.kept_grads import KeptGradient
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
+from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.setup import build_optimizer_for, dtype_from_name, trainable_param_groups
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
@@ -111,6 +112,7 @@ class _Assembly:
         self.stage = config.zero_optimization.stage
         self.offload = offload_policy(config)
         self.host_copies = HostCopies(device)
+        self.scratch = ScratchBuffers(device)  # [Note: temporaries reused in host memory]
         # [Note: pinned memory at its size] in offload/host_memory.py
         self.host_memory = HostMemory(pin=self.offload.pin_memory and device.type == "cuda")
         self.shard_store: ShardStore = ShardsInMemory()
@@ -207,6 +209,7 @@ class _Assembly:
                 device=self.device,
                 contiguous_gradients=zero.contiguous_gradients,
                 kept_for=self._kept_for,
+                scratch=self.scratch,
             )
             for params in trainable
         ]
@@ -251,6 +254,7 @@ class _Assembly:
             broadcast=from_rank_0,
             shard_store=self.shard_store,
             kept_for=self._kept_for,
+            scratch=self.scratch,
         )
         self.groups, self.units = parts.persistent_groups, parts.units
         slices = parts.slices_by_group
@@ -373,6 +377,7 @@ class _Assembly:
             ignore_unused_parameters=zero.ignore_unused_parameters,
             param_names={p: n for n, p in self.module.named_parameters()},
             on_bucket_complete=on_complete,
+            scratch=self.scratch,
         )
 
     def _build_sharded_optimizer(

@@ -33,6 +33,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.kept_grads import DeviceShardGradient, KeptGradient, ReducedInPlace
+from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
 
 
@@ -105,11 +106,14 @@ class GradBucket:
         storage: torch.Tensor | None,
         params: list[torch.nn.Parameter],
         kept: KeptGradient | None = None,
+        scratch: ScratchBuffers | None = None,
     ) -> None:
         """`storage`, when given, is a persistent view this bucket keeps its gradient in (full-size for stages 0/1,
-        shard-size for stage 2: `contiguous_gradients`); otherwise storage is allocated on first use and released
-        after each step. `params` is the list `ParamSlot.param_index` indexes. `kept`: where the averaged slice goes
-        (engine/kept_grads.py); default: the compute device (`storage` is then the shard-size buffer at stage 2)."""
+        shard-size for stage 2: `contiguous_gradients`); otherwise storage is taken from `scratch` on first use and
+        given back after each step (stage 2: after each reduction). `params` is the list `ParamSlot.param_index`
+        indexes. `kept`: where the averaged slice goes (engine/kept_grads.py); default: the compute device
+        (`storage` is then the shard-size buffer at stage 2). `scratch`: where the full-size temporaries come from
+        ([Note: temporaries reused in host memory]); default: fresh allocations."""
         self.plan, self.mode, self.rank, self.params = plan, mode, rank, params
         self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
         to_shard = mode is ReduceMode.SCATTER_TO_SHARD
@@ -122,6 +126,7 @@ class GradBucket:
             storage = None  # the shard-size storage is the home's
         assert kept.numel == (plan.numel if mode is ReduceMode.ALL_REDUCE else plan.shard_numel), "kept slice size"
         self.kept = kept
+        self.scratch = scratch if scratch is not None else ScratchBuffers(device, reuse=False)
         self._storage = storage
         self.state = BucketState.EMPTY
         self.grad = storage
@@ -156,8 +161,8 @@ class GradBucket:
     def _full_grad(self, written: bool = True) -> torch.Tensor:
         """The full-size gradient; `written`: every slot holds its value (unwritten ones are zeroed first)."""
         if self.grad is None:
-            self.grad = torch.empty(self.plan.numel, dtype=self.grad_dtype, device=self.device)
-            self.grad[self.plan.numel - self.plan.padding :].zero_()
+            self.grad = self.scratch.take(self.plan.numel, self.grad_dtype)
+            self.grad[self.plan.numel - self.plan.padding :].zero_()  # a reused buffer holds another bucket's data
             self._unwritten = {slot.param_index for slot in self.plan.slots}
         if written and self._unwritten is not None:
             for slot in self.plan.slots:
@@ -189,13 +194,15 @@ class GradBucket:
         if self.state not in (BucketState.EMPTY, BucketState.ACCUMULATING):
             raise RuntimeError(f"bucket {self.plan.index} cannot start a reduction in state {self.state}")
         full = self._full_grad()
-        comm = full if self.comm_dtype == full.dtype else full.to(self.comm_dtype)
+        comm = full if self.comm_dtype == full.dtype else self.scratch.take(full.numel(), self.comm_dtype).copy_(full)
         if scaling.pre != 1.0:
             comm.mul_(scaling.pre)
         if self.mode is ReduceMode.ALL_REDUCE or not use_reduce_scatter:
             self._pending = collectives.all_reduce(comm, dp, stats, async_op=async_op)
         else:
-            self._pending = collectives.reduce_scatter(self._owned(comm), comm, dp, stats, async_op=async_op)
+            self._pending = collectives.reduce_scatter(
+                self._owned(comm), comm, dp, stats, async_op=async_op, scratch=self.scratch
+            )
         self._comm_buffer = comm
         self._scaling = scaling
         self.state = BucketState.REDUCING
@@ -216,10 +223,23 @@ class GradBucket:
         else:
             self.kept.add(self._owned(comm), post, fresh=not self._has_reduced)
             self._has_reduced = True
-            self.grad = None
+            self._give_back(comm)
             self.state = BucketState.EMPTY
             return
+        if comm is not self.grad:
+            self.scratch.give(comm)
         self.state = BucketState.REDUCED
+
+    def _give_back(self, comm: torch.Tensor | None) -> None:
+        """Gives the full-size gradient (lazily allocated) and a cast copy `comm` back to `scratch`."""
+        if self.scratch.reuses:
+            # `kept` may still be copying from them (KeptGradient.add); a reused buffer is written next.
+            self.kept.settle()
+        if comm is not None and comm is not self.grad:
+            self.scratch.give(comm)
+        if self.grad is not None:
+            self.scratch.give(self.grad)
+        self.grad = None
 
     def _store_all_reduced(self, comm: torch.Tensor, post: float) -> None:
         assert self.grad is not None
@@ -276,7 +296,7 @@ class GradBucket:
             self.finish_reduce()
         self.kept.reset()  # a copy in flight may still read the gradient zeroed or released below
         if self._storage is None:
-            self.grad = None
+            self._give_back(None)
         else:
             # [Note: the first gradient of a cycle is copied, not added]: no pass over the buffer here.
             self._unwritten = {slot.param_index for slot in self.plan.slots}

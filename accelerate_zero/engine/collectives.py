@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.scratch import ScratchBuffers
 
 
 # torch 2.13 renamed the tensor collectives; older releases only have the old names.
@@ -102,11 +103,18 @@ def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    dp: DataParallelGroup,
+    stats: CommStats,
+    *,
+    async_op: bool = False,
+    scratch: ScratchBuffers | None = None,
 ) -> Pending:
     """Sums `input` over the group and leaves slice `rank` of the sum in `output`.
 
-    `output` may be this rank's slice of `input` (in place): NCCL documents it, gloo does it correctly.
+    `output` may be this rank's slice of `input` (in place): NCCL documents it, gloo does it correctly. `scratch`:
+    where a temporary the algorithm needs comes from and goes back to once the result is complete.
     """
     if dp.world_size == 1:
         if output.data_ptr() != input.data_ptr():
@@ -115,7 +123,7 @@ def reduce_scatter(
     own_slice = input.data_ptr() + dp.rank * output.numel() * output.element_size()
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
         stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
-        pending = _all_to_all_reduce_scatter(output, input, dp)
+        pending = _all_to_all_reduce_scatter(output, input, dp, scratch or ScratchBuffers(input.device, reuse=False))
         if not async_op:
             pending.wait()
             return Pending(None)
@@ -124,13 +132,16 @@ def reduce_scatter(
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
 
 
-def _all_to_all_reduce_scatter(output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup) -> Pending:
+def _all_to_all_reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, scratch: ScratchBuffers
+) -> Pending:
     """[Note: reduce-scatter on gloo]: asynchronous; `wait()` sums the received partial sums into `output`."""
-    received = torch.empty_like(input)
+    received = scratch.take(input.numel(), input.dtype)
     work = dist.all_to_all_single(received, input, group=dp.group, async_op=True)
 
     def finish() -> None:
         torch.sum(received.view(dp.world_size, -1), dim=0, out=output)
+        scratch.give(received)
 
     return Pending(work, finish)
 

@@ -422,7 +422,9 @@ class ZeroEngine:
         Kinds: parameters (the flat buffers and frozen parameters), gradients (the storage kept across
         micro-steps), master_weights (fp32 copies that are not the parameters themselves), optimizer_states,
         communication_buffers (stage 2 buckets being filled or reduced right now), and total. The peak of the
-        latter since the engine started is reported as communication_buffers_peak (not part of total). Offloaded
+        latter since the engine started is reported as communication_buffers_peak, and the temporaries kept for
+        reuse in host memory as cached_buffers ([Note: temporaries reused in host memory]; like CUDA's reserved
+        memory, what the allocator keeps rather than what training holds): neither is part of total. Offloaded
         state is reported as host_parameters, host_gradients, host_master_weights, host_optimizer_states and
         host_total.
         """
@@ -438,6 +440,7 @@ class ZeroEngine:
     def destroy(self) -> None:
         """Removes the engine's hooks; the model keeps its current weights."""
         self.reducer.remove_hooks()
+        self.reducer.scratch.clear()
         if self.grad_store is not None:
             self.grad_store.close()
         self.sharded_optimizer.step_runner.close()

@@ -16,6 +16,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import GroupPlan
 from accelerate_zero.engine.shard_slice import ShardSlice
 
@@ -71,8 +72,10 @@ def build_group_shard(
     device: torch.device,
     contiguous_gradients: bool,
     kept_for: KeptFor | None = None,
+    scratch: ScratchBuffers | None = None,
 ) -> GroupShard:
-    """Flattens one param group and creates its buckets and fp32 master shard."""
+    """Flattens one param group and creates its buckets (their temporaries from `scratch`) and fp32 master
+    shard."""
     param_buffer = flatten_params(params, plan, compute_dtype, device)
     grad_storage = None
     if contiguous_gradients:
@@ -84,7 +87,7 @@ def build_group_shard(
         size = bucket.shard_numel if mode is ReduceMode.SCATTER_TO_SHARD else bucket.numel
         storage = None if grad_storage is None else grad_storage[offset : offset + size]
         kept = kept_for(bucket, mode) if kept_for is not None else None
-        buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage, params, kept))
+        buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage, params, kept, scratch))
     shard = GroupShard(
         plan=plan,
         rank=rank,

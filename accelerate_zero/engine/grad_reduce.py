@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from accelerate_zero.engine.buckets import BucketState, GradBucket, GradScaling
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import ParamSlot
 
 
@@ -59,6 +60,7 @@ class GradReducer:
         ignore_unused_parameters: bool = True,
         param_names: dict[nn.Parameter, str] | None = None,
         on_bucket_complete: Callable[[int], None] | None = None,
+        scratch: ScratchBuffers | None = None,
     ) -> None:
         """
         Args:
@@ -70,12 +72,14 @@ class GradReducer:
             param_names: names for error messages.
             on_bucket_complete: called with a bucket's index once all its parameters delivered their gradient in
                 a reducing backward (stage 3 releases the unit's gathered parameters there).
+            scratch: the temporaries the buckets share (for memory accounting; each bucket holds it too).
         """
         self.buckets, self.locations = list(buckets), locations
         self.dp, self.stats, self.scaling = dp, stats, scaling
         self.use_reduce_scatter, self.max_in_flight = use_reduce_scatter, max_in_flight
         self.ignore_unused_parameters, self.param_names = ignore_unused_parameters, param_names or {}
         self.on_bucket_complete = on_bucket_complete
+        self.scratch = scratch if scratch is not None else ScratchBuffers(torch.device("cpu"), reuse=False)
         self._in_flight: collections.deque[GradBucket] = collections.deque()
         self._session: _Session | None = None
         self._grads_outside_session = False
@@ -192,15 +196,23 @@ class GradReducer:
             self._launch(index)
         self._drain()
         self._grads_outside_session = False
+        # Every reduction of this step is done: what the optimizer step, and whatever runs until the next backward
+        # (evaluation, generation, a checkpoint), allocate does not have the step's temporaries held beside it.
+        self.scratch.clear()
 
     def zero_grad(self) -> None:
         self._drain()
         for bucket in self.buckets:
             bucket.zero()
         self._grads_outside_session = False
+        self.scratch.clear()
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [t for bucket in self.buckets for t in bucket.gradient_tensors()]
 
     def transient_tensors(self) -> list[torch.Tensor]:
         return [t for bucket in self.buckets for t in bucket.transient_tensors()]
+
+    def cached_tensors(self) -> list[torch.Tensor]:
+        """Temporaries given back and kept for the next micro-step ([Note: temporaries reused in host memory])."""
+        return self.scratch.cached_tensors()

@@ -77,8 +77,10 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
         engine.scheduler.peak_live_numel = engine.reducer.peak_transient_bytes = 0
         batches = _batches(world_size, STEPS * accum)
         grads_between, comm_per_micro, gathered_between = [], [], []
+        allocations, cached_after = [], []
         for x in batches:
             engine.reset_comm_stats()
+            allocated_before = engine.reducer.scratch.allocations
             per_rank = x.shape[0] // world_size
             engine.backward(_loss(engine, x[rank * per_rank : (rank + 1) * per_rank]))
             comm = engine.comm_stats()
@@ -87,6 +89,8 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
             comm_per_micro.append(
                 {k: comm.get(k, {}).get("payload_bytes", 0) for k in ("all_gather", "reduce_scatter")}
             )
+            allocations.append(engine.reducer.scratch.allocations - allocated_before)
+            cached_after.append(engine.memory_breakdown()["cached_buffers"])
             if not boundary:
                 grads_between.append(engine.memory_breakdown()["gradients"])
                 gathered_between.append(sum(u.state is not UnitState.SHARDED for u in engine.units))
@@ -101,6 +105,9 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
             "grads_between": grads_between,
             "gathered_between": gathered_between,
             "comm_per_micro": comm_per_micro,
+            "allocations": allocations,
+            "buckets": len(engine.reducer.buckets),
+            "cached_after": cached_after,
             "params": list(full.values()),
         }
         engine.destroy()
@@ -192,3 +199,20 @@ def test_training_with_accumulation_equals_the_reference(measured: tuple) -> Non
         diff = max((a - b).abs().max().item() for a, b in zip(params, reference, strict=True))
         # fp32, SGD, weights O(0.2): only the order of the gradient sums differs (a few ulps per step).
         assert diff < 1e-6, (world_size, accum, diff)
+
+
+def test_temporaries_are_reused_within_an_accumulation_cycle_and_dropped_at_its_step(measured: tuple) -> None:
+    """[Note: temporaries reused in host memory] (engine/scratch.py): on CPU the full-size gradient buffers and the
+    reduce-scatter's received copies of the first micro-step serve the next ones; the optimizer step drops them."""
+    _, results = measured
+    for rank, by_accum in enumerate(results):
+        four = by_accum[4]
+        cycles = [four["allocations"][i : i + 4] for i in range(0, len(four["allocations"]), 4)]
+        cached = [four["cached_after"][i : i + 4] for i in range(0, len(four["cached_after"]), 4)]
+        assert len(cycles) == STEPS, (rank, four["allocations"])
+        for allocated, kept in zip(cycles, cached, strict=True):
+            # The units have one size and reduce one after the other: fewer buffers than buckets (without reuse,
+            # two per bucket: the gradient and the received copy), then none at all.
+            assert 0 < allocated[0] < four["buckets"] and allocated[1:] == [0, 0, 0], (rank, allocated)
+            # Between micro-steps what was in use is kept (never more than the full-size gradients), then dropped.
+            assert all(0 < k < four["full_grad_bytes"] * 2 for k in kept[:3]) and kept[3] == 0, (rank, kept)

@@ -12,6 +12,7 @@ from torch import nn
 
 from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard, group_slices
+from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import ParamSlot, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer, build_flat
@@ -70,9 +71,11 @@ def build_stage3(
     broadcast: Callable[[torch.Tensor], None],
     shard_store: ShardStore,
     kept_for: KeptFor | None = None,
+    scratch: ScratchBuffers | None = None,
 ) -> Stage3Parts:
     """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
-    shards every unit, and plans the persistent parameters per optimizer param group."""
+    shards every unit, and plans the persistent parameters per optimizer param group. Every gradient bucket takes
+    its temporaries from `scratch`."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
     for param in layout.persistent:
         param.data = param.data.to(device=device, dtype=dtypes.compute)
@@ -89,6 +92,7 @@ def build_stage3(
         broadcast,
         shard_store,
         kept_for,
+        scratch,
     )
     _place_rest(module, layout, units, device, broadcast)
     root = units[-1]
@@ -109,6 +113,7 @@ def build_stage3(
                 device=device,
                 contiguous_gradients=contiguous_gradients,
                 kept_for=kept_for,
+                scratch=scratch,
             )
         )
     ordered_units = [u for u in reversed(units) if u is not root] + [root]
@@ -169,6 +174,7 @@ def _build_units(
     broadcast: Callable[[torch.Tensor], None],
     shard_store: ShardStore,
     kept_for: KeptFor | None,
+    scratch: ScratchBuffers | None,
 ) -> list[ParamUnit]:
     def flat_of(params: list[nn.Parameter]) -> FlatUnitBuffer | None:
         # The layout never depends on the optimizer, so shards made by partitioned loading are adopted as they are
@@ -201,6 +207,7 @@ def _build_units(
                 storage,
                 train_flat.params,
                 kept_for(train_flat.plan, ReduceMode.SCATTER_TO_SHARD) if kept_for is not None else None,
+                scratch,
             )
         units.append(ParamUnit(index, spec.name, spec.module, train_flat, frozen_flat, bucket, shard_store))
     return units
