@@ -226,8 +226,7 @@ class GradBucket:
             self._give_back(comm)
             self.state = BucketState.EMPTY
             return
-        if comm is not self.grad:
-            self.scratch.give(comm)
+        self._give_cast_copy(comm)
         self.state = BucketState.REDUCED
 
     def _give_back(self, comm: torch.Tensor | None) -> None:
@@ -235,11 +234,16 @@ class GradBucket:
         if self.scratch.reuses:
             # `kept` may still be copying from them (KeptGradient.add); a reused buffer is written next.
             self.kept.settle()
-        if comm is not None and comm is not self.grad:
-            self.scratch.give(comm)
+        if comm is not None:
+            self._give_cast_copy(comm)
         if self.grad is not None:
             self.scratch.give(self.grad)
         self.grad = None
+
+    def _give_cast_copy(self, comm: torch.Tensor) -> None:
+        """Gives back the buffer a reduction ran on when it is a cast copy, not the gradient itself."""
+        if comm is not self.grad:
+            self.scratch.give(comm)
 
     def _store_all_reduced(self, comm: torch.Tensor, post: float) -> None:
         assert self.grad is not None
