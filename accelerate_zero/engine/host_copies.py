@@ -15,6 +15,14 @@ that produced its source by an event, and returns a `CopyDone`. The rules every 
 On devices without streams (CPU, where every copy is host to host) each copy is synchronous and `wait()` returns at
 once, so the same bookkeeping runs under gloo in CI. `copies` and `bytes` count what went through (tests assert one
 copy per bucket per step).
+
+[Note: the host is the device]
+When the compute device is the CPU, "host memory" and "device memory" are the same memory: a reduced gradient slice
+bound for the host can be scaled and added where it lands in one pass (`fold_into_host`), as a device-resident
+gradient is, instead of scaled in place, copied, staged and added (three to four passes over the slice).
+`host_is_device` says which path a caller takes;
+a test double modelling a device with memory of its own (tests/distributed/test_host_copies.py) says False, so the
+asynchronous path and its rules stay exercised on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +30,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+
+def fold_into(destination: torch.Tensor, source: torch.Tensor, scale: float, fresh: bool) -> None:
+    """`destination` = `source * scale` (`fresh`) or `destination += source * scale`, one pass over memory."""
+    if not fresh:
+        destination.add_(source, alpha=scale)
+    elif scale != 1.0:
+        torch.mul(source, scale, out=destination)
+    else:
+        destination.copy_(source)
 
 
 class CopyDone:
@@ -54,6 +72,17 @@ class HostCopies:
     @property
     def asynchronous(self) -> bool:
         return self._side is not None
+
+    @property
+    def host_is_device(self) -> bool:
+        """The compute device's memory is host memory ([Note: the host is the device])."""
+        return self.device.type == "cpu"
+
+    def fold_into_host(self, source: torch.Tensor, destination: torch.Tensor, scale: float, fresh: bool) -> None:
+        """`destination` = (`fresh`) or += `source * scale`, in one pass; only when `host_is_device`."""
+        assert self.host_is_device, "fold_into_host() needs the host to be the device: use to_host()"
+        self._count(source)
+        fold_into(destination, source, scale, fresh)
 
     def _count(self, tensor: torch.Tensor) -> None:
         self.copies += 1

@@ -10,6 +10,8 @@ engine/host_copies.py), one per bucket per reduction, so backward never waits fo
   staging buffer. Staging buffers form one small ring shared by every bucket (`HostStaging`, two slices' worth,
   allocated on first use), so accumulation costs two bucket slices of host memory, not one per bucket.
 Whoever reads or writes the slice goes through `read()`/`clear()`, which first wait for the copy in flight.
+On a CPU device the slice is filled in place, one pass per reduction, and the ring is never used ([Note: the host is
+the device] in engine/host_copies.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class HostGradient:
         """Starts adding `reduced * post` to the slice; `fresh` replaces it. The scaling runs on the device, so that
         one copy carries the result."""
         self.settle()
+        if self.copies.host_is_device:  # [Note: the host is the device] in engine/host_copies.py
+            self.copies.fold_into_host(reduced, self.values, post, fresh)
+            return
         if post != 1.0:
             reduced = reduced.float().mul_(post)
         if fresh:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from accelerate_zero.engine.host_copies import fold_into
 from accelerate_zero.engine.norms import sum_of_squares
 
 
@@ -108,12 +109,7 @@ class DeviceShardGradient:
     def add(self, reduced: torch.Tensor, post: float, fresh: bool) -> None:
         if self.values is None:
             self.values = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        if not fresh:
-            self.values.add_(reduced, alpha=post)
-        elif post != 1.0:
-            torch.mul(reduced, post, out=self.values)
-        else:
-            self.values.copy_(reduced)
+        fold_into(self.values, reduced, post, fresh)
 
     def read(self, start: int, end: int) -> torch.Tensor:
         assert self.values is not None, "read() before anything was added or cleared"

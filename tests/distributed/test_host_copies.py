@@ -4,7 +4,8 @@ On CPU every copy is synchronous, so a read before `wait()` or a write to a sour
 `DeferredCopies` makes them visible: a copy to the host lands only when it is waited for (a read before that sees
 stale values and the training drifts from the reference), and every copy checks at completion that its source was
 not written while it was in flight (it raises, naming the copy). Training under it must equal training with
-immediate copies bit for bit, and a one-process reference to fp32 rounding.
+immediate copies bit for bit, and a one-process reference to fp32 rounding; so must the CPU device's own path, which
+folds each slice into host memory in place ([Note: the host is the device] in engine/host_copies.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,16 @@ class _DeferredCopy(CopyDone):
         return self._finish is None
 
 
-class DeferredCopies(HostCopies):
+class SeparateMemoryCopies(HostCopies):
+    """Copies for a device with memory of its own: every gradient slice takes the path of copies and staging
+    ([Note: the host is the device] in engine/host_copies.py), here completing at once."""
+
+    @property
+    def host_is_device(self) -> bool:
+        return False
+
+
+class DeferredCopies(SeparateMemoryCopies):
     """Copies that complete only when waited for (or drained), checking that nobody wrote their source meanwhile."""
 
     def __init__(self, device: torch.device) -> None:
@@ -91,7 +101,10 @@ def _config(stage: int, accumulation: int, param_offload: bool) -> dict:
     }
 
 
-def _train(rank: int, world_size: int, stage: int, accumulation: int, param_offload: bool, deferred: bool) -> dict:
+COPIES = {"in place": HostCopies, "immediate": SeparateMemoryCopies, "deferred": DeferredCopies}
+
+
+def _train(rank: int, world_size: int, stage: int, accumulation: int, param_offload: bool, copies_kind: str) -> dict:
     import accelerate_zero
     import accelerate_zero.engine.assemble as engine_module
 
@@ -99,7 +112,7 @@ def _train(rank: int, world_size: int, stage: int, accumulation: int, param_offl
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     original = engine_module.HostCopies
-    engine_module.HostCopies = DeferredCopies if deferred else HostCopies
+    engine_module.HostCopies = COPIES[copies_kind]
     try:
         engine = accelerate_zero.initialize(
             model, optimizer, config=_config(stage, accumulation, param_offload), unit_classes=[nn.Linear]
@@ -134,8 +147,7 @@ def _matrix(rank: int, world_size: int) -> dict:
             for param_offload in (False, True) if stage == 3 else (False,):
                 key = f"stage{stage}-acc{accumulation}{'-params' if param_offload else ''}"
                 out[key] = {
-                    deferred: _train(rank, world_size, stage, accumulation, param_offload, deferred)
-                    for deferred in (False, True)
+                    kind: _train(rank, world_size, stage, accumulation, param_offload, kind) for kind in COPIES
                 }
     return out
 
@@ -149,19 +161,21 @@ def test_deferred_copies_train_exactly_like_immediate_ones(results: tuple[int, l
     _, by_rank = results
     for r in by_rank:
         for key, runs in r.items():
-            assert torch.equal(runs[True]["weights"], runs[False]["weights"]), key
-            assert runs[False]["diff"] < 2e-6, (key, runs[False]["diff"])
+            assert torch.equal(runs["deferred"]["weights"], runs["immediate"]["weights"]), key
+            for kind, run in runs.items():
+                assert run["diff"] < 2e-6, (key, kind, run["diff"])
 
 
 def test_one_copy_to_the_host_per_bucket_per_reduction(results: tuple[int, list[dict]]) -> None:
     _, by_rank = results
     for r in by_rank:
         for key, runs in r.items():
-            run = runs[False]
             stage, accumulation = int(key[5]), int(key.split("acc")[1][0])
-            assert run["host_buckets"] > 1, key  # several buckets, so a per-bucket count is a real check
-            # Stages 0/1 reduce once per optimizer step, stages 2/3 on every micro-step (then, under gradient
-            # accumulation, through the staging ring). Copies between host memory and the compute device are not
-            # counted here: on CPU they are the same device.
-            expected = run["host_buckets"] * (1 if stage < 2 else accumulation)
-            assert run["copies_per_step"] == [expected] * STEPS, (key, run["copies_per_step"], expected)
+            for kind in ("in place", "immediate"):  # the deferred double counts parameter copies too
+                run = runs[kind]
+                assert run["host_buckets"] > 1, key  # several buckets, so a per-bucket count is a real check
+                # Stages 0/1 reduce once per optimizer step, stages 2/3 on every micro-step (then, under gradient
+                # accumulation, through the staging ring, or folded in place on CPU). Copies of parameters between
+                # host memory and the compute device are not counted here: on CPU they are the same device.
+                expected = run["host_buckets"] * (1 if stage < 2 else accumulation)
+                assert run["copies_per_step"] == [expected] * STEPS, (key, kind, run["copies_per_step"], expected)

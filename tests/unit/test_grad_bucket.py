@@ -113,8 +113,15 @@ def test_grad_scaling_always_averages(world: int, prescale: bool, factor: float,
     assert (scaling.pre, scaling.post) == expected and scaling.pre * scaling.post == pytest.approx(1 / world)
 
 
-def test_host_gradients_fold_staged_micro_steps_through_a_two_slot_ring() -> None:
-    copies = HostCopies(torch.device("cpu"))
+class _SeparateMemoryCopies(HostCopies):
+    @property
+    def host_is_device(self) -> bool:
+        return False  # as on a GPU: slices go through copies and the staging ring
+
+
+@pytest.mark.parametrize("separate_memory", [True, False], ids=["staged", "in_place"])
+def test_host_gradients_fold_staged_micro_steps_through_a_two_slot_ring(separate_memory: bool) -> None:
+    copies = (_SeparateMemoryCopies if separate_memory else HostCopies)(torch.device("cpu"))
     allocated = []
 
     def allocate(numel: int) -> torch.Tensor:
@@ -130,7 +137,10 @@ def test_host_gradients_fold_staged_micro_steps_through_a_two_slot_ring() -> Non
             value = torch.randn(grads[index].numel)
             grads[index].add(value, 1.0, fresh=micro == 0)
             expected[index] = value.clone() if micro == 0 else expected[index] + value
-    assert allocated == [4, 4], "two staging buffers, allocated on first use"
+    if separate_memory:
+        assert allocated == [4, 4], "two staging buffers, allocated on first use"
+    else:
+        assert allocated == [], "on a CPU device slices are folded in place: no staging"
     for grad, want in zip(grads, expected, strict=True):
         assert torch.allclose(grad.read(0, grad.numel), want)
     assert copies.copies == 9  # one copy per bucket per micro-step
