@@ -5,7 +5,10 @@ its parameters have shapes but no storage, so a 70B model costs nothing, and tie
 and the module tree are the real ones. A folder with only `*.safetensors` files is read from the headers (the
 first bytes of each file) and rebuilt as a tree of meta modules, one per dotted name prefix; the numbered
 children of a container (`model.layers.0`, `model.layers.1`, ...) become the stage 3 gather units, which is what
-`_no_split_modules` names for transformers decoders.
+`_no_split_modules` names for transformers decoders, and so do the embeddings, as the engine makes them units of
+their own ([Note: embeddings are units of their own] in engine/stage3/units.py): found as the modules outside the
+numbered blocks whose 2-D weight has the most rows (the vocabulary), the first the input embeddings, the last the
+LM head.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,16 +43,41 @@ class LoadedModel:
     """The model class, or the folder."""
     architecture: Architecture | None
     """For the activation estimate; None when the config does not say (or there is none)."""
-    unit_classes: Sequence[type[nn.Module]] | None = None
-    """The stage 3 unit classes to use instead of `_no_split_modules` (rebuilt trees)."""
 
     def shapes(self, zero: ZeroOptimizationConfig) -> ModelShapes:
         """The estimate's view of the model, with the stage 3 layout `zero`'s thresholds give."""
-        return shapes_from_module(self.module, zero, unit_classes=self.unit_classes, architecture=self.architecture)
+        return shapes_from_module(self.module, zero, architecture=self.architecture)
 
 
 class _NumberedBlock(nn.Module):
     """A numbered child of a container rebuilt from safetensors names: one stage 3 gather unit."""
+
+
+class _RebuiltModel(nn.Module):
+    """The root of a tree rebuilt from safetensors names: it answers the questions stage 3 asks a transformers
+    model (`_no_split_modules`, its embeddings), from the names and shapes alone (see the module docstring)."""
+
+    _no_split_modules = [_NumberedBlock.__name__]
+
+    def _vocabulary_modules(self) -> list[nn.Module]:
+        inside = {id(m) for block in self.modules() if isinstance(block, _NumberedBlock) for m in block.modules()}
+        candidates = [
+            module
+            for module in self.modules()
+            if id(module) not in inside
+            and isinstance(getattr(module, "weight", None), nn.Parameter)
+            and module.weight.dim() == 2
+        ]
+        rows = max((m.weight.shape[0] for m in candidates), default=0)
+        return [m for m in candidates if m.weight.shape[0] == rows]
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        found = self._vocabulary_modules()
+        return found[0] if found else None
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        found = self._vocabulary_modules()
+        return found[-1] if len(found) > 1 else None
 
 
 def load_from_config(path: str | Path) -> LoadedModel:
@@ -116,9 +143,7 @@ def load_from_folder(folder: str | Path) -> LoadedModel:
         reason = f" ({problem})" if problem else ""
         raise ValueError(f"{str(folder)!r} has no usable config.json{reason} and no *.safetensors files")
     model = module_from_shapes(safetensors_shapes(files))
-    return LoadedModel(
-        module=model, source="safetensors", name=str(folder), architecture=None, unit_classes=[_NumberedBlock]
-    )
+    return LoadedModel(module=model, source="safetensors", name=str(folder), architecture=None)
 
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
@@ -147,13 +172,17 @@ def module_from_shapes(shapes: dict[str, tuple[int, ...]]) -> nn.Module:
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = shapes[name]
-    return _build(tree, numbered=False)
+    return _build(tree, numbered=False, root=True)
 
 
-def _build(tree: dict[str, Any], numbered: bool) -> nn.Module:
+def _build(tree: dict[str, Any], numbered: bool, root: bool = False) -> nn.Module:
     children = [key for key, value in tree.items() if isinstance(value, dict)]
     container = bool(children) and len(children) == len(tree) and all(key.isdigit() for key in children)
-    module: nn.Module = nn.ModuleDict() if container else (_NumberedBlock() if numbered else nn.Module())
+    module: nn.Module
+    if root:
+        module = _RebuiltModel()
+    else:
+        module = nn.ModuleDict() if container else (_NumberedBlock() if numbered else nn.Module())
     for key, value in tree.items():
         if isinstance(value, dict):
             module.add_module(key, _build(value, numbered=container))

@@ -119,6 +119,40 @@ def _submodel_training(rank: int, tied: bool, head: str, checkpointing: bool = F
     return out
 
 
+def _embedding_units(rank: int, tied: bool) -> dict[str, Any]:
+    """Trains through the model's own forward (default reuse distance): untied embeddings and LM head are units of
+    their own ([Note: embeddings are units of their own]), and a later forward gathers every unit but the root
+    ahead of its use; a tied weight stays in the root unit."""
+    import accelerate_zero
+
+    batches = _batches()
+    reference = _llama(tied)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in batches:
+        for tokens in step:
+            (reference(input_ids=tokens, labels=tokens).loss / GRAD_ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    model = _llama(tied)
+    config = {"gradient_accumulation_steps": GRAD_ACCUM, "gradient_clipping": 1.0, "zero_optimization": ZERO3}
+    engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    forwards = []
+    for step in batches:
+        for tokens in step:
+            mine = tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH]
+            before = (engine.scheduler.gathers_on_demand, engine.scheduler.gathers_prefetched)
+            loss = engine(input_ids=mine, labels=mine).loss
+            forwards.append(
+                (engine.scheduler.gathers_on_demand - before[0], engine.scheduler.gathers_prefetched - before[1])
+            )
+            engine.backward(loss)
+            engine.step()
+    out = {"diff": _max_diff(model, reference), "units": [u.name for u in engine.units], "forwards": forwards}
+    engine.destroy()
+    return out
+
+
 def _encoder_decoder_generate(rank: int, kind: str) -> dict[str, Any]:
     from transformers import BartForConditionalGeneration, T5ForConditionalGeneration
 
@@ -159,6 +193,9 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
     for tied, head in ((True, "lm_head"), (False, "user")):
         out[f"train-{head}"] = _submodel_training(rank, tied, head)
     out["train-checkpointed"] = _submodel_training(rank, True, "lm_head", checkpointing=True)
+    out["train-untied-lm_head"] = _submodel_training(rank, False, "lm_head")
+    for tied in (True, False):
+        out[f"embedding-units-{'tied' if tied else 'untied'}"] = _embedding_units(rank, tied)
     for kind in ("t5", "bart"):
         out[f"generate-{kind}"] = _encoder_decoder_generate(rank, kind)
     dist.barrier()
@@ -193,3 +230,17 @@ def test_encoder_decoder_generate_matches_unsharded(results: Any, kind: str) -> 
         g = r[f"generate-{kind}"]
         assert g["encoder_diff"] < 1e-6, g
         assert g["same"], g
+
+
+def test_untied_embeddings_and_lm_head_are_units_prefetched_in_forward(results: list[dict[str, Any]]) -> None:
+    layers = ["model.layers.0", "model.layers.1"]
+    for r in results:
+        untied, tied = r["embedding-units-untied"], r["embedding-units-tied"]
+        assert untied["diff"] < 1e-6 and tied["diff"] < 1e-6, (untied["diff"], tied["diff"])
+        assert untied["units"] == ["model.embed_tokens", *layers, "lm_head", ""]
+        assert tied["units"] == [*layers, ""]  # the shared weight stays in the root unit
+        # The first forward records the order (everything on demand); every later one gathers only the root (the
+        # final norm) when it is needed and issues every other unit ahead of its use.
+        assert untied["forwards"][0] == (5, 0)
+        assert set(untied["forwards"][1:]) == {(1, 4)}, untied["forwards"]
+        assert r["train-untied-lm_head"]["diff"] < 1e-6

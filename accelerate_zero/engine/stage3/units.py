@@ -1,7 +1,8 @@
 """Which parameters are gathered together (gather units) and which stay whole (persistent).
 
 A unit is a module whose parameters are all-gathered before its forward and released after it:
-- a transformers model: every module whose class is in `model._no_split_modules` (the decoder layers);
+- a transformers model: every module whose class is in `model._no_split_modules` (the decoder layers), and its
+  input and output embeddings ([Note: embeddings are units of their own]);
 - otherwise the root's children, looking through containers (ModuleList, Sequential, ModuleDict);
 - or the module classes the caller names.
 The parameters no unit owns form the root unit, gathered for the whole forward of the model, which keeps
@@ -24,6 +25,16 @@ from torch import nn
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+# [Note: embeddings are units of their own]
+# In a transformers model the input embeddings and the LM head are often most of the parameters no decoder layer
+# holds (a vocabulary of 32k-150k rows). Left in the root unit they would be gathered together at the start of
+# every forward, with nothing to hide the gather behind, and kept for the whole forward: measured on a 33M Llama
+# (untied, 2 ranks), the root's gather was 60% of all the time forward waited for parameters. As units of their
+# own, the input embeddings are the first gather of a forward (half the size) and the LM head is prefetched behind
+# the last decoder layer, as torchtitan shards them separately under FSDP2 and DeepSpeed fetches them per module.
+# Tied embeddings share one weight between two modules, so `layout_units` keeps that weight in the root unit as
+# before; a weight read outside its module's forward is found by stage3/external.py like any other.
 
 
 @dataclass
@@ -60,17 +71,36 @@ def find_unit_modules(
         extra_leaf: `zero_optimization.leaf_module` class names and module names that must be fetched as one
             unit (MoE blocks); they become units unless a unit already contains them.
     """
-    wanted = unit_classes if unit_classes is not None else getattr(model, "_no_split_modules", None)
+    no_split = getattr(model, "_no_split_modules", None)
+    wanted = unit_classes if unit_classes is not None else no_split
     if wanted:
         names = {c if isinstance(c, str) else c.__name__ for c in wanted}
         found = [name for name, module in model.named_modules() if name and type(module).__name__ in names]
+        if unit_classes is None:
+            found += [name for name in _embedding_modules(model) if name not in found]
     else:
         found = _container_children(model, "")
     leaves = set(extra_leaf)
     found += [
         n for n, m in model.named_modules() if n and (type(m).__name__ in leaves or n in leaves) and n not in found
     ]
-    return _outermost(found)
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    return _outermost(sorted(found, key=order.__getitem__))
+
+
+def _embedding_modules(model: nn.Module) -> list[str]:
+    """Qualified names of a transformers model's input and output embedding modules ([Note: embeddings are units of
+    their own]); none for a model without them."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):  # not a transformers model, or one without that embedding
+            continue
+        if not isinstance(module, nn.Module):
+            continue
+        found += [name for name, m in model.named_modules() if m is module and name]
+    return found
 
 
 def _container_children(module: nn.Module, prefix: str) -> list[str]:
