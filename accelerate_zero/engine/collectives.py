@@ -12,6 +12,13 @@ of its own chunk, which `wait()` adds up in rank order. Each rank sends N*(W-1)/
 all-to-all runs on gloo's own threads, so an asynchronous reduce-scatter lets backward go on while it moves
 (an earlier ring needed a Python step after each hop, which blocked backward). The received chunks are a
 full-size temporary that lives until `wait()`; the engine keeps at most two reductions in flight.
+
+[Note: all-gather on gloo]
+gloo's all-gather writes into a full-size temporary of its own and copies it into the output afterwards: a fresh
+block per call (page faults in host memory) and a second pass over the result. We run it as W broadcasts instead,
+rank r's slice sent from rank r straight into slice r of the output on every rank: nothing temporary, and each rank
+sends its slice to the W-1 others, N*(W-1)/W bytes as in a ring. bench/gloo_collectives.py at W = 2 on 41 MB: 92 ms
+for the all-gather, 31 ms for the broadcasts. They are issued together; `wait()` waits for all of them.
 """
 
 from __future__ import annotations
@@ -155,7 +162,33 @@ def all_gather(
             output.copy_(input)
         return Pending(None)
     stats.record("all_gather", _nbytes(output), (dp.world_size - 1) / dp.world_size)
+    if dp.backend == "gloo":
+        pending = _broadcast_all_gather(output, input, dp)
+        if not async_op:
+            pending.wait()
+            return Pending(None)
+        return pending
     return Pending(_all_gather_single(output, input, group=dp.group, async_op=async_op))
+
+
+def _broadcast_all_gather(output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup) -> Pending:
+    """[Note: all-gather on gloo]: every rank's slice broadcast in place into `output`, asynchronously."""
+    assert output.numel() == input.numel() * dp.world_size and output.dtype == input.dtype, "all_gather: shapes"
+    slices = output.view(dp.world_size, -1)
+    if slices[dp.rank].data_ptr() != input.data_ptr():
+        slices[dp.rank].copy_(input)
+    works = [
+        dist.broadcast(
+            slices[r], src=r if dp.group is None else dist.get_global_rank(dp.group, r), group=dp.group, async_op=True
+        )
+        for r in range(dp.world_size)
+    ]
+
+    def finish() -> None:
+        for work in works:
+            work.wait()
+
+    return Pending(None, finish)
 
 
 def broadcast(

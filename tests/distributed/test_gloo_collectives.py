@@ -1,0 +1,60 @@
+"""The engine's collectives on gloo, where it runs its own algorithms ([Note: reduce-scatter on gloo], [Note:
+all-gather on gloo] in engine/collectives.py): results equal the definition at 2 and 3 ranks, in place or not,
+synchronous or not, and the bytes recorded are the ring convention's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+
+
+SHARD = 37  # odd, so slices do not line up with anything
+
+
+def _checks(rank: int, world_size: int) -> dict[str, Any]:
+    from accelerate_zero.engine import collectives
+    from accelerate_zero.engine.collectives import CommStats
+    from accelerate_zero.engine.groups import init_data_parallel_group
+
+    dp = init_data_parallel_group(torch.device("cpu"))
+    assert dp.backend == "gloo"
+    everyone = [torch.arange(SHARD, dtype=torch.float32) + 1000 * r for r in range(world_size)]
+    expected_gather = torch.cat(everyone)
+    partial = [torch.linspace(-1, 1, SHARD * world_size) * (r + 1) for r in range(world_size)]
+    expected_sum = sum(partial)
+    out: dict[str, Any] = {}
+    for async_op in (False, True):
+        for in_place in (False, True):
+            stats = CommStats()
+            full = torch.full((SHARD * world_size,), float("nan"))
+            source = full[rank * SHARD : (rank + 1) * SHARD] if in_place else everyone[rank].clone()
+            if in_place:
+                source.copy_(everyone[rank])
+            pending = collectives.all_gather(full, source, dp, stats, async_op=async_op)
+            pending.wait()
+            gathered = torch.equal(full, expected_gather)
+            buffer = partial[rank].clone()
+            shard = buffer[rank * SHARD : (rank + 1) * SHARD] if in_place else torch.empty(SHARD)
+            collectives.reduce_scatter(shard, buffer, dp, stats, async_op=async_op).wait()
+            reduced = (shard - expected_sum[rank * SHARD : (rank + 1) * SHARD]).abs().max().item()
+            counts = stats.as_dict()
+            key = f"{'async' if async_op else 'sync'}-{'in_place' if in_place else 'copy'}"
+            out[key] = {"gathered": gathered, "reduced": reduced, "counts": counts}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gloo_all_gather_and_reduce_scatter_equal_their_definitions(world_size: int) -> None:
+    ring = (world_size - 1) / world_size
+    for r in run_distributed(_checks, world_size):
+        for key, result in r.items():
+            assert result["gathered"], key
+            assert result["reduced"] < 1e-6, (key, result["reduced"])
+            full_bytes = 4 * SHARD * world_size
+            assert result["counts"]["all_gather"]["bytes_per_rank"] == pytest.approx(full_bytes * ring), key
+            assert result["counts"]["reduce_scatter"]["bytes_per_rank"] == pytest.approx(full_bytes * ring), key
