@@ -31,8 +31,13 @@ def _entries(tied: bool) -> dict[str, list[str]]:
 
 def test_root_parameters_are_gathered_by_the_modules_owning_them() -> None:
     entries = _entries(tied=False)
-    for name in ("model", "model.embed_tokens", "model.norm", "lm_head"):
+    for name in ("model", "model.norm"):
         assert entries[name] == ["<root>"], (name, entries.get(name))
+    # untied embeddings and LM head are units of their own: their unit hooks gather them
+    assert "model.embed_tokens" not in entries and "lm_head" not in entries
+    tied = _entries(tied=True)
+    for name in ("model", "model.embed_tokens", "model.norm", "lm_head"):
+        assert tied[name] == ["<root>"], (name, tied.get(name))
 
 
 def test_a_tied_head_needs_the_root_unit_too() -> None:
