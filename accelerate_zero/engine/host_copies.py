@@ -20,9 +20,8 @@ copy per bucket per step).
 When the compute device is the CPU, "host memory" and "device memory" are the same memory: a reduced gradient slice
 bound for the host can be scaled and added where it lands in one pass (`fold_into_host`), as a device-resident
 gradient is, instead of scaled in place, copied, staged and added (three to four passes over the slice).
-`host_is_device` says which path a caller takes;
-a test double modelling a device with memory of its own (tests/distributed/test_host_copies.py) says False, so the
-asynchronous path and its rules stay exercised on CPU.
+`host_is_device` says which path a caller takes; a test double modelling a device with memory of its own
+(tests/distributed/test_host_copies.py) says False, so the asynchronous path and its rules stay exercised on CPU.
 """
 
 from __future__ import annotations

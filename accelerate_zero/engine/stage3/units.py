@@ -71,8 +71,7 @@ def find_unit_modules(
         extra_leaf: `zero_optimization.leaf_module` class names and module names that must be fetched as one
             unit (MoE blocks); they become units unless a unit already contains them.
     """
-    no_split = getattr(model, "_no_split_modules", None)
-    wanted = unit_classes if unit_classes is not None else no_split
+    wanted = unit_classes if unit_classes is not None else getattr(model, "_no_split_modules", None)
     if wanted:
         names = {c if isinstance(c, str) else c.__name__ for c in wanted}
         found = [name for name, module in model.named_modules() if name and type(module).__name__ in names]
