@@ -85,7 +85,7 @@ def config_path(stage: int) -> Path:
     raise FileNotFoundError(f"ds_config_zero{stage}.json is in none of {[str(d) for d in CONFIG_DIRS]}")
 
 
-def system_config(system: str, offload: str) -> tuple[dict[str, Any] | None, list[str]]:
+def system_config(system: str, offload: str, prefetch: str = "as_written") -> tuple[dict[str, Any] | None, list[str]]:
     """The DeepSpeed config a system trains with (None for DDP) and the changes made to the file, in words."""
     if system == "ddp":
         return None, []
@@ -112,6 +112,12 @@ def system_config(system: str, offload: str) -> tuple[dict[str, Any] | None, lis
         config.update(dict.fromkeys(added, "auto"))
         if added:
             changes.append(f'added {", ".join(added)}: "auto" (DeepSpeed needs them; accelerate_zero fills them)')
+    if prefetch == "auto" and stage == 3 and zero.get("stage3_prefetch_bucket_size") != "auto":
+        # zero3 writes 0 (prefetching off); "auto" is what transformers' documented configs write (0.9 x hidden^2).
+        changes.append(
+            f'zero_optimization.stage3_prefetch_bucket_size {zero.get("stage3_prefetch_bucket_size")} -> "auto" (--prefetch auto)'
+        )
+        zero["stage3_prefetch_bucket_size"] = "auto"
     if offload == "none":
         for key in ("offload_optimizer", "offload_param"):
             if zero.pop(key, None) is not None:
@@ -185,7 +191,7 @@ def worker(system: str, args: argparse.Namespace) -> None:
         "dataloader_num_workers": 0,
         "seed": 0,
     }
-    config, _ = system_config(system, args.offload)
+    config, _ = system_config(system, args.offload, args.prefetch)
     if system.startswith("az"):
         from accelerate_zero import Trainer, TrainingArguments
 
@@ -291,6 +297,7 @@ def launch(system: str, args: argparse.Namespace, out: Path, code: Path) -> list
         f"--accumulation={args.accumulation}",
         f"--world_size={args.world_size}",
         f"--offload={args.offload}",
+        f"--prefetch={args.prefetch}",
         *(["--profile"] if args.profile else []),
     ]
     log = out.with_suffix(".log")
@@ -370,7 +377,7 @@ def header(meta: dict[str, Any]) -> str:
         f"Trainer, {a['world_size']} ranks, LlamaForCausalLM {meta['params'] / 1e6:.1f}M params (hidden {HIDDEN}, "
         f"{a['layers']} layers, vocab {VOCAB}), fp32, micro-batch {a['micro']}, accumulation {a['accumulation']}, "
         f"seq {SEQ}; {a['rounds']} rounds x {a['steps']} timed steps after {a['warmup']} warm-up; offload "
-        f"{a['offload']}; {meta['start_utc']} to {meta['end_utc']} UTC ({meta['seconds'] / 60:.1f} min); "
+        f"{a['offload']}; prefetch {a.get('prefetch', 'as_written')}; {meta['start_utc']} to {meta['end_utc']} UTC ({meta['seconds'] / 60:.1f} min); "
         f"load average (1 min) {min(loads):.2f}-{max(loads):.2f}; code: {meta['code']}"
     )
 
@@ -409,6 +416,12 @@ def main() -> None:
     parser.add_argument("--world_size", type=int, default=2)
     parser.add_argument("--offload", choices=["as_written", "none"], default="as_written")
     parser.add_argument(
+        "--prefetch",
+        choices=["as_written", "auto"],
+        default="as_written",
+        help="stage 3: zero3's stage3_prefetch_bucket_size (0: off) or \"auto\" (0.9 x hidden^2, as transformers' docs)",
+    )
+    parser.add_argument(
         "--code",
         default="tree",
         help="accelerate_zero from the working tree (tree), or from a `git archive` of HEAD (head: for a tree others "
@@ -437,7 +450,7 @@ def main() -> None:
     started = time.perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="trainer_bench_"))
     code, code_text = code_tree(args, folder)
-    configs = {s: system_config(s, args.offload)[1] for s in args.systems if s != "ddp"}
+    configs = {s: system_config(s, args.offload, args.prefetch)[1] for s in args.systems if s != "ddp"}
     runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in args.systems}
     notes: dict[str, str] = {}
     loads = [os.getloadavg()[0]]
@@ -477,7 +490,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "params": params,
         "configs": configs,
-        "config_used": {s: system_config(s, args.offload)[0] for s in args.systems if s != "ddp"},
+        "config_used": {s: system_config(s, args.offload, args.prefetch)[0] for s in args.systems if s != "ddp"},
         "versions": {s: copy.deepcopy(r[0][0].get("modules", {})) for s, r in runs.items() if r},
     }
     payload = {"meta": meta, "runs": runs, "summary": summary, "notes": notes}
