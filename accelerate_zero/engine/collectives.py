@@ -87,6 +87,14 @@ class Pending(NamedTuple):
             self.finish()
 
 
+def _done_unless_async(pending: Pending, async_op: bool) -> Pending:
+    """Our own algorithms always start asynchronously: a synchronous call completes here."""
+    if async_op:
+        return pending
+    pending.wait()
+    return Pending(None)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -131,10 +139,7 @@ def reduce_scatter(
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
         stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
         pending = _all_to_all_reduce_scatter(output, input, dp, scratch or ScratchBuffers(input.device, reuse=False))
-        if not async_op:
-            pending.wait()
-            return Pending(None)
-        return pending
+        return _done_unless_async(pending, async_op)
     stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
 
@@ -163,11 +168,7 @@ def all_gather(
         return Pending(None)
     stats.record("all_gather", _nbytes(output), (dp.world_size - 1) / dp.world_size)
     if dp.backend == "gloo":
-        pending = _broadcast_all_gather(output, input, dp)
-        if not async_op:
-            pending.wait()
-            return Pending(None)
-        return pending
+        return _done_unless_async(_broadcast_all_gather(output, input, dp), async_op)
     return Pending(_all_gather_single(output, input, group=dp.group, async_op=async_op))
 
 

@@ -30,15 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-
-def fold_into(destination: torch.Tensor, source: torch.Tensor, scale: float, fresh: bool) -> None:
-    """`destination` = `source * scale` (`fresh`) or `destination += source * scale`, one pass over memory."""
-    if not fresh:
-        destination.add_(source, alpha=scale)
-    elif scale != 1.0:
-        torch.mul(source, scale, out=destination)
-    else:
-        destination.copy_(source)
+from accelerate_zero.engine.kept_grads import fold_into
 
 
 class CopyDone:

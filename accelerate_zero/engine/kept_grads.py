@@ -18,8 +18,18 @@ from typing import Protocol
 
 import torch
 
-from accelerate_zero.engine.host_copies import fold_into
 from accelerate_zero.engine.norms import sum_of_squares
+
+
+def fold_into(destination: torch.Tensor, source: torch.Tensor, scale: float, fresh: bool) -> None:
+    """`destination` = `source * scale` (`fresh`) or `destination += source * scale`, one pass over memory
+    (how a home on the device, or in host memory on a CPU device, adds a reduction)."""
+    if not fresh:
+        destination.add_(source, alpha=scale)
+    elif scale != 1.0:
+        torch.mul(source, scale, out=destination)
+    else:
+        destination.copy_(source)
 
 
 class KeptGradient(Protocol):

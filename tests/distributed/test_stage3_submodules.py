@@ -37,7 +37,10 @@ def _batches() -> list[list[torch.Tensor]]:
 
 
 def _head_loss(model: torch.nn.Module, tokens: torch.Tensor, head: str) -> torch.Tensor:
-    """A reward-model style loss on `model.model(...)`: the LM head called on its own, or a head of the user's."""
+    """A reward-model style loss on `model.model(...)`: the LM head called on its own, or a head of the user's; or
+    the model's own language-modelling loss ("model")."""
+    if head == "model":
+        return model(input_ids=tokens, labels=tokens).loss
     hidden = model.model(input_ids=tokens).last_hidden_state
     if head == "lm_head":
         return model.lm_head(hidden[:, -1]).logsumexp(-1).mean()
@@ -126,14 +129,7 @@ def _embedding_units(rank: int, tied: bool) -> dict[str, Any]:
     import accelerate_zero
 
     batches = _batches()
-    reference = _llama(tied)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in batches:
-        for tokens in step:
-            (reference(input_ids=tokens, labels=tokens).loss / GRAD_ACCUM).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+    reference = _reference(tied, "model", batches)
     model = _llama(tied)
     config = {"gradient_accumulation_steps": GRAD_ACCUM, "gradient_clipping": 1.0, "zero_optimization": ZERO3}
     engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
@@ -142,7 +138,7 @@ def _embedding_units(rank: int, tied: bool) -> dict[str, Any]:
         for tokens in step:
             mine = tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH]
             before = (engine.scheduler.gathers_on_demand, engine.scheduler.gathers_prefetched)
-            loss = engine(input_ids=mine, labels=mine).loss
+            loss = _head_loss(model, mine, "model")
             forwards.append(
                 (engine.scheduler.gathers_on_demand - before[0], engine.scheduler.gathers_prefetched - before[1])
             )
