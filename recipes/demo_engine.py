@@ -69,7 +69,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         losses = []
         for _ in range(GRAD_ACCUM):
-            tokens, labels = make_batch(gen)
+            tokens, labels = (t.to(engine.device) for t in make_batch(gen))
             loss = engine(input_ids=tokens, labels=labels).loss
             engine.backward(loss)
             engine.step()

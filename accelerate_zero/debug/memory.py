@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
     from accelerate_zero.engine.stage3.param_unit import ParamUnit
     from accelerate_zero.engine.stores import ShardStore
+    from accelerate_zero.offload.host_memory import HostMemory
     from accelerate_zero.offload.policy import OffloadPolicy
 
 
@@ -32,26 +33,36 @@ class EngineState(Protocol):
     host_staging: HostStaging | None
     grad_store: Any
     shard_store: ShardStore
+    host_memory: HostMemory
 
 
-def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]], chunks: Iterable[torch.Tensor] = ()) -> dict[str, int]:
     """Sums the bytes of the distinct storages behind the tensors of each kind.
 
     A storage shared by several tensors (views, tied weights, fp32 master shards that are views of the
-    parameters) is counted once, under the first kind that names it, so the kinds add up to `total`.
+    parameters) is counted once, under the first kind that names it, so the kinds add up to `total`. A tensor cut
+    from one of `chunks` (host memory's pinned chunks, offload/host_memory.py) counts its own bytes, not its
+    chunk's: the chunk holds the buffers of every kind.
 
     Args:
         kinds: kind name -> tensors, in priority order.
+        chunks: storages that buffers are cut from.
 
     Returns:
         Bytes per kind, plus "total".
     """
+    chunk_storages = {chunk.untyped_storage().data_ptr() for chunk in chunks}
     seen: set[tuple[str, int]] = set()
+    spans: list[tuple[int, int]] = []  # byte ranges of chunk buffers counted so far
     out: dict[str, int] = {}
     for kind, tensors in kinds.items():
         total = 0
         for tensor in tensors:
             storage = tensor.untyped_storage()
+            if storage.data_ptr() in chunk_storages:
+                start = tensor.data_ptr()
+                total += _uncounted(spans, start, start + tensor.numel() * tensor.element_size())
+                continue
             key = (str(tensor.device), storage.data_ptr())
             if key in seen or storage.nbytes() == 0:
                 continue
@@ -60,6 +71,21 @@ def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]
         out[kind] = total
     out["total"] = sum(out.values())
     return out
+
+
+def _uncounted(spans: list[tuple[int, int]], start: int, end: int) -> int:
+    """The bytes of [start, end) that no span in `spans` (disjoint) covers; adds those pieces to `spans`."""
+    pieces = [(start, end)]
+    for lo, hi in spans:
+        remaining = []
+        for a, b in pieces:
+            if hi <= a or b <= lo:
+                remaining.append((a, b))
+                continue
+            remaining += [piece for piece in ((a, lo), (hi, b)) if piece[0] < piece[1]]
+        pieces = remaining
+    spans += pieces
+    return sum(b - a for a, b in pieces)
 
 
 def engine_memory(engine: EngineState) -> dict[str, int]:
@@ -92,7 +118,7 @@ def engine_memory(engine: EngineState) -> dict[str, int]:
         "communication_buffers": engine.reducer.transient_tensors(),
     }
     out = bytes_by_kind(device)
-    host_bytes = bytes_by_kind(host)
+    host_bytes = bytes_by_kind(host, engine.host_memory.chunks)
     host_bytes["host_total"] = host_bytes.pop("total")
     out.update(host_bytes)
     out["nvme_bytes"] = engine.sharded_optimizer.step_runner.file_bytes() + engine.shard_store.file_bytes()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,9 +45,10 @@ from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 from accelerate_zero.offload.host_memory import HostMemory
+from accelerate_zero.offload.host_threads import HostThreads, threads_for_rank
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
-from accelerate_zero.offload.nvme_params import NvmeParamStore, choose_swapped
+from accelerate_zero.offload.nvme_params import NvmeParamStore
 from accelerate_zero.offload.policy import OffloadPolicy, offload_masters, offload_policy, use_fused_cpu_step
 from accelerate_zero.optim.fused import prefer_fused_step
 
@@ -123,6 +123,7 @@ class _Assembly:
                 dp.rank,
                 buffer_count=params.buffer_count,
                 buffer_size=params.buffer_size,
+                max_in_cpu=params.max_in_cpu,
                 # page-locked buffers only help (and only exist) when an accelerator copies from them
                 pin_memory=params.pin_memory and device.type != "cpu",
             )
@@ -156,6 +157,10 @@ class _Assembly:
         else:
             buckets, locations, slices, on_complete = self._build_flat_groups(trainable, dtypes, zero)
         if self.offload.optimizer:
+            # [Note: no device masters under optimizer offload]
+            # The fp32 masters live in host memory only: the slices were cut with the parameters as their masters
+            # (no fp32 copy of the shard on the device, 4 bytes per parameter / W that would only be copied out and
+            # dropped), and here each gets its host master, cast from the parameters one slice at a time.
             slices = offload_masters(slices, self.offload, self._slice_values, self.host_memory)
             use_fused_cpu_step(optimizer, config.zero_force_ds_cpu_optimizer)
         else:
@@ -210,6 +215,7 @@ class _Assembly:
                 contiguous_gradients=zero.contiguous_gradients,
                 kept_for=self._kept_for,
                 scratch=self.scratch,
+                fp32_master=not self.offload.optimizer,  # [Note: no device masters under optimizer offload]
             )
             for params in trainable
         ]
@@ -255,17 +261,12 @@ class _Assembly:
             shard_store=self.shard_store,
             kept_for=self._kept_for,
             scratch=self.scratch,
+            fp32_masters=not self.offload.optimizer,  # [Note: no device masters under optimizer offload]
         )
         self.groups, self.units = parts.persistent_groups, parts.units
         slices = parts.slices_by_group
         if isinstance(self.shard_store, NvmeParamStore):  # first: the masters read swapped shards from files
-            slices = self._swap_shards(slices, parts.spilled)
-        elif parts.spilled:
-            raise ValueError(
-                "the model was loaded by accelerate_zero.from_pretrained with NVMe parameter offload that this "
-                "engine's config does not match (offload_param.device, max_in_cpu or the unit layout): pass "
-                "initialize the same config as from_pretrained"
-            )
+            slices = self._own_masters(slices)
         self.scheduler = scheduler = UnitScheduler(
             parts.units,
             parts.root,
@@ -286,33 +287,24 @@ class _Assembly:
         self.state_dict_guard = PlaceholderStateDictGuard()
         self.hooks.append(self.module.register_state_dict_post_hook(self.state_dict_guard))
 
+        unit_of_bucket = parts.unit_of_bucket  # not `parts`: the hook would keep its first slices alive
+
         def on_complete(index: int) -> None:
-            unit = parts.unit_of_bucket.get(index)
+            unit = unit_of_bucket.get(index)
             if unit is not None:
                 scheduler.post_backward(unit)
 
         return parts.buckets, parts.locations, slices, on_complete
 
-    def _swap_shards(self, slices: list[list[ShardSlice]], spilled: dict[int, Path]) -> list[list[ShardSlice]]:
-        """offload_param nvme: moves unit shards into files (adopting those partitioned loading already wrote);
-        returns the slices, none stepping a swapped shard."""
+    def _own_masters(self, slices: list[list[ShardSlice]]) -> list[list[ShardSlice]]:
+        """offload_param nvme: the slices of shards now in files get fp32 masters of their own, read from the files
+        (the shard they were cut from is an empty placeholder; under optimizer offload every master is replaced by
+        a host or NVMe one anyway)."""
         store = self.shard_store
-        assert isinstance(store, NvmeParamStore)
-        swapped = choose_swapped(self.units, self.config.zero_optimization.offload_param.max_in_cpu)
-        store.take(swapped, spilled)
-        if not set(spilled) <= set(store.shards):
-            raise ValueError(
-                "the model was loaded by accelerate_zero.from_pretrained with NVMe parameter offload that this "
-                "engine's config does not match (offload_param.device, max_in_cpu or the unit layout): pass "
-                "initialize the same config as from_pretrained"
-            )
-        in_files = {id(unit.bucket) for unit, flat in swapped if flat is unit.trainable}
 
         def own_master(s: ShardSlice) -> ShardSlice:
-            # An fp32 master that was the shard itself went to the file with it: the optimizer gets a copy (under
-            # optimizer offload every master is replaced by a host or NVMe one anyway).
-            if s.aliased and id(s.bucket) in in_files and not self.offload.optimizer:
-                return ShardSlice(s.bucket, s.start, s.end, self._slice_values(s).clone(), s.params)
+            if store.holds(s) and not self.offload.optimizer:
+                return ShardSlice(s.bucket, s.start, s.end, store.read_slice(s).to(torch.float32, copy=True), s.params)
             return s
 
         return [[own_master(s) for s in group] for group in slices]
@@ -418,4 +410,9 @@ class _Assembly:
             copies=self.host_copies,
             step_runner=step_runner,
             shard_store=self.shard_store,
+            host_threads=self._host_threads(),
         )
+
+    def _host_threads(self) -> HostThreads | None:
+        """[Note: threads for host work] in offload/host_threads.py: only an offloaded step beside a GPU."""
+        return HostThreads(threads_for_rank()) if self.offload.optimizer and self.device.type != "cpu" else None

@@ -374,6 +374,9 @@ class ZeroEngine:
         Returns:
             (the checkpoint folder, the client_state saved with it).
         """
+        # The load writes host shards and masters in place: no copy in flight may still read them
+        # ([Note: asynchronous host copies], rule 3).
+        self.host_copies.drain()
         client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         return str(resolve_tag(Path(load_dir), tag)), client_state
 

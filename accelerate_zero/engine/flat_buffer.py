@@ -73,9 +73,11 @@ def build_group_shard(
     contiguous_gradients: bool,
     kept_for: KeptFor | None = None,
     scratch: ScratchBuffers | None = None,
+    fp32_master: bool = True,
 ) -> GroupShard:
     """Flattens one param group and creates its buckets (their temporaries from `scratch`) and fp32 master
-    shard."""
+    shard. `fp32_master` False: no master on the device (under optimizer offload the policy makes them in host
+    memory; [Note: no device masters under optimizer offload] in engine/assemble.py)."""
     param_buffer = flatten_params(params, plan, compute_dtype, device)
     grad_storage = None
     if contiguous_gradients:
@@ -95,7 +97,7 @@ def build_group_shard(
         param_buffer=param_buffer,
         buckets=buckets,
         master=[],
-        master_aliases_params=compute_dtype == torch.float32,
+        master_aliases_params=compute_dtype == torch.float32 or not fp32_master,
     )
     shard.master = _make_master(shard)
     return shard

@@ -42,7 +42,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     """The device this rank computes on, bound as the current CUDA device.
 
     None picks the local CUDA device when there is one (else the CPU); "cuda" without an index means the local
-    one (`LOCAL_RANK`), as launchers start one process per device. Binding matters when the engine creates the
+    one (`LOCAL_RANK`), as launchers start one process per device, or the only one this process sees. Binding matters when the engine creates the
     process group itself (plain `torchrun`): without it every rank's NCCL collectives and barriers run on cuda:0.
 
     Raises:
@@ -56,7 +56,11 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     if device.index is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         visible = torch.cuda.device_count()
-        if local_rank >= visible:
+        if visible == 1:
+            # One device visible: it is this process's own, whatever its local rank (SLURM's --gpus-per-task=1,
+            # or a launcher that sets CUDA_VISIBLE_DEVICES per rank, shows each task only its GPU as device 0).
+            local_rank = 0
+        elif local_rank >= visible:
             raise ValueError(
                 f"LOCAL_RANK={local_rank} but this process sees {visible} CUDA device(s) "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): start at most "

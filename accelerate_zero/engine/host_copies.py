@@ -57,6 +57,7 @@ class HostCopies:
         self.device = device
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_on_current: torch.cuda.Event | None = None
+        self._side_used = False  # a copy was issued on the side stream since the last drain()
         self.copies = 0
         self.bytes = 0
 
@@ -87,6 +88,7 @@ class HostCopies:
             return CopyDone()
         produced = torch.cuda.current_stream(self.device).record_event()
         self._side.wait_event(produced)
+        self._side_used = True
         with torch.cuda.stream(self._side):
             destination.copy_(source, non_blocking=True)
         source.record_stream(self._side)
@@ -100,6 +102,7 @@ class HostCopies:
         self._count(source)
         if self._side is None:
             return source.to(self.device), CopyDone()
+        self._side_used = True
         with torch.cuda.stream(self._side):
             copied = source.to(self.device, non_blocking=True)
             done = self._side.record_event()
@@ -132,9 +135,12 @@ class HostCopies:
             return lambda: source.cpu()
         produced = torch.cuda.current_stream(self.device).record_event()
         side = self._side
+        self._side_used = True
 
         def fetch() -> torch.Tensor:
-            with torch.cuda.stream(side):  # the worker's current stream
+            # A new thread's current device is cuda:0: entering the stream alone would first query that device's
+            # stream, creating a context on GPU 0 for every rank (refused outright on exclusive-mode GPUs).
+            with torch.cuda.device(side.device), torch.cuda.stream(side):  # the worker's current stream
                 side.wait_event(produced)
                 return source.cpu()
 
@@ -142,8 +148,9 @@ class HostCopies:
 
     def drain(self) -> None:
         """Waits for every copy issued so far (host buffers they read or write are then free to touch)."""
-        if self._side is not None:
+        if self._side is not None and self._side_used:  # an idle stream needs no wait (a host sync per step)
             self._side.synchronize()
+            self._side_used = False
         if self._last_on_current is not None:
             self._last_on_current.synchronize()
             self._last_on_current = None

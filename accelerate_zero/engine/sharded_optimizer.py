@@ -6,8 +6,10 @@ accelerate does for FSDP2), so its class, hyperparameters, groups, and any LR sc
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,7 @@ class ShardedOptimizer:
         copies: HostCopies | None = None,
         step_runner: StepRunner | None = None,
         shard_store: ShardStore | None = None,
+        host_threads: AbstractContextManager | None = None,
     ) -> None:
         """
         Args:
@@ -64,6 +67,7 @@ class ShardedOptimizer:
             step_runner: how the step reaches masters and state ([Note: offload is a store, not a flag] in
                 engine/stores.py); default: all in memory.
             shard_store: where stage-3 shards live; slices it `holds` are read and written through it.
+            host_threads: entered around the step (offload/host_threads.py: the rank's cores for host work).
         """
         self.optimizer, self.slices_by_group, self.dp, self.stats = optimizer, slices_by_group, dp, stats
         self.sharded, self.gradient_clipping = sharded, gradient_clipping
@@ -75,6 +79,7 @@ class ShardedOptimizer:
         self.step_runner = step_runner if step_runner is not None else StepsInMemory(self.slices)
         self.shard_store = shard_store if shard_store is not None else ShardsInMemory()
         self.buckets = list({id(s.bucket): s.bucket for s in self.slices}.values())
+        self.host_threads = host_threads if host_threads is not None else contextlib.nullcontext()
 
     def switch_param_groups(self) -> None:
         """Points the optimizer's param groups at the master slices."""
@@ -94,6 +99,10 @@ class ShardedOptimizer:
     # -------------------------------------------------------------------- step
     def step(self) -> StepOutcome:
         """Clips, unscales and steps the shard, copies it into the 16-bit parameters and publishes them."""
+        with self.host_threads:
+            return self._step()
+
+    def _step(self) -> StepOutcome:
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # Masters and offloaded shards are written below: no copy may still be reading them (engine/host_copies.py).
         self.copies.drain()

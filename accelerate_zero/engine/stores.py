@@ -21,12 +21,21 @@ import torch
 
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from accelerate_zero.engine.shard_slice import ShardSlice
     from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
+    from accelerate_zero.engine.stage3.param_unit import ParamUnit
 
 
 class ShardStore(Protocol):
     """Where the shards of stage-3 units live between gathers."""
+
+    def place(self, units: list[ParamUnit], spilled: dict[int, Path]) -> None:
+        """Once, when the units are built: takes the shards this store keeps outside memory ([Note: where an
+        offloaded shard settles] in engine/stage3/build.py). `spilled`: id(flat) -> the file partitioned loading
+        already wrote that flat's shard to."""
+        ...
 
     def swapped(self, flat: FlatUnitBuffer) -> bool:
         """The shard lives outside memory: `acquire` reads it and `release` must follow its gather."""
@@ -71,6 +80,9 @@ class ShardStore(Protocol):
 
 class ShardsInMemory:
     """A `ShardStore` for shards that never leave memory (device or host: `flat.shard` is where they are)."""
+
+    def place(self, units: list[ParamUnit], spilled: dict[int, Path]) -> None:
+        pass
 
     def swapped(self, flat: FlatUnitBuffer) -> bool:
         return False

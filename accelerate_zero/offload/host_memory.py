@@ -27,7 +27,25 @@ _ALIGN_BYTES = 64  # every buffer starts on a 64-byte boundary (any dtype, vecto
 
 
 def _cuda_register(pointer: int, size: int) -> bool:
-    return int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0)) == 0
+    if int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0)) == 0:
+        return True
+    _clear_cuda_error()
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """Consumes the CUDA runtime's last error. A refused cudaHostRegister leaves its error behind, and torch checks
+    `cudaGetLastError()` after every kernel launch: the next unrelated kernel would fail with it. torch does not
+    bind cudaGetLastError, so it is called in the CUDA runtime torch already loaded."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+    except OSError:  # not Linux: nothing to find it by
+        return
+    for path in sorted(paths):
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 def _cuda_unregister(pointer: int) -> None:
@@ -93,3 +111,22 @@ class HostMemory:
             self._unregister(chunk.data_ptr())
         self.chunks.clear()
         self._used = 0
+
+
+def _pretend_registered(pointer: int, size: int) -> bool:
+    return True
+
+
+def _pretend_unregistered(pointer: int) -> None:
+    pass
+
+
+class ChunkedHostMemory(HostMemory):
+    """The pinned layout without a GPU: buffers cut from shared chunks on a CPU-only machine, nothing page-locked.
+
+    The engine takes `HostMemory(pin=False)` on the CPU, where every buffer is a tensor of its own; on a GPU its
+    buffers share chunks, and what that forbids (freeing one buffer's storage frees the chunk under all the others)
+    would only show there. Tests build the engine with this class so that CPU runs obey the GPU's rules."""
+
+    def __init__(self, pin: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
+        super().__init__(True, chunk_bytes, register=_pretend_registered, unregister=_pretend_unregistered)

@@ -8,8 +8,8 @@ the bound below holds however many units the scheduler prefetches), or while a r
 optimizer step never reads it: every element of a trainable shard is some slice's master, cast to the compute
 dtype and written into the file at its offset (write-behind threads, drained before the next read). A swapped
 flat's `shard` is an empty placeholder at rest and a freshly allocated buffer (pinned where the device has pinned
-memory) while read; the views the optimizer slices took of the original shard are never used again (their
-storage is freed at start), since every write and read of a swapped shard goes through this store.
+memory) while read; the optimizer's slices of a swapped shard are cut from that placeholder (their fp32 masters
+are read from the file), since every write and read of a swapped shard goes through this store.
 
 DeepSpeed's keys, as DeepSpeed documents them:
 - `max_in_cpu`: the first `max_in_cpu` shard elements (units in model order) stay in host memory for good; only
@@ -61,11 +61,19 @@ def swapped_flags(shard_numels: list[int], max_in_cpu: int) -> list[bool]:
 
 
 def spill_shard(flat: FlatUnitBuffer, path: Path) -> None:
-    """Writes `flat.shard` to `path`, frees its memory (also what views of it held) and leaves an empty placeholder."""
+    """Writes `flat.shard` (on any device) to `path`, frees its memory (also what views of it held) and leaves an
+    empty placeholder.
+
+    The shard must own its storage: a buffer cut from a shared host chunk cannot be freed alone ([Note: where an
+    offloaded shard settles] in engine/stage3/build.py)."""
+    shard = flat.shard
+    storage = shard.untyped_storage()
+    owned = shard.storage_offset() == 0 and storage.nbytes() == shard.numel() * shard.element_size()
+    assert owned, f"{flat!r}: its shard shares storage ({storage.nbytes()} bytes) with other tensors: cannot spill it"
     with open(path, "wb") as file:
-        file.write(tensor_bytes(flat.shard.clone()))  # numpy views make a storage unresizable
-    flat.shard.untyped_storage().resize_(0)
-    flat.shard = flat.shard.new_empty(0)
+        file.write(tensor_bytes(shard.detach().to("cpu", copy=True)))  # numpy views make a storage unresizable
+    storage.resize_(0)
+    flat.shard = shard.new_empty(0)
 
 
 @dataclass
@@ -86,8 +94,17 @@ class NvmeParamStore:
 
     Built before the units (they are constructed with it), empty; `take` then moves the chosen shards into files."""
 
-    def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int, pin_memory: bool) -> None:
-        self.nvme_path, self.rank, self.buffer_size = nvme_path, rank, buffer_size
+    def __init__(
+        self,
+        nvme_path: str,
+        rank: int,
+        *,
+        buffer_count: int,
+        buffer_size: int,
+        pin_memory: bool,
+        max_in_cpu: int = 0,
+    ) -> None:
+        self.nvme_path, self.rank, self.buffer_size, self.max_in_cpu = nvme_path, rank, buffer_size, max_in_cpu
         self.buffer_count, self.pin_memory = max(1, buffer_count), pin_memory
         self.folder: Path | None = None
         self.shards: dict[int, SwappedShard] = {}  # id(flat) -> its file
@@ -97,6 +114,10 @@ class NvmeParamStore:
         self.peak_resident = 0
         """Most swapped shards in memory (or in flight to a file) at once."""
         self._finalizer: weakref.finalize | None = None
+
+    def place(self, units: list[ParamUnit], spilled: dict[int, Path]) -> None:
+        """The `ShardStore` contract: every shard beyond `max_in_cpu` elements (in unit order) goes to a file."""
+        self.take(choose_swapped(units, self.max_in_cpu), spilled)
 
     def take(self, swapped: list[tuple[ParamUnit, FlatUnitBuffer]], spilled: dict[int, Path] | None = None) -> None:
         """Checks `buffer_size` and the path, then moves the `swapped` shards into files (once).
@@ -136,7 +157,7 @@ class NvmeParamStore:
             if id(entry.flat) in spilled:
                 os.replace(spilled[id(entry.flat)], entry.path)  # the shard never was in memory
                 continue
-            spill_shard(entry.flat, entry.path)  # the optimizer slices' views of the shard are never used again
+            spill_shard(entry.flat, entry.path)  # the optimizer's slices are cut afterwards, from the placeholder
         self._finalizer = weakref.finalize(self, shutil.rmtree, folder, True)
 
     # ------------------------------------------------------------- gathering

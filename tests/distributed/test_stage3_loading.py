@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import tiny_llama_config
+from tests.helpers.models import tiny_llama_config, train_causal_lm
 
 
 def _llama_class() -> Any:
@@ -119,12 +119,7 @@ def _check_nvme_loading(rank: int, world_size: int, folder: str, nvme_root: str)
 
     tokens = torch.randint(0, 64, (2 * world_size, 10), generator=torch.Generator().manual_seed(0))
     reference = _llama_class().from_pretrained(folder)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=ADAMW_LR)
-    for _ in range(2):
-        reference(input_ids=tokens, labels=tokens).loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
+    train_causal_lm(reference, tokens, ADAMW_LR, ADAMW_STEPS)
     out = {}
     for name, (optimizer_block, max_in_cpu) in NVME_LOADING_CASES.items():
         nvme_path = str(Path(nvme_root) / str(len(out)))
@@ -197,3 +192,44 @@ def test_partitioned_loading_writes_swapped_shards_to_nvme_at_once(tmp_path: Pat
             assert r["held_by_spilled"] == 0 and r["left_after_initialize"] == 0, (name, r)
         kept = results["first units kept in memory"]
         assert kept["spilled_flats"] < kept["flats"] == results["optimizer nvme"]["spilled_flats"]
+
+
+def _bf16_where_shards_live(rank: int, world_size: int, folder: str, nvme_root: str) -> dict[str, Any]:
+    """bf16 with fp32 masters, shards loaded by from_pretrained: in device memory, in host memory, in files."""
+    import accelerate_zero
+
+    tokens = torch.randint(0, 64, (2 * world_size, 10), generator=torch.Generator().manual_seed(0))
+    homes = {
+        "device": None,
+        "host": {"device": "cpu"},
+        "files": {"device": "nvme", "nvme_path": nvme_root, "max_in_cpu": 0},
+    }
+    out = {}
+    for name, offload_param in homes.items():
+        zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        if offload_param is not None:
+            zero["offload_param"] = offload_param
+        config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero}
+        model = accelerate_zero.from_pretrained(_llama_class(), folder, config=config)
+        engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=ADAMW_LR), config=config)
+        masters = sum(s.master.numel() for s in engine.sharded_optimizer.slices)
+        for _ in range(2):
+            mine = tokens[2 * rank : 2 * rank + 2]
+            engine.backward(engine(input_ids=mine, labels=mine).loss)
+            engine.step()
+        with accelerate_zero.GatheredParameters(list(model.parameters())):
+            out[name] = ([p.detach().clone() for p in model.parameters()], masters)
+        engine.destroy()
+    return out
+
+
+def test_bf16_shards_train_the_same_wherever_they_live(tmp_path: Path) -> None:
+    # Under NVMe parameter offload without optimizer offload each fp32 master is read from its shard's file: a
+    # master cut from the (empty) placeholder would have no elements and the weights would never move.
+    folder = tmp_path / "tiny-llama"
+    _save_tiny_llama(folder)
+    for results in run_distributed(_bf16_where_shards_live, 2, str(folder), str(tmp_path / "nvme")):
+        weights, masters = results["device"]
+        for name in ("host", "files"):
+            assert results[name][1] == masters > 0, (name, results[name][1], masters)
+            assert all(torch.equal(a, b) for a, b in zip(weights, results[name][0], strict=True)), name

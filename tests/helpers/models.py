@@ -89,6 +89,16 @@ def train_reference(
     return losses
 
 
+def train_causal_lm(model: nn.Module, tokens: torch.Tensor, lr: float, steps: int) -> None:
+    """One process, the full batch: `steps` AdamW steps of a transformers causal LM on `tokens`, clipped to 1.0."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max(
         (pa.detach().float() - pb.detach().float()).abs().max().item()

@@ -46,3 +46,14 @@ def test_a_local_rank_beyond_the_visible_devices_is_refused(
 def test_the_cpu_is_never_bound(four_gpus: list[torch.device]) -> None:
     assert resolve_device("cpu") == torch.device("cpu")
     assert four_gpus == []
+
+
+def test_the_only_visible_device_is_the_ranks_own(
+    four_gpus: list[torch.device], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SLURM with --gpus-per-task=1 (or a launcher setting CUDA_VISIBLE_DEVICES per rank): local rank 3 sees one GPU.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert resolve_device(None) == torch.device("cuda", 0)
+    assert four_gpus == [torch.device("cuda", 0)]

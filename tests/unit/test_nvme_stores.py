@@ -28,9 +28,10 @@ from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
 from accelerate_zero.engine.stage3.flat_unit import build_flat
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.offload import nvme_params
+from accelerate_zero.offload.host_memory import ChunkedHostMemory
 from accelerate_zero.offload.nvme import NvmeSwapper
 from accelerate_zero.offload.nvme_grads import NvmeGradSlot, NvmeGradStore
-from accelerate_zero.offload.nvme_params import NvmeParamStore, choose_swapped, param_rank_folder
+from accelerate_zero.offload.nvme_params import NvmeParamStore, choose_swapped, param_rank_folder, spill_shard
 
 
 DP = DataParallelGroup(group=None, rank=0, world_size=1)
@@ -411,3 +412,20 @@ def test_the_repr_of_a_sharded_flat_names_its_size_without_touching_freed_storag
     flat = unit.trainable
     assert flat is not None and flat.full.untyped_storage().nbytes() == 0, "the unit is sharded"
     assert repr(flat) == "FlatUnitBuffer(2 params, 24 elements per rank)"
+
+
+def test_a_shard_cut_from_a_shared_host_chunk_is_never_spilled(tmp_path: Path) -> None:
+    (unit, *_) = _units()
+    flat = unit.trainable
+    assert flat is not None
+    memory = ChunkedHostMemory(chunk_bytes=4096)
+    neighbour = memory.zeros(8, torch.float32).fill_(5.0)
+    flat.shard = memory.empty(flat.shard.numel(), flat.shard.dtype).copy_(flat.shard)
+    # Freeing this buffer's storage would free the chunk under `neighbour` (a crash on a GPU's pinned chunks).
+    with pytest.raises(AssertionError, match="shares storage"):
+        spill_shard(flat, tmp_path / "shard.bin")
+    assert torch.equal(neighbour, torch.full((8,), 5.0))
+    own = torch.randn(flat.plan.shard_numel).to(flat.shard.dtype)
+    flat.shard = own.clone()
+    spill_shard(flat, tmp_path / "shard.bin")
+    assert flat.shard.numel() == 0 and torch.equal(_raw(tmp_path / "shard.bin", own.dtype, own.numel()), own)

@@ -43,8 +43,6 @@ class Stage3Parts:
     locations: dict[nn.Parameter, tuple[int, ParamSlot]]
     unit_of_bucket: dict[int, ParamUnit]
     slices_by_group: list[list[ShardSlice]]
-    spilled: dict[int, Path]
-    """id(flat) -> the file partitioned loading wrote its shard to (offload_param nvme; the shard is a placeholder)."""
 
 
 # [Note: stage 3 initialisation, unit by unit]
@@ -72,10 +70,11 @@ def build_stage3(
     shard_store: ShardStore,
     kept_for: KeptFor | None = None,
     scratch: ScratchBuffers | None = None,
+    fp32_masters: bool = True,
 ) -> Stage3Parts:
     """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
     shards every unit, and plans the persistent parameters per optimizer param group. Every gradient bucket takes
-    its temporaries from `scratch`."""
+    its temporaries from `scratch`. `fp32_masters` False: no fp32 masters on the device (optimizer offload)."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
     for param in layout.persistent:
         param.data = param.data.to(device=device, dtype=dtypes.compute)
@@ -114,6 +113,7 @@ def build_stage3(
                 contiguous_gradients=contiguous_gradients,
                 kept_for=kept_for,
                 scratch=scratch,
+                fp32_master=fp32_masters,
             )
         )
     ordered_units = [u for u in reversed(units) if u is not root] + [root]
@@ -136,11 +136,37 @@ def build_stage3(
     spilled = dict(preloaded.spilled) if preloaded is not None else {}
     if preloaded is not None:
         delattr(module, PRELOADED_ATTR)
+    _settle_shards(units, shard_store, spilled, host_memory)
     slices = [group_slices(shard) for shard in persistent_groups]
     for unit in units:
-        for index, unit_group in enumerate(unit_slices(unit, group_of, rank, len(trainable_groups))):
+        for index, unit_group in enumerate(unit_slices(unit, group_of, rank, len(trainable_groups), fp32_masters)):
             slices[index] += unit_group
-    return Stage3Parts(units, root, persistent_groups, buckets, locations, unit_of_bucket, slices, spilled)
+    return Stage3Parts(units, root, persistent_groups, buckets, locations, unit_of_bucket, slices)
+
+
+# [Note: where an offloaded shard settles]
+# Under offload_param each unit's shard ends in host memory or, under NVMe offload, in a file. Host memory for a GPU
+# is page-locked chunks that buffers are cut from ([Note: pinned memory at its size] in offload/host_memory.py), and
+# a buffer cut from a chunk can never be freed alone: freeing its storage frees the whole chunk under every other
+# buffer. So the shards are first private host tensors; the store takes the ones bound for files (writing them and
+# freeing their memory, or moving the file partitioned loading already wrote), and only the shards that stay are
+# copied into the chunks. The optimizer's slices are cut after this, from each shard's final home.
+def _settle_shards(
+    units: list[ParamUnit], shard_store: ShardStore, spilled: dict[int, Path], host_memory: HostMemory | None
+) -> None:
+    shard_store.place(units, spilled)
+    flats = [flat for unit in units for flat in unit.flats]
+    if not {id(flat) for flat in flats if shard_store.swapped(flat)} >= set(spilled):
+        raise ValueError(
+            "the model was loaded by accelerate_zero.from_pretrained with NVMe parameter offload that this "
+            "engine's config does not match (offload_param.device, max_in_cpu or the unit layout): pass "
+            "initialize the same config as from_pretrained"
+        )
+    if host_memory is None:
+        return
+    for flat in flats:
+        if not shard_store.swapped(flat):
+            flat.shard = host_memory.empty(flat.shard.numel(), flat.shard.dtype).copy_(flat.shard)
 
 
 def _place_rest(
@@ -185,8 +211,10 @@ def _build_units(
         flat = adopt(module, params, world_size, rank)
         if flat is None:
             flat = build_flat(params, rank, world_size, dtypes.compute, device, broadcast=broadcast)
-        if host_memory is not None:  # offload_param: the shard lives in host memory, copied in before each gather
-            flat.shard = host_memory.empty(flat.shard.numel(), flat.shard.dtype).copy_(flat.shard)
+        if host_memory is not None and flat.shard.device.type != "cpu":
+            # offload_param: the shard lives in host memory, copied in before each gather. A private copy for now:
+            # [Note: where an offloaded shard settles] (pinned chunks only take the shards that stay).
+            flat.shard = flat.shard.to("cpu", copy=True)
         return flat
 
     units = []

@@ -100,11 +100,14 @@ def from_pretrained(
     members = [[real[id(p)] for p in ps] for ps in meta_members]
     plans = [plan_group([shapes[id(p)] for p in ps], sys.maxsize, dp.world_size).buckets[0] for ps in meta_members]
     spill = _spill_plan(zero, [plan.shard_numel for plan in plans], dp.rank)
+    # Under parameter offload the shards live in host memory: they are read there, never staged on the device.
+    offloaded = zero_opt.offload_param is not None and zero_opt.offload_param.device in ("cpu", "nvme")
+    shard_device = torch.device("cpu") if offloaded else device
     flats, spilled = {}, {}
     for index, (params, plan) in enumerate(zip(members, plans, strict=True)):
         # A reader per unit: its files are unmapped after the unit, so the pages this rank read do not stay
         # resident until the whole model is loaded (they would double the loading peak).
-        flat = _load_flat(params, plan, names, SafetensorsFolder(path), dp.rank, dtype, device)
+        flat = _load_flat(params, plan, names, SafetensorsFolder(path), dp.rank, dtype, device, shard_device)
         flats[tuple(id(p) for p in params)] = flat
         if spill is not None and spill.flags[index]:
             # [Note: partitioned loading under NVMe parameter offload] A shard the engine will keep in a file goes
@@ -152,10 +155,12 @@ def _load_flat(
     rank: int,
     dtype: torch.dtype,
     device: torch.device,
+    shard_device: torch.device,
 ) -> FlatUnitBuffer:
-    """This rank's shard of one unit, read straight from the files (only the rows holding its ranges)."""
+    """This rank's shard of one unit, read straight from the files (only the rows holding its ranges) into
+    `shard_device` (the host under parameter offload); the parameters' full buffer is on the compute `device`."""
     lo, hi = plan.shard_range(rank)
-    shard = torch.zeros(hi - lo, dtype=dtype, device=device)
+    shard = torch.zeros(hi - lo, dtype=dtype, device=shard_device)
     for frag in range_fragments(plan, params, names, lo, hi):
         shard[frag.offset : frag.offset + frag.numel].copy_(files.read_range(frag.name, frag.start, frag.end))
     # The full buffer only provides the parameters' views; its storage is freed at once ([Note: what a parameter

@@ -162,15 +162,17 @@ class ParamUnit:
 
 
 def unit_slices(
-    unit: ParamUnit, group_of: dict[nn.Parameter, int], rank: int, num_groups: int
+    unit: ParamUnit, group_of: dict[nn.Parameter, int], rank: int, num_groups: int, fp32_masters: bool = True
 ) -> list[list[ShardSlice]]:
-    """This rank's runs of the unit's trainable shard, one optimizer tensor per (param group, contiguous run)."""
+    """This rank's runs of the unit's trainable shard, one optimizer tensor per (param group, contiguous run).
+    `fp32_masters` False: the slices' masters are the shard itself, whatever its dtype (the offload policy replaces
+    them with host ones)."""
     out: list[list[ShardSlice]] = [[] for _ in range(num_groups)]
     flat, bucket = unit.trainable, unit.bucket
     if flat is None or bucket is None:
         return out
     lo, hi = flat.plan.shard_range(rank)
-    master = flat.shard if flat.shard.dtype == torch.float32 else flat.shard.float()
+    master = flat.shard if flat.shard.dtype == torch.float32 or not fp32_masters else flat.shard.float()
     runs: list[tuple[int, int, int]] = []  # (group, start, end) relative to the shard
     for slot in sorted(flat.plan.slots, key=lambda s: s.offset):
         start, end = max(lo, slot.offset) - lo, min(hi, slot.offset + slot.numel) - lo
