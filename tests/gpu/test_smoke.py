@@ -15,7 +15,15 @@ from tests.gpu.smoke import SKIPPED, run_all
 from tests.helpers.dist import run_distributed
 
 
-CUDA_ONLY = ("device bound without set_device", "host syncs per step", "device bytes the save allocated")
+CUDA_ONLY = (
+    "device bound without set_device",
+    "host syncs per step",
+    "device bytes the save allocated",
+    "peak MiB per phase",
+    "allocated between steps",
+    "CUDA contexts",
+    "a refused cudaHostRegister",
+)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA run tests/gpu/smoke.py under a launcher")
