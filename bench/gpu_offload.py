@@ -4,6 +4,7 @@ estimator's prediction; and the offloaded step on one thread against the rank's 
 Usage (on a machine with one CUDA GPU, from the repository root):
     python bench/gpu_offload.py --json out/gpu_offload.json                 # the default model, every mode
     python bench/gpu_offload.py --hidden 2048 --layers 24 --modes none cpu   # another size, some modes
+    python bench/gpu_offload.py --hidden 4096 --batch 2 --largest            # the estimator's largest model per mode
 
 A LlamaForCausalLM (`--hidden`, `--layers`, intermediate 8/3 x hidden rounded to 256, heads of 128 dimensions,
 vocabulary 32000, untied head) is written once as a bf16 safetensors checkpoint, then each mode runs in a fresh
@@ -66,7 +67,7 @@ def zero_config(mode: str, nvme_dir: str, batch: int) -> dict[str, Any]:
     }
 
 
-def estimate(args: argparse.Namespace, mode: str) -> dict[str, int]:
+def estimate(args: argparse.Namespace, mode: str, details: bool = False) -> dict[str, Any]:
     """The estimator's device bytes for this run (model states + gathered parameters + activations) and host bytes."""
     import torch
     from transformers import LlamaForCausalLM
@@ -88,12 +89,43 @@ def estimate(args: argparse.Namespace, mode: str) -> dict[str, int]:
     setup = est.TrainingSetup(world_size=1, mixed_precision="bf16", zero=zero)
     memory = est.estimate_stage(shapes, setup, 3, mode)
     activations = est.activation_bytes(architecture, micro_batch=args.batch, seq_len=args.seq, compute_bytes=2)
+    if details:
+        return {"memory": memory, "activations": activations, "numel": shapes.numel}
     return {
         "device": memory.device["total"],
         "activations": activations,
         "host": memory.host["total"],
         "numel": shapes.numel,
     }
+
+
+def largest(args: argparse.Namespace) -> None:
+    """Prints, per mode, the most layers (at `--hidden`) the estimator says fit 90% of the GPU, 95% of the RAM and
+    `--disk_gb` of disk, and the bytes each place would hold."""
+    from accelerate_zero.debug import estimate as est
+
+    gib = 2**30
+    budget = est.Budget(int(args.gpu_gib * gib * 0.9), int(args.cpu_gib * gib * 0.95), int(args.disk_gb * 1e9))
+    for mode in MODES:
+        fitting, lo, hi = None, 1, 400
+        while lo <= hi:
+            middle = (lo + hi) // 2
+            args.layers = middle
+            predicted = estimate(args, mode, details=True)
+            if est.fits(predicted["memory"], predicted["activations"], budget):
+                fitting, lo = (middle, predicted), middle + 1
+            else:
+                hi = middle - 1
+        if fitting is None:
+            print(f"{mode}: no layer count fits")
+            continue
+        layers, predicted = fitting
+        memory = predicted["memory"]
+        print(
+            f"{mode}: {layers} layers, {predicted['numel'] / 1e9:.2f}B parameters; device "
+            f"{(memory.device['total'] + predicted['activations']) / gib:.1f} GiB, host {memory.host['total'] / gib:.1f} "
+            f"GiB, disk {memory.nvme['total'] / 1e9:.1f} GB"
+        )
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,6 +146,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats(device)
         else:
             phases[phase] = 0.0
+        print(
+            json.dumps({"phase": phase, "seconds": round(time.perf_counter() - start, 1), **phases}), file=sys.stderr
+        )
 
     start = time.perf_counter()
     model = accelerate_zero.from_pretrained(LlamaForCausalLM, args.checkpoint, config=config, device=device)
@@ -165,7 +200,11 @@ def run_mode(args: argparse.Namespace, mode: str, threads: str | None) -> dict[s
     command = [sys.executable, __file__, "--worker", "--mode", mode, "--checkpoint", args.checkpoint]
     command += ["--nvme_dir", args.nvme_dir, "--batch", str(args.batch), "--seq", str(args.seq)]
     command += ["--hidden", str(args.hidden), "--layers", str(args.layers), "--steps", str(args.steps)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired as expired:  # what it reached is on its stderr
+        stderr = expired.stderr.decode() if isinstance(expired.stderr, bytes) else (expired.stderr or "")
+        return {"mode": mode, "error": f"timed out after {args.timeout} s; last: {stderr[-1500:]}"}
     if done.returncode != 0:
         return {"mode": mode, "error": done.stderr[-3000:]}
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -190,11 +229,18 @@ def main() -> int:
     parser.add_argument("--checkpoint", default=None, help="where the model is written (default: temporary)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per mode")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--largest", action="store_true", help="print the estimator's largest model per mode")
+    parser.add_argument("--gpu_gib", type=float, default=79.6, help="for --largest: GPU memory")
+    parser.add_argument("--cpu_gib", type=float, default=125.0, help="for --largest: RAM")
+    parser.add_argument("--disk_gb", type=float, default=64.0, help="for --largest: free disk for NVMe offload")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
+        return 0
+    if args.largest:
+        largest(args)
         return 0
     scratch = tempfile.mkdtemp(prefix="gpu_offload_")
     args.nvme_dir = args.nvme_dir or f"{scratch}/nvme"
