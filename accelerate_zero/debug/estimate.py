@@ -33,7 +33,9 @@ What the engine's offload (and DeepSpeed's) moves, per rank:
 - "cpu+param" (stage 3, as `accelerate_configs/zero3_offload.yaml`): "cpu", and the units' parameter shards in CPU
   RAM; persistent parameters stay on the GPU, gathered units are still gathered on the GPU.
 - "nvme" (stage 3, ZeRO-Infinity, as `accelerate_configs/zero3_nvme.yaml`): master weights, optimizer states,
-  the fp32 gradient slice and the units' parameter shards on NVMe. CPU RAM holds the sub-groups in flight
+  the fp32 gradient slice and the units' parameter shards on NVMe; on the GPU each reduced gradient slice waits as
+  a private fp32 copy until its write lands (`NVME_RESIDENT_SUBGROUPS` of the largest unit shard, counted as
+  communication buffers). CPU RAM holds the sub-groups in flight
   during the step: at most `NVME_RESIDENT_SUBGROUPS` (offload_optimizer.buffer_count's default) of
   `sub_group_size` elements, counted as host master weights, optimizer states and gradients. The parameter
   swap buffers (`offload_param.buffer_count` unit shards) are not counted. At stages 1 and 2 DeepSpeed treats NVMe optimizer
@@ -293,6 +295,8 @@ class _Held:
     """Peak transient elements cast to `communication_data_type` (0 when no cast is needed)."""
     gathered: int
     """Stage 3: peak transient elements of gathered units."""
+    largest_shard: int = 0
+    """Stage 3: elements of the largest unit shard (NVMe gradient slices in flight are this size)."""
 
 
 def _largest(numels: Sequence[int], count: int) -> int:
@@ -343,6 +347,7 @@ def _held_stage3(model: ModelShapes, setup: TrainingSetup, rank: int) -> _Held:
         reduce_buffers=_largest(bucket_numels, in_flight),
         cast_buffers=_largest(bucket_numels, in_flight) if setup.comm_bytes != setup.grad_bytes else 0,
         gathered=_gathered_peak([unit.numel if unit else 0 for unit in units], zero),
+        largest_shard=max((unit.shard_numel for unit in planned), default=0),
     )
 
 
@@ -418,6 +423,10 @@ def _to_bytes(held: _Held, setup: TrainingSetup, stage: int, offload: str) -> Me
             resident = min(held.shard, NVME_RESIDENT_SUBGROUPS * setup.zero.sub_group_size)
             host["master_weights"] = host["gradients"] = resident * 4
             host["optimizer_states"] = resident * 4 * states.per_element
+    if offload == "nvme":
+        # offload/nvme_grads.py: each reduced slice is copied to a private fp32 device tensor that lives until its
+        # write to the file lands, at most `buffer_count` (default NVME_RESIDENT_SUBGROUPS) at once.
+        device["communication_buffers"] += NVME_RESIDENT_SUBGROUPS * held.largest_shard * 4
     if offload_params:
         (nvme if offload == "nvme" else host)["parameters"] = held.unit_params * c
     for kinds in (device, host, nvme):
