@@ -14,7 +14,7 @@ runs, instead of asking whether a store exists.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -25,13 +25,21 @@ if TYPE_CHECKING:
 
     from accelerate_zero.engine.shard_slice import ShardSlice
     from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
-    from accelerate_zero.engine.stage3.param_unit import ParamUnit
+
+
+class UnitShards(Protocol):
+    """What a store reads of a stage-3 unit (engine/stage3/param_unit.py's `ParamUnit`, which imports this module)."""
+
+    index: int
+    name: str
+    flats: list[FlatUnitBuffer]
+    trainable: FlatUnitBuffer | None
 
 
 class ShardStore(Protocol):
     """Where the shards of stage-3 units live between gathers."""
 
-    def place(self, units: list[ParamUnit], spilled: dict[int, Path]) -> None:
+    def place(self, units: Sequence[UnitShards], spilled: dict[int, Path]) -> None:
         """Once, when the units are built: takes the shards this store keeps outside memory ([Note: where an
         offloaded shard settles] in engine/stage3/build.py). `spilled`: id(flat) -> the file partitioned loading
         already wrote that flat's shard to."""
@@ -81,7 +89,7 @@ class ShardStore(Protocol):
 class ShardsInMemory:
     """A `ShardStore` for shards that never leave memory (device or host: `flat.shard` is where they are)."""
 
-    def place(self, units: list[ParamUnit], spilled: dict[int, Path]) -> None:
+    def place(self, units: Sequence[UnitShards], spilled: dict[int, Path]) -> None:
         pass
 
     def swapped(self, flat: FlatUnitBuffer) -> bool:
