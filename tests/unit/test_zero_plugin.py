@@ -143,3 +143,16 @@ def test_zero3_init_flag_defaults_to_stage_3_and_warns_below() -> None:
     with pytest.warns(UserWarning, match="only applies to ZeRO stage 3"):
         built = build_deepspeed_config(ZeroSettings(fields={"zero_stage": 2, "zero3_init_flag": True}))
     assert built.fields["zero3_init_flag"] is False
+
+
+def test_a_config_without_accumulation_steps_takes_the_plugins_value() -> None:
+    # The dict does not set gradient_accumulation_steps: accelerate would insert 1 and keep it, silently; nothing
+    # contradicts the plugin's 2 (before: refused, saying the dict set 1).
+    plugin = ZeroPlugin(config={"zero_optimization": {"stage": 3}}, gradient_accumulation_steps=2)
+    assert plugin.zero_config().gradient_accumulation_steps == 2
+    assert ZeroPlugin(config={"zero_optimization": {"stage": 3}}).zero_config().gradient_accumulation_steps == 1
+    # A value the dict does set still wins over nothing and contradicts a different explicit one, naming both.
+    with pytest.raises(ZeroConfigError, match=r"ZeroPlugin\(gradient_accumulation_steps=\.\.\.\)=2 contradicts "):
+        ZeroPlugin(
+            config={"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}, gradient_accumulation_steps=2
+        )

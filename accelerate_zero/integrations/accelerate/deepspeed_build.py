@@ -18,6 +18,8 @@ Differences from accelerate, on purpose:
   reduce_bucket_size, ...) go into `zero_optimization` (accelerate ignores them); any other unknown key is an error
   (both read in `zero_settings.py`);
 * NVMe paths reach the ranks (accelerate 1.15 never exports them) and an NVMe device without a path is an error;
+* a config without `gradient_accumulation_steps` takes `ZeroPlugin(gradient_accumulation_steps=...)` when one is
+  given (accelerate inserts 1 and silently trains with it);
 * `gradient_clipping: 0.0` is kept (accelerate drops a falsy value, and DeepSpeed 0.19's default then clips at 1.0);
 * a flag or `ZeroPlugin` argument that contradicts a non-"auto" value of a DeepSpeed config file is an error
   (accelerate silently keeps the file's value);
@@ -126,7 +128,10 @@ def _generate(values: Mapping[str, Any], zero_keys: Mapping[str, Any]) -> dict[s
 def _from_config(settings: ZeroSettings, values: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
     """accelerate's rules for a given DeepSpeed config: plugin values fill its "auto" entries."""
     config = copy.deepcopy(settings.config) or {}
-    config.setdefault("gradient_accumulation_steps", 1)
+    # accelerate makes a missing gradient_accumulation_steps 1, and then keeps 1 whatever the plugin says. A config
+    # that does not set it contradicts nobody: an explicit ZeroPlugin(gradient_accumulation_steps=...) fills it.
+    explicit = "gradient_accumulation_steps" in settings.fields
+    config.setdefault("gradient_accumulation_steps", "auto" if explicit else 1)
     label = settings.config_label
     if "zero_optimization" not in config:
         problems.append(
