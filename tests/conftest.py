@@ -16,9 +16,14 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Integration tests start real launches and Trainer runs: minutes together. `-m "not slow"` leaves them out
     # for a quick development loop; the default command runs everything.
+    import torch
+
+    no_cuda = pytest.mark.skip(reason="gpu: needs a CUDA device (runs on a GPU machine: pytest tests/gpu)")
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -1,11 +1,16 @@
-"""tests/gpu/smoke.py's checks on 2 gloo ranks on the CPU, so the suite keeps the GPU smoke test alive.
+"""tests/gpu/smoke.py's checks: on 2 gloo ranks on the CPU (so the suite keeps the GPU smoke test alive), and on a
+machine with CUDA under torchrun on every local GPU (the `gpu` marker: skipped where there is no CUDA device).
 
-On a machine with GPUs run the script itself (its docstring has the command): the same checks on CUDA/NCCL, plus
-the CUDA-only ones (device binding, the device memory a checkpoint save allocates, host syncs per step).
+On CUDA the same checks run on NCCL, plus the CUDA-only ones (device binding, the device memory a checkpoint save
+allocates, host syncs per step, memory per phase, CUDA contexts). `pytest tests/gpu` on a GPU machine runs them.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +40,18 @@ def test_every_smoke_check_passes_on_two_cpu_ranks(tmp_path: Path) -> None:
         assert len(results) >= 20, sorted(results)
         for name, (value, _) in results.items():
             assert (value == SKIPPED) == any(part in name for part in CUDA_ONLY), name  # on the CPU exactly these
+
+
+@pytest.mark.gpu
+def test_every_smoke_check_passes_on_every_local_gpu(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "smoke.json"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torch.cuda.device_count()}"]
+    command += [str(repo / "tests" / "gpu" / "smoke.py"), "--out", str(out), "--workdir", str(tmp_path / "work")]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    failed = {name: value for name, (value, ok) in results.items() if not ok}
+    assert not failed and len(results) >= 40, failed or sorted(results)
+    assert not [name for name, (value, _) in results.items() if value == SKIPPED], "a CUDA check was skipped on CUDA"
