@@ -18,6 +18,17 @@ from tests.helpers.models import tiny_llama_config
 
 
 STEPS, GRAD_ACCUM, PER_RANK_BATCH, SEQ, VOCAB = 4, 2, 2, 12, 64
+# The gradient norms of this model are 0.93-0.96 before clipping: a clip of 1.0 never acts. 0.5 acts on every step
+# (test_clipping_acts), so a wrong norm or a missing clip changes the result.
+CLIP = 0.5
+# [Note: the bf16 bound at stage 3]
+# Comparing bf16 parameters with an fp32 reference mostly measures bf16's rounding of the weights themselves (1.8e-3
+# here), the size of the bugs it should catch (a lost micro-step moves the weights by 3.4e-3): no bound separates
+# them. So the bf16 run's fp32 masters (from its checkpoint) are compared with the fp32 reference started from the
+# same bf16-rounded weights, as the error relative to the training update, ||masters - ref|| / ||ref - start||.
+# Measured at 2 and 3 ranks: 0.54%. Bugs, on the reference: a lost micro-step 14.6-15.3%, no clip 56-90%.
+# Bound 6%: 11x the measured error, 2.4x below the smallest bug (the test checks both sides).
+BF16_BOUND = 0.06
 # SGD, not Adam: Adam's normalised update turns the summation-order noise of near-zero gradients (unused
 # vocabulary rows) into differences of ~5e-5 at every stage, 2 ranks against 1; SGD keeps parity at ~6e-8.
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -38,13 +49,27 @@ def _batches(world_size: int) -> list[list[torch.Tensor]]:
     ]
 
 
-def _reference(batches: list[list[torch.Tensor]]) -> torch.nn.Module:
+def _reference(
+    batches: list[list[torch.Tensor]],
+    *,
+    clip: bool = True,
+    drop_last_micro_step: bool = False,
+    bf16_start: bool = False,
+) -> Any:
+    """One process on the full batch, fp32. `bf16_start`: from the bf16-rounded initial weights a bf16 run starts
+    from; the other flags make the bugs the bf16 bound must catch (a missing clip, a lost micro-step)."""
     model = _tiny_llama()
+    if bf16_start:
+        for param in model.parameters():
+            param.data = param.data.bfloat16().float()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in batches:
-        for tokens in step:
+    for index, step in enumerate(batches):
+        for micro, tokens in enumerate(step):
+            if drop_last_micro_step and index == len(batches) - 1 and micro == len(step) - 1:
+                continue
             (model(input_ids=tokens, labels=tokens).loss / GRAD_ACCUM).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
     return model
@@ -56,17 +81,19 @@ def _train(rank: int, world_size: int, batches: list, *, checkpointing: str = ""
     model = _tiny_llama()
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
-    config = {"gradient_accumulation_steps": GRAD_ACCUM, "gradient_clipping": 1.0, "zero_optimization": ZERO3}
+    config = {"gradient_accumulation_steps": GRAD_ACCUM, "gradient_clipping": CLIP, "zero_optimization": ZERO3}
     if bf16:
         config["bf16"] = {"enabled": True}
     engine = accelerate_zero.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), config=config
     )
+    engine.norms = []
     for step in batches:
         for tokens in step:
             mine = tokens[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH]
             engine.backward(engine(input_ids=mine, labels=mine).loss)
             engine.step()
+        engine.norms.append(engine.get_global_grad_norm())
     return model, engine
 
 
@@ -142,7 +169,31 @@ def _comm_and_memory(rank: int, world_size: int, batches: list) -> dict[str, Any
     }
 
 
-def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
+def _update_error(weights: dict[str, torch.Tensor], reference: Any, start: dict[str, torch.Tensor]) -> float:
+    """||weights - reference|| / ||reference - start||: the error relative to the size of the training update."""
+    ref = reference.state_dict()
+    error = torch.cat([(weights[k].float() - ref[k]).reshape(-1) for k in start]).norm()
+    return (error / torch.cat([(ref[k] - start[k]).reshape(-1) for k in start]).norm()).item()
+
+
+def _bf16_masters_against_bugs(rank: int, engine: Any, batches: list, folder: str) -> dict[str, float]:
+    """[Note: the bf16 bound at stage 3]: the fp32 masters of the bf16 run (from its checkpoint) against the fp32
+    reference started from the same bf16-rounded weights, and what two bugs do to that reference."""
+    from accelerate_zero.checkpoint.consolidate import consolidated_state_dict
+
+    engine.save_checkpoint(f"{folder}/bf16", tag="end")
+    if rank != 0:
+        return {}
+    start = {k: v.detach().bfloat16().float() for k, v in _tiny_llama().named_parameters()}  # tied: once
+    reference = _reference(batches, bf16_start=True)
+    out = {"bf16 masters": _update_error(consolidated_state_dict(f"{folder}/bf16/end"), reference, start)}
+    for bug, flags in {"no clip": {"clip": False}, "a lost micro-step": {"drop_last_micro_step": True}}.items():
+        buggy = _reference(batches, bf16_start=True, **flags)
+        out[f"bug: {bug}"] = _update_error(buggy.state_dict(), reference, start)
+    return out
+
+
+def _all_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     import time
 
     clock = time.perf_counter()
@@ -163,8 +214,10 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
             out["writes"] = _gathered_writes(rank, model, engine)
             out["t-gen"] = time.perf_counter() - clock
         engine.destroy()
+    out["norms"] = engine.norms
     model, engine = _train(rank, world_size, batches, bf16=True)
     out["diff-bf16"] = _max_diff(model, reference)
+    out.update(_bf16_masters_against_bugs(rank, engine, batches, folder))
     out["t-bf16"] = time.perf_counter() - clock
     engine.destroy()
     out["comm"] = _comm_and_memory(rank, world_size, batches)
@@ -173,10 +226,11 @@ def _all_checks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict]]:
     from tests.helpers.dist import run_distributed
 
-    return request.param, run_distributed(_all_checks, request.param)
+    folder = str(tmp_path_factory.mktemp(f"llama{request.param}"))
+    return request.param, run_distributed(_all_checks, request.param, folder)
 
 
 @pytest.mark.parametrize("mode", ["plain", "reentrant", "non-reentrant"])
@@ -185,9 +239,20 @@ def test_training_matches_reference(results: Any, mode: str) -> None:
         assert r[f"diff-{mode}"] < 5e-6, r[f"diff-{mode}"]
 
 
+def test_clipping_acts(results: Any) -> None:
+    for r in results[1]:
+        assert len(r["norms"]) == STEPS and min(r["norms"]) > CLIP, r["norms"]
+
+
 def test_bf16_tracks_reference(results: Any) -> None:
     for r in results[1]:
-        assert r["diff-bf16"] < 1e-2, r["diff-bf16"]  # bf16 compute against the fp32 reference
+        assert r["diff-bf16"] < 1e-2, r["diff-bf16"]  # the bf16 parameters: within bf16 rounding of the weights
+    rank0 = results[1][0]
+    print(
+        "bf16 masters and bugs, error / update:", {k: v for k, v in rank0.items() if k.startswith(("bf16 m", "bug"))}
+    )
+    assert rank0["bf16 masters"] < BF16_BOUND, rank0
+    assert min(rank0["bug: no clip"], rank0["bug: a lost micro-step"]) > BF16_BOUND, rank0  # the bound catches them
 
 
 def test_full_state_dict_is_the_trained_model(results: Any) -> None:
