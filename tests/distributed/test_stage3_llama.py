@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from accelerate_zero.engine.shard_plan import SHARD_ALIGNMENT
-from tests.helpers.models import tiny_llama_config
+from tests.helpers.models import round_to_bf16, tiny_llama_config, update_error
 
 
 STEPS, GRAD_ACCUM, PER_RANK_BATCH, SEQ, VOCAB = 4, 2, 2, 12, 64
@@ -60,8 +60,7 @@ def _reference(
     from; the other flags make the bugs the bf16 bound must catch (a missing clip, a lost micro-step)."""
     model = _tiny_llama()
     if bf16_start:
-        for param in model.parameters():
-            param.data = param.data.bfloat16().float()
+        round_to_bf16(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for index, step in enumerate(batches):
         for micro, tokens in enumerate(step):
@@ -169,13 +168,6 @@ def _comm_and_memory(rank: int, world_size: int, batches: list) -> dict[str, Any
     }
 
 
-def _update_error(weights: dict[str, torch.Tensor], reference: Any, start: dict[str, torch.Tensor]) -> float:
-    """||weights - reference|| / ||reference - start||: the error relative to the size of the training update."""
-    ref = reference.state_dict()
-    error = torch.cat([(weights[k].float() - ref[k]).reshape(-1) for k in start]).norm()
-    return (error / torch.cat([(ref[k] - start[k]).reshape(-1) for k in start]).norm()).item()
-
-
 def _bf16_masters_against_bugs(rank: int, engine: Any, batches: list, folder: str) -> dict[str, float]:
     """[Note: the bf16 bound at stage 3]: the fp32 masters of the bf16 run (from its checkpoint) against the fp32
     reference started from the same bf16-rounded weights, and what two bugs do to that reference."""
@@ -186,10 +178,11 @@ def _bf16_masters_against_bugs(rank: int, engine: Any, batches: list, folder: st
         return {}
     start = {k: v.detach().bfloat16().float() for k, v in _tiny_llama().named_parameters()}  # tied: once
     reference = _reference(batches, bf16_start=True)
-    out = {"bf16 masters": _update_error(consolidated_state_dict(f"{folder}/bf16/end"), reference, start)}
+    expected = reference.state_dict()
+    out = {"bf16 masters": update_error(consolidated_state_dict(f"{folder}/bf16/end"), expected, start)}
     for bug, flags in {"no clip": {"clip": False}, "a lost micro-step": {"drop_last_micro_step": True}}.items():
         buggy = _reference(batches, bf16_start=True, **flags)
-        out[f"bug: {bug}"] = _update_error(buggy.state_dict(), reference, start)
+        out[f"bug: {bug}"] = update_error(buggy.state_dict(), expected, start)
     return out
 
 
