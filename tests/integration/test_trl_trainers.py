@@ -1,6 +1,7 @@
-"""The ready-made TRL trainers (`accelerate_zero.integrations.trl`) at stage 3 on 2 ranks: SFT, DPO and GRPO train;
+"""The ready-made TRL trainers (`accelerate_zero.integrations.trl`) at stage 3 on 2 ranks, in memory and collectives:
 the DPO/GRPO reference model stays sharded for the whole run; GRPO's generation gathers the policy once per generate
-call with `ds3_gather_for_generation` (TRL's default) and per decoding step without it."""
+call with `ds3_gather_for_generation` (TRL's default) and per decoding step without it. That SFT, DPO and GRPO train
+to TRL's own numbers is tests/integration/test_trl_numerics.py."""
 
 from __future__ import annotations
 
@@ -22,11 +23,6 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     results = run_distributed(trl_trainer_checks.all_checks, 2, str(tmp_path_factory.mktemp("trl")))
     print("TRL measurements:", json.dumps(results))  # pytest -s shows them (generate times, bytes held)
     return results
-
-
-def test_sft_trains_at_stage_3(ranks: Any) -> None:
-    for run in (r["sft"] for r in ranks):
-        assert (run["stage"], run["steps"]) == (3, 2)
 
 
 def test_dpo_reference_model_stays_sharded(ranks: Any) -> None:

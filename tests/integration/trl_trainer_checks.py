@@ -1,5 +1,6 @@
 """What each rank runs for tests/integration/test_trl_trainers.py: the ready-made TRL trainers at stage 3 on 2 ranks
-(one spawned group for all of them). Results are plain values."""
+(one spawned group for all of them). Results are plain values. Whether they train to TRL's numbers is
+tests/integration/test_trl_numerics.py."""
 
 from __future__ import annotations
 
@@ -60,25 +61,6 @@ def math_numel(param: torch.nn.Parameter, engine: Any) -> int:
                     if p is param:
                         return view.numel()
     return param.numel()
-
-
-def sft(folder: Path) -> dict[str, Any]:
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-
-    from accelerate_zero.integrations.trl import SFTConfig, SFTTrainer
-
-    rows = [{"prompt": p, "completion": " ok"} for p in PROMPTS] * 4
-    args = SFTConfig(per_device_train_batch_size=2, **common(str(folder / "sft")))
-    trainer = SFTTrainer(
-        model=load(),
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
-    )
-    trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    return {"stage": trainer.zero_engine.stage, "steps": trainer.state.global_step, "losses": losses}
 
 
 def dpo(folder: Path) -> dict[str, Any]:
@@ -164,7 +146,6 @@ def all_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     plain_torchrun_environment()
     root = Path(folder)
     return {
-        "sft": sft(root),
         "dpo": dpo(root),
         "grpo_gather": grpo(root, gather=True),
         "grpo_no_gather": grpo(root, gather=False),
