@@ -38,6 +38,7 @@ from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
 from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
+from accelerate_zero.engine.stage3.external import attach_registered
 from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, register_entry_hooks, register_unit_hooks
 from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
@@ -281,6 +282,7 @@ class _Assembly:
         )
         self.hooks = register_unit_hooks(parts.units, scheduler)
         self.hooks += register_entry_hooks(self.module, parts.units, scheduler)  # sub-module calls
+        attach_registered(self.module, parts.units)  # register_external_parameter before initialize
         # Under stage 3 every forward is a collective: transformers' generate() must keep all ranks stepping
         # until the longest sequence is done (synced_gpus). It enables that for modules flagged this way.
         self.module._is_fsdp_managed_module = True

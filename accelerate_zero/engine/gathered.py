@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
-from accelerate_zero.engine.stage3.external import attach, find_unit
+from accelerate_zero.engine.stage3.external import attach, find_unit, remember_registration
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
 
@@ -129,10 +129,15 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     """Declares that `module`'s forward uses `parameter`, which another module owns (DeepSpeed's API).
 
     Stage 3 then gathers the parameter's unit together with `module`'s unit. Uses in the first forward are found
-    automatically; register the ones that only happen later (a branch not taken at first). No-op below stage 3.
+    automatically; register the ones that only happen later (a branch not taken at first). Called before
+    `initialize` (in the module's `__init__`, where DeepSpeed's users call it) it is remembered on the module and
+    applied when the engine is built. No-op below stage 3.
     """
     engine = _ENGINE_OF_PARAM.get(parameter)
-    if engine is None or not engine.units:
+    if engine is None:
+        remember_registration(module, parameter)
+        return
+    if not engine.units:
         return
     (used,) = units_of(engine, [parameter]) or (None,)
     if used is not None:

@@ -22,6 +22,27 @@ from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 logger = logging.getLogger(__name__)
 
 
+REGISTERED_ATTR = "_accelerate_zero_external_parameters"
+"""On a module: the parameters `register_external_parameter` declared before the engine existed (DeepSpeed's users
+call it in `__init__`, e.g. transformers' Wav2Vec2); the engine attaches their units when it is built."""
+
+
+def remember_registration(module: nn.Module, parameter: nn.Parameter) -> None:
+    registered = module.__dict__.setdefault(REGISTERED_ATTR, [])
+    if not any(parameter is known for known in registered):
+        registered.append(parameter)
+
+
+def attach_registered(root: nn.Module, units: list[ParamUnit]) -> None:
+    """Attaches the units of the parameters registered on `root`'s modules before the engine was built."""
+    unit_of = param_index(units)
+    for module in root.modules():
+        for parameter in module.__dict__.get(REGISTERED_ATTR, []):
+            used = unit_of.get(id(parameter))
+            if used is not None:
+                attach(find_unit(units, module), used)
+
+
 def attach(user: ParamUnit, used: ParamUnit) -> bool:
     """Records that `user`'s forward uses parameters of `used`; returns False if already known."""
     if used is user or used in user.external:

@@ -162,6 +162,9 @@ def pair_optimizers(args: tuple, models: list[int], optimizers: list[int], prepa
 
 def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
     if isinstance(optimizer, DummyOptim):
+        if not isinstance(optimizer.params, (list, tuple)):
+            # DummyOptim(model.parameters()) holds a generator, which one reading would use up for every later one
+            optimizer.params = list(optimizer.params)
         groups = list(optimizer.params)
         return [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
     return [p for group in optimizer.param_groups for p in group["params"]]
