@@ -1,0 +1,158 @@
+"""A 2-process save killed for real (SIGKILL, every process of the job) leaves the previous checkpoint loadable.
+
+tests/unit/test_checkpoint_io.py raises an exception at every rename of a one-process save; here real `torchrun` jobs
+(tests/integration/scripts/killed_save.py) train a stage-3 engine, save checkpoint A, train on and start saving B,
+and stop inside B's save at one of three points: a rank half-way through writing its file (the other waiting for
+it), B's folder in place before `latest` names it, and B replacing A under the same tag. The test kills every
+process of the job with SIGKILL (no exception handler, exit handler or destructor runs) and starts a fresh job,
+which must load A, bit-identical and with A's counters, from `latest`; and whose next save must publish and
+clear what the killed one left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.dist import free_port
+
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "integration" / "scripts" / "killed_save.py"
+POINTS = ("rank_file", "publish", "resave")
+JOB_SECONDS = 120  # a few seconds idle: a job that hangs fails this test, not the session
+
+
+def _torchrun(out: Path, *args: str) -> subprocess.Popen:
+    """A 2-process job of the script, its output in <out>/job.log (jobs run side by side: no pipe to fill)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ACCELERATE_ZERO_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    with open(out / "job.log", "w") as log:
+        return subprocess.Popen(
+            [*command, str(SCRIPT), "--out", str(out), *args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the launcher's own group; torchrun starts each rank in a session of its own
+        )
+
+
+def _kill(job: subprocess.Popen, out: Path) -> list[int]:
+    """SIGKILL to every rank that started and to the launcher's process group: nothing gets to clean up."""
+    ranks = [int(path.read_text()) for path in sorted(out.glob("pid_rank*"))]
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a killed rank whose launcher is gone may linger as a zombie until init reaps it
+
+
+def _kill_inside_the_save(job: subprocess.Popen, out: Path, point: str) -> dict[str, Any]:
+    deadline = time.monotonic() + JOB_SECONDS
+    try:
+        while not (out / "paused").exists():
+            if job.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the job did not stop inside the save at {point!r}:\n{(out / 'job.log').read_text()}"
+                )
+            time.sleep(0.1)
+    finally:
+        ranks = _kill(job, out)
+    assert len(ranks) == 2
+    time.sleep(0.5)  # let the kernel finish tearing the ranks down before the folder is read
+    folder = out / "ckpt"
+    partial = folder / ".global_step4.partial"
+    return {
+        "alive": [pid for pid in ranks if _alive(pid)],
+        "latest": (folder / "latest").read_text(),
+        "entries": sorted(os.listdir(folder)),
+        "partial": sorted(os.listdir(partial)) if partial.is_dir() else None,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    root = tmp_path_factory.mktemp("killed_save")
+    jobs = {point: _torchrun(root / point, "--pause", point) for point in POINTS}  # side by side: they wait to die
+    try:
+        killed = {point: _kill_inside_the_save(job, root / point, point) for point, job in jobs.items()}
+    finally:
+        for point, job in jobs.items():
+            if job.poll() is None:
+                _kill(job, root / point)
+    loader = _torchrun(root / "loader", "--load", *(str(root / point) for point in POINTS))
+    try:
+        loader.wait(timeout=JOB_SECONDS)
+    finally:
+        if loader.poll() is None:
+            _kill(loader, root / "loader")
+    assert loader.returncode == 0, (root / "loader" / "job.log").read_text()
+    loaded = {p: [json.loads((root / p / f"loaded_rank{r}.json").read_text()) for r in range(2)] for p in POINTS}
+    return root, killed, loaded
+
+
+# What the killed save left: (the folder `latest` names, every entry of the checkpoint folder).
+LEFT_BEHIND = {
+    "rank_file": ("global_step2", [".global_step4.partial", "global_step2", "latest"]),
+    "publish": ("global_step2", ["global_step2", "global_step4", "latest"]),
+    "resave": (".last.old", [".last.old", ".last.trash", "last", "latest"]),
+}
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_the_job_died_inside_the_save_of_b(runs: Any, point: str) -> None:
+    _, killed, _ = runs
+    assert killed[point]["alive"] == []
+    latest, entries = LEFT_BEHIND[point]
+    assert (killed[point]["latest"], killed[point]["entries"]) == (latest, entries)
+    if point == "rank_file":  # rank 1 died half-way through its file, rank 0 waiting for it: no meta.json yet
+        assert "rank00001.safetensors" in killed[point]["partial"] and "meta.json" not in killed[point]["partial"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_fresh_job_loads_checkpoint_a_from_latest(runs: Any, point: str) -> None:
+    _, killed, loaded = runs
+    for result in loaded[point]:
+        assert "error" not in result, result["error"]
+        assert result["loaded"] == killed[point]["latest"]
+        assert result["client_state"] == {"checkpoint": "A"}
+        assert result["global_steps"] == 2
+        assert result["equals_a"]  # every rank's gathered weights are A's, bit for bit
+    if point == "rank_file":
+        for result in loaded[point]:
+            assert result["load_b"].startswith("FileNotFoundError: checkpoint folder"), result["load_b"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_the_next_save_publishes_and_clears_what_the_killed_one_left(runs: Any, point: str) -> None:
+    _, _, loaded = runs
+    assert "error" not in loaded[point][0], loaded[point][0]["error"]
+    after = loaded[point][0]["after_next_save"]
+    expected = {
+        "rank_file": ("global_step3", ["global_step2", "global_step3", "latest"]),
+        "publish": ("global_step3", ["global_step2", "global_step3", "global_step4", "latest"]),
+        "resave": ("last", ["last", "latest"]),
+    }[point]
+    assert (after["latest"], after["entries"]) == expected
