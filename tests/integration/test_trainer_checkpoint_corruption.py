@@ -3,7 +3,9 @@ with an error naming the damaged file.
 
 Two ranks train the tiny Llama at stage 3 with the transformers Trainer and save `checkpoint-2`; the pytest process
 damages copies of the output folder: a flipped byte in a rank file of the engine state (`zero_model/`), a rank file
-a 3-rank job left there, a truncated `trainer_state.json`, a truncated `scheduler.pt`.
+a 3-rank job left there, a truncated `trainer_state.json`; and the Trainer's own files, which
+`trainer_files.sha256.json` covers: a truncated or bit-flipped `scheduler.pt`, a truncated `rng_state_1.pth`, an
+edited (still valid) `trainer_state.json`.
 Three ranks then resume each copy, by path and with `resume_from_checkpoint=True`. The undamaged copy resumes and
 trains on, so what refuses the others is the damage.
 """
@@ -62,12 +64,32 @@ def _resume(rank: int, world_size: int, root: str, cases: list[str]) -> dict[str
     return out
 
 
-TRAINER_FILES = {"trainer_state.json truncated": "trainer_state.json", "scheduler.pt truncated": "scheduler.pt"}
+TRAINER_FILES = {"trainer_state.json truncated": "trainer_state.json"}
+# [Note: the Trainer's files are checksummed too]: damage that their own readers would not name, or not see at all.
+CHECKSUMMED = {
+    "scheduler.pt truncated": "scheduler.pt",
+    "scheduler.pt bit flipped": "scheduler.pt",
+    "rng_state_1.pth truncated": "rng_state_1.pth",
+    "trainer_state.json edited": "trainer_state.json",
+}
 ENGINE_DAMAGE = (
     "flipped byte",
     "3-rank leftover",
 )  # a truncated rank file: tests/distributed/test_checkpoint_corruption.py
-CASES = ["intact", *(f"zero_model {case}" for case in ENGINE_DAMAGE), "latest damaged", *TRAINER_FILES]
+CASES = ["intact", *(f"zero_model {case}" for case in ENGINE_DAMAGE), "latest damaged", *TRAINER_FILES, *CHECKSUMMED]
+
+
+def _flip_last_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 1  # inside the pickled values, before the zip directory: a load may well succeed
+    path.write_bytes(bytes(data))
+
+
+def _edit_global_step(path: Path) -> None:
+    path.write_text(path.read_text().replace('"global_step": 2', '"global_step": 1'))  # still valid JSON
+
+
+TRAINER_DAMAGE = {"truncated": truncate, "bit flipped": _flip_last_bit, "edited": _edit_global_step}
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +105,9 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[s
             damage(checkpoint / "zero_model" / name)
         elif case == "latest damaged":
             DAMAGE["flipped byte"][1](checkpoint / "zero_model" / "rank00001.safetensors")
-        elif case in TRAINER_FILES:
-            truncate(checkpoint / TRAINER_FILES[case])
+        elif case in TRAINER_FILES or case in CHECKSUMMED:
+            name = TRAINER_FILES.get(case) or CHECKSUMMED[case]
+            TRAINER_DAMAGE[case.removeprefix(f"{name} ")](checkpoint / name)
     return root, run_distributed(_resume, 3, str(root), CASES)
 
 
@@ -119,13 +142,9 @@ def test_truncated_trainer_state_is_refused_naming_it(resumed: Any) -> None:
         assert "no readable trainer_state.json" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the Trainer's scheduler.pt is loaded with a bare torch.load (integrations/transformers/trainer.py, "
-    "_load_optimizer_and_scheduler) and is not in any checksum list: a truncated file fails with torch's "
-    "'PytorchStreamReader failed reading zip archive' and no file name, a flipped byte can load other values",
-)
-def test_truncated_scheduler_state_is_refused_naming_it(resumed: Any) -> None:
-    _, ranks = resumed
-    for results in ranks:
-        assert "scheduler.pt" in results["scheduler.pt truncated"], results["scheduler.pt truncated"]
+@pytest.mark.parametrize("case", CHECKSUMMED)
+def test_damaged_trainer_files_are_refused_naming_them(resumed: Any, case: str) -> None:
+    root, ranks = resumed
+    damaged = root / case / CHECKPOINT / CHECKSUMMED[case]
+    for results in ranks:  # every rank refuses, before anything is loaded
+        assert results[case].startswith(f"error ValueError: {damaged} does not match the SHA-256"), results[case]

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without deepspeed
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
@@ -36,6 +37,7 @@ from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
+from accelerate_zero.integrations.transformers.checkpoint_files import verify_manifest, write_manifest
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
 
 
@@ -230,6 +232,16 @@ class ZeroTrainerMixin:
         ):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.zero_engine is None:
+            return
+        # [Note: the Trainer's files are checksummed too] in checkpoint_files.py: once every rank wrote its files.
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save and os.path.isdir(folder):
+            write_manifest(folder)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Resuming loads the engine state after `prepare` (`_load_optimizer_and_scheduler`); only checks here."""
         _check_complete(resume_from_checkpoint)
@@ -306,6 +318,7 @@ def _check_complete(checkpoint: str) -> None:
             f"state under {CHECKPOINT_TAG}/). Resume from an earlier checkpoint, or pass resume_from_checkpoint=True "
             "to take the newest complete one."
         )
+    verify_manifest(checkpoint)
 
 
 def _adapter_keys(model: torch.nn.Module) -> set[str] | None:
