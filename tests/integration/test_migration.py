@@ -1,5 +1,6 @@
 """Migrating without edits (issue 17): `deepspeed=` / `--deepspeed` as zero_config, two config sources that
-disagree, and accelerate's documented stage-3 save snippet on every rank."""
+disagree, accelerate's documented stage-3 save snippet on every rank, and the user's own `accelerate launch` with a
+DEEPSPEED config and deepspeed installed (taken over: our engine trains, no rank imports deepspeed)."""
 
 from __future__ import annotations
 
@@ -122,25 +123,64 @@ def test_accelerate_deepspeed_launch_environment_trains_with_our_engine(tmp_path
     _check_trained_with_our_engine(tmp_path, stage=3)
 
 
-@pytest.mark.skipif(
-    not HAS_DEEPSPEED, reason="deepspeed is not installed: `accelerate launch` refuses a DEEPSPEED config"
-)
-def test_literal_accelerate_launch_with_deepspeed_installed(tmp_path: Path) -> None:
-    config = tmp_path / "zero3.yaml"  # the seeds' tutorial zero3_config.yaml: bf16, 8 processes (2 on the line)
-    config.write_text(
-        "compute_environment: LOCAL_MACHINE\ndeepspeed_config:\n  zero_stage: 3\n  stage3_prefetch_bucket_size: 5e8\n"
-        "  stage3_param_persistence_threshold: 1e6\n  overlap_comm: true\n  offload_optimizer_device: none\n"
-        "distributed_type: DEEPSPEED\nnum_processes: 8\nmixed_precision: bf16\n"
+# The seeds' tutorial zero3_config.yaml (bf16, 8 processes: 2 on the command line, DeepSpeed keys accelerate does not
+# export), plus what the takeover must carry to the engine: CPU offload of the optimizer and the parameters,
+# gradient accumulation and clipping.
+TAKEOVER_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  zero_stage: 3
+  stage3_prefetch_bucket_size: 5e8
+  stage3_param_persistence_threshold: 1e6
+  overlap_comm: true
+  offload_optimizer_device: cpu
+  offload_param_device: cpu
+  gradient_accumulation_steps: 2
+  gradient_clipping: 0.5
+distributed_type: DEEPSPEED
+num_processes: 8
+mixed_precision: bf16
+"""
+TAKEOVER_RUNS = {  # script flags; the Trainer's arguments must agree with the accelerate config, as under DeepSpeed
+    "loop": [],
+    "trainer": ["--trainer", "--bf16", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"],
+}
+
+
+def _accelerate_launch() -> list[str]:
+    """accelerate's own `accelerate launch` (the console script next to this Python, else its module)."""
+    script = Path(sys.executable).with_name("accelerate")
+    return [str(script), "launch"] if script.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+@pytest.mark.parametrize("run", TAKEOVER_RUNS)
+def test_literal_accelerate_launch_with_deepspeed_installed(tmp_path: Path, run: str) -> None:
+    """`accelerate launch` itself, deepspeed installed (the `test` extra installs it, ops off): a ZeroAccelerator loop
+    and the Trainer train with our engine at the settings accelerate exported, and no rank imports deepspeed."""
+    assert HAS_DEEPSPEED, (
+        "deepspeed is not installed, and `accelerate launch` refuses a DEEPSPEED config without it: install the "
+        "test extra (`DS_BUILD_OPS=0 pip install -e '.[test]'`; scripts/install.sh does)"
     )
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2"]
-    launch += ["--main_process_port", "0"]
-    for script in ("trainer_tiny.py --bf16", "accelerate_loop.py"):  # the Trainer's bf16 must agree with the YAML
-        name, *flags = script.split()
-        command = [*launch, str(SCRIPTS / name), "--out", str(tmp_path), *flags]
-        done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-    _check_trained_with_our_engine(tmp_path, stage=3)
+    config = tmp_path / "zero3.yaml"
+    config.write_text(TAKEOVER_CONFIG)
+    command = [*_accelerate_launch(), "--config_file", str(config), "--num_processes", "2", "--main_process_port", "0"]
+    command += [str(SCRIPTS / "accelerate_launch_takeover.py"), "--out", str(tmp_path), *TAKEOVER_RUNS[run]]
+    done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training with accelerate_zero's ZeRO engine (stage 3); deepspeed is not used" in done.stderr
     for rank in range(2):
-        assert json.loads((tmp_path / f"trainer_rank{rank}.json").read_text())["param_dtype"] == "torch.bfloat16"
-        run = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert (run["stage"], run["param_dtype"], run["deepspeed_imported"]) == (3, "torch.bfloat16", False)
+        ran = json.loads((tmp_path / f"{run}_rank{rank}.json").read_text())
+        assert ran["deepspeed_modules"] == [], f"rank {rank} imported deepspeed: {ran['deepspeed_modules']}"
+        # started by accelerate's DeepSpeed launcher, then switched off its DeepSpeed path
+        assert ran["launched_with"]["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3" and ran["use_deepspeed"] == "false"
+        assert ran["launched_with"]["ACCELERATE_MIXED_PRECISION"] == "bf16"
+        assert ran["distributed_type"] in ("DistributedType.MULTI_CPU", "DistributedType.MULTI_GPU")
+        assert ran["world_size"] == 2 and ran["losses_finite"]
+        # the settings arrived, as the engine trains with them
+        assert (ran["stage"], ran["offload_optimizer"], ran["offload_params"]) == (3, True, True)
+        assert ran["offload_devices"] == ["cpu", "cpu"]
+        assert (ran["engine_accumulation"], ran["gradient_clipping"]) == (2, 0.5)
+        assert ran["bf16"] and ran["compute_dtype"] == ran["param_dtype"] == "torch.bfloat16"
+        assert ran["optimizer_steps"] * 2 == ran["micro_steps"] == (8 if run == "loop" else 4)
+        if run == "loop":  # 64 samples, 4 a batch, on 2 ranks; the Trainer accumulates by itself
+            assert ran["accelerator_accumulation"] == 2
