@@ -165,3 +165,41 @@ def test_a_launcher_flag_the_user_set_still_contradicts_the_script(
         _args(tmp_path, zero_config=str(FIXTURES / "ds_config_zero3.json"), fp16=False)
     assert "zero_optimization.stage=3 vs launcher zero_optimization.stage=2" in str(raised.value)
     assert "offload_param.device='cpu' vs launcher zero_optimization.offload_param.device='none'" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "arguments", "expected"),
+    [
+        (("--mixed_precision", "no"), {"bf16": True}, (False, True)),  # `accelerate config` writes 'no'
+        ((), {"fp16": True}, (True, False)),  # the launcher set no precision at all
+        (("--mixed_precision", "bf16"), {}, (False, True)),  # the arguments set none: the launcher's stands
+        (("--mixed_precision", "bf16"), {"fp16": True}, (True, False)),  # the arguments' wins
+    ],
+)
+def test_the_scripts_precision_wins_over_the_launchers_mixed_precision(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flags: tuple[str, ...],
+    arguments: dict[str, bool],
+    expected: tuple[bool, bool],
+) -> None:
+    # transformers makes TrainingArguments(bf16=True/fp16=True) the run's mixed precision whatever
+    # ACCELERATE_MIXED_PRECISION says (DeepSpeedPlugin.set_mixed_precision(args.mixed_precision)); before, this
+    # was refused: "ds bf16.enabled=False vs hf bf16|bf16_full_eval=True".
+    for name, value in _launched_env("--zero_stage", "2", *flags).items():
+        monkeypatch.setenv(name, value)
+    fill = _args(tmp_path, **arguments).zero_fill
+    assert (fill.config["fp16"]["enabled"], fill.config["bf16"]["enabled"]) == expected and not fill.mismatches
+
+
+def test_a_launcher_config_files_precision_still_contradicts_the_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    for name, value in _launched_env("--deepspeed_config_file", str(ds_file)).items():
+        monkeypatch.setenv(name, value)
+    fill = _args(tmp_path).zero_fill
+    assert fill.config["bf16"]["enabled"] is True and not fill.mismatches  # the file's; the script sets none
+    # The file's bf16 block is the user's choice: a script asking for fp16 is a real conflict (reported at train).
+    assert "- ds bf16.enabled=True vs hf bf16|bf16_full_eval=False" in _args(tmp_path, fp16=True).zero_fill.mismatches

@@ -76,6 +76,9 @@ class BuiltConfig(NamedTuple):
     defaulted: tuple[str, ...] = ()
     """DeepSpeed key paths holding accelerate's defaults because nothing set them ([Note: two config sources] in
     integrations/transformers/training_args.py: a script's own config may differ there)."""
+    launcher_precision: tuple[str, ...] = ()
+    """`fp16.enabled` / `bf16.enabled` as the launcher's `mixed_precision` wrote them (not a config file's blocks):
+    a script's TrainingArguments precision wins over them ([Note: the script's precision over the launcher's])."""
 
 
 def build_deepspeed_config(settings: ZeroSettings) -> BuiltConfig:
@@ -101,7 +104,10 @@ def build_deepspeed_config(settings: ZeroSettings) -> BuiltConfig:
         problems.extend(error.problems)
     if problems or zero_config is None:
         raise ZeroConfigError(problems)
-    return BuiltConfig(config, zero_config, _fields_of(config, values, settings), _defaulted_paths(config, settings))
+    written = settings.config or {}
+    precision = tuple(p for p in ("fp16.enabled", "bf16.enabled") if _has(config, p) and not _has(written, p))
+    fields = _fields_of(config, values, settings)
+    return BuiltConfig(config, zero_config, fields, _defaulted_paths(config, settings), precision)
 
 
 def _generate(values: Mapping[str, Any], zero_keys: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ ENV_PREFIX = "ACCELERATE_ZERO_"
 """`ACCELERATE_ZERO_<FIELD>` holds the value of each `ZeroPlugin` field (e.g. ACCELERATE_ZERO_ZERO_STAGE)."""
 MOE_ENV = "ACCELERATE_ZERO_MOE_LAYER_CLS_NAMES"
 DEFAULTED_ENV = "ACCELERATE_ZERO_DEFAULTED_KEYS"
+PRECISION_ENV = "ACCELERATE_ZERO_LAUNCHER_PRECISION_KEYS"
 """JSON list of the exported config's key paths that hold accelerate's defaults because nothing set them."""
 """Comma-separated MoE layer class names (accelerate's `deepspeed_moe_layer_cls_names`), for stage 3 leaf modules."""
 
@@ -54,6 +55,7 @@ def plugin_env(built: BuiltConfig) -> dict[str, str]:
     """The environment that hands `built` to every rank: `ACCELERATE_ZERO_CONFIG`, `ACCELERATE_ZERO_<FIELD>`, and
     which of the config's keys are accelerate's defaults (`ACCELERATE_ZERO_DEFAULTED_KEYS`)."""
     env = {CONFIG_ENV: json.dumps(built.deepspeed_config), DEFAULTED_ENV: json.dumps(list(built.defaulted))}
+    env[PRECISION_ENV] = json.dumps(list(built.launcher_precision))
     for name, value in built.fields.items():
         env[env_name(name)] = str(value).lower() if isinstance(value, bool) else str(value)
     return env
@@ -62,8 +64,18 @@ def plugin_env(built: BuiltConfig) -> dict[str, str]:
 def read_defaulted(environ: Mapping[str, str]) -> frozenset[str]:
     """The key paths of the exported config that nobody set (`DEFAULTED_ENV`; none when it is absent or unreadable:
     then every exported key counts as chosen, the strict reading)."""
+    return _paths(environ, DEFAULTED_ENV)
+
+
+def read_launcher_precision(environ: Mapping[str, str]) -> frozenset[str]:
+    """The exported config's `fp16.enabled` / `bf16.enabled` that the launcher's `mixed_precision` wrote
+    (`PRECISION_ENV`; none when absent: then they count as the config's own)."""
+    return _paths(environ, PRECISION_ENV)
+
+
+def _paths(environ: Mapping[str, str], name: str) -> frozenset[str]:
     try:
-        paths = json.loads(environ.get(DEFAULTED_ENV, "[]"))
+        paths = json.loads(environ.get(name, "[]"))
     except json.JSONDecodeError:
         return frozenset()
     return frozenset(path for path in paths if isinstance(path, str)) if isinstance(paths, list) else frozenset()

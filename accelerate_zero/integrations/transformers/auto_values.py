@@ -74,13 +74,17 @@ class AutoFill:
             )
 
 
-def fill_from_training_args(config: dict[str, Any], args: Any, auto_find_batch_size: bool = False) -> AutoFill:
+def fill_from_training_args(
+    config: dict[str, Any], args: Any, auto_find_batch_size: bool = False, keep: frozenset[str] = frozenset()
+) -> AutoFill:
     """The first pass (transformers' `trainer_config_process`), on a copy of `config`.
 
     Args:
         config: the DeepSpeed config as written.
         args: the `TrainingArguments`.
         auto_find_batch_size: batch sizes then need not match (they change while searching).
+        keep: `fp16.enabled` / `bf16.enabled` paths whose written value stands unchecked (the launcher's mixed
+            precision when the arguments set none: [Note: the script's precision over the launcher's]).
     """
     fill = AutoFill(copy.deepcopy(config))
     micro = args.per_device_train_batch_size
@@ -106,8 +110,9 @@ def fill_from_training_args(config: dict[str, Any], args: Any, auto_find_batch_s
     fill.fill("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
     if args.save_on_each_node:
         fill.config.setdefault("checkpoint", {})["use_node_local_storage"] = True
-    fill.fill("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
-    fill.fill("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
+    fp16, bf16 = bool(args.fp16 or args.fp16_full_eval), bool(args.bf16 or args.bf16_full_eval)
+    fill.fill("fp16.enabled", fp16, "fp16|fp16_full_eval", must_match="fp16.enabled" not in keep)
+    fill.fill("bf16.enabled", bf16, "bf16|bf16_full_eval", must_match="bf16.enabled" not in keep)
     return fill
 
 

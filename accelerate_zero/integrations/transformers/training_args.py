@@ -17,7 +17,7 @@ from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.deepspeed_env import adopt_accelerate_deepspeed_launch
 from accelerate_zero.integrations.accelerate.launch_config import CONFIG_ENV, read_deepspeed_config, same_value
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
-from accelerate_zero.integrations.accelerate.rank_env import read_defaulted
+from accelerate_zero.integrations.accelerate.rank_env import read_defaulted, read_launcher_precision
 from accelerate_zero.integrations.transformers.auto_values import AutoFill, fill_from_training_args
 
 
@@ -80,7 +80,8 @@ class ZeroArgumentsMixin:
         """Fills the config's "auto" values from these arguments (again after a hyperparameter-search trial changed
         them) and validates it (every problem listed), before any process starts training."""
         raw = self._written_zero_config()
-        self.zero_fill: AutoFill = fill_from_training_args(raw, self, self.auto_find_batch_size)
+        keep = self._launcher_precision(raw)
+        self.zero_fill: AutoFill = fill_from_training_args(raw, self, self.auto_find_batch_size, keep)
         self.zero_plugin = ZeroPlugin(config=self.zero_fill.config)
 
     def _written_zero_config(self) -> dict[str, Any]:
@@ -95,6 +96,29 @@ class ZeroArgumentsMixin:
         if os.environ.get(CONFIG_ENV) is None:
             logger.info("no zero_config and no `accelerate-zero launch` config: ZeRO stage %s", plugin.zero_stage or 2)
         return plugin.deepspeed_config()
+
+    def _launcher_precision(self, raw: dict[str, Any]) -> frozenset[str]:
+        """[Note: the script's precision over the launcher's]
+        transformers makes `TrainingArguments(fp16=True)` / `bf16=True` the run's mixed precision whatever the
+        launcher's `mixed_precision` says (it hands `args.mixed_precision` to `DeepSpeedPlugin.set_mixed_precision`),
+        and keeps the launcher's when the arguments set none. So for a config that came from the launcher, the
+        precision keys its `mixed_precision` wrote become "auto" when the arguments set a precision (a DeepSpeed
+        file's own fp16/bf16 blocks stay the user's: a different precision in the arguments is a conflict, as
+        accelerate's `set_mixed_precision` refuses it), and every precision key is kept, unchecked, when the
+        arguments set none. Returns the keys to keep unchecked."""
+        if self.zero_config is not None:
+            return frozenset()  # the script's own config: transformers' fill_match rules, unchanged
+        launched = read_launcher_precision(os.environ)
+        if not any(getattr(self, name, False) for name in ("fp16", "bf16", "fp16_full_eval", "bf16_full_eval")):
+            return frozenset({"fp16.enabled", "bf16.enabled"}) if os.environ.get(CONFIG_ENV) else frozenset()
+        own = [path for path in ("fp16.enabled", "bf16.enabled") if path not in launched]
+        if any(_get_path(raw, path) is True for path in own):
+            return frozenset()  # the file enables a precision: the fill reports any other as a mismatch
+        for path in launched:
+            block, key = path.split(".")
+            if isinstance(raw.get(block), dict):
+                raw[block][key] = "auto"
+        return frozenset()
 
     @property
     def place_model_on_device(self) -> bool:
@@ -113,6 +137,11 @@ class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
     Use with `accelerate_zero.Trainer`. On the command line (`HfArgumentParser`) the config is `--zero_config PATH`.
     The `deepspeed` argument is refused (it needs the deepspeed package): give the same config as `zero_config`.
     """
+
+
+def _get_path(config: dict[str, Any], path: str) -> Any:
+    block, key = path.split(".")
+    return config[block].get(key) if isinstance(config.get(block), dict) else None
 
 
 def _as_dict(config: dict | str | os.PathLike[str] | ZeroConfig) -> dict[str, Any]:
