@@ -8,7 +8,9 @@ The base model is quantized to NF4 as it loads (bitsandbytes quantizes on the CP
 k-bit training (norms in fp32, input gradients enabled for checkpointing); LoRA adapters on every linear layer are
 the only trainable parameters. What ZeRO does with each part:
   * the quantized base weights (uint8, packed 4-bit) are not floating point: they get no gradient, no optimizer
-    state, and are not partitioned; every rank keeps its own copy (1/8 of the fp32 size);
+    state, and are not partitioned; every rank keeps its own copy (1/8 of the fp32 size). Stored as floats
+    (`bnb_4bit_quant_storage=torch.float32` or bf16 in BitsAndBytesConfig, as transformers documents for ZeRO-3
+    QLoRA) they are partitioned at stage 3 like any frozen weight (tests/integration/test_qlora.py trains both);
   * the floating-point frozen parameters (embeddings, norms, LM head) are sharded at stage 3, kept whole below;
   * the adapters' gradients, fp32 master weights and optimizer states are sharded (stages 2 and 3), and at stage 3
     their parameters too.
