@@ -27,7 +27,15 @@ from safetensors.torch import save_file
 
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
 from accelerate_zero.checkpoint.io import FragmentReader, check_tag, fresh_partial_dir, publish_dir, resolve_tag
-from accelerate_zero.checkpoint.meta import FORMAT, file_digest, rank_file_name, read_meta, verify_files, write_meta
+from accelerate_zero.checkpoint.meta import (
+    FORMAT,
+    check_file_set,
+    file_digest,
+    rank_file_name,
+    read_meta,
+    verify_digests,
+    write_meta,
+)
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange, StepCounters, TrainableRange
 
@@ -266,7 +274,7 @@ def load_engine(
     """
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
-    files = verify_files(folder, meta)
+    files = check_file_set(folder, meta)
     state = engine.checkpoint_state()
     _check_shapes(state, meta, folder)
     if load_optimizer_states:
@@ -274,6 +282,7 @@ def load_engine(
     from_model = _check_frozen(engine, meta, folder)
     reader = FragmentReader(files)
     names = _names(state)
+    _verify_what_this_rank_reads(engine, state, reader, names, from_model, folder, meta)
     with torch.no_grad():
         _load_trainable(state, reader, names, load_optimizer_states)
         _load_frozen(state, reader, names, from_model)
@@ -289,6 +298,33 @@ def load_engine(
     state.restore_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
     engine.zero_grad()
     return torch.load(folder / "client_state.pt", weights_only=True)
+
+
+def _verify_what_this_rank_reads(
+    engine: ZeroEngine,
+    state: CheckpointState,
+    reader: FragmentReader,
+    names: dict[int, str],
+    from_model: set[str],
+    folder: Path,
+    meta: dict[str, Any],
+) -> None:
+    """[Note: each rank verifies what it reads] in checkpoint/meta.py: this rank hashes the files its ranges and
+    whole tensors come from; every rank raises the first problem any rank found.
+
+    Raises:
+        ValueError: naming a damaged file (on every rank, whichever rank read it).
+    """
+    ranges = [*state.trainable_ranges(), *(shard.range for shard in state.frozen_shards())]
+    wanted = [(f.name, f.start, f.end) for r in ranges for f in _fragments(r, names) if f.name not in from_model]
+    covered = state.sharded_parameters()
+    whole = [whole_key(n, "full") for n, p in state.module.named_parameters() if id(p) not in covered]
+    whole += [whole_key(n, "buffer") for n, _ in state.module.named_buffers()]
+    problems = verify_digests(folder, meta, reader.files_for(wanted, whole))
+    found = collectives.all_gather_object(problems, engine.dp)
+    first = next((problem for rank_problems in found for problem in rank_problems), None)
+    if first is not None:
+        raise ValueError(first)
 
 
 def _check_shapes(state: CheckpointState, meta: dict[str, Any], folder: Path) -> None:

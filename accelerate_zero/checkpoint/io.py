@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -144,6 +144,7 @@ class FragmentReader:
     """Reads any element range of a saved parameter, from whichever rank files hold its pieces."""
 
     def __init__(self, files: list[Path]) -> None:
+        self.paths = list(files)
         self._handles = [_open(path) for path in files]
         self.pieces: dict[tuple[str, str], list[tuple[int, int, int, str]]] = {}
         self.whole: dict[str, tuple[int, str]] = {}
@@ -157,6 +158,17 @@ class FragmentReader:
                     self.pieces.setdefault((name, kind), []).append((start, end, index, key))
         for pieces in self.pieces.values():
             pieces.sort()
+
+    def files_for(self, ranges: Iterable[tuple[str, int, int]], whole: Iterable[str]) -> list[Path]:
+        """The files holding a saved piece (of any kind) of one of `ranges` ((name, start, end) element ranges) or
+        one of the `whole` keys: every file reading them can touch ([Note: each rank verifies what it reads])."""
+        by_name: dict[str, list[tuple[int, int, int]]] = {}
+        for (name, _), pieces in self.pieces.items():
+            by_name.setdefault(name, []).extend((start, end, index) for start, end, index, _ in pieces)
+        used = {self.whole[key][0] for key in whole if key in self.whole}
+        for name, start, end in ranges:
+            used.update(index for lo, hi, index in by_name.get(name, ()) if lo < end and hi > start)
+        return [self.paths[index] for index in sorted(used)]
 
     def extent(self, name: str) -> int | None:
         """How many elements of `name` the files hold values for (None: none)."""

@@ -92,6 +92,10 @@ class CheckpointState:
         for slices in self._sharded.resident_slices(write_back=write_back):
             yield [self._trainable(s) for s in slices]
 
+    def trainable_ranges(self) -> list[ShardRange]:
+        """The element ranges of every trainable slice, without bringing masters or state into memory."""
+        return [self._trainable(s).range for s in self._sharded.slices]
+
     @staticmethod
     def _trainable(shard_slice: ShardSlice) -> TrainableRange:
         bucket = shard_slice.bucket

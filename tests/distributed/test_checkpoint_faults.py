@@ -209,10 +209,8 @@ def test_intact_checkpoint_loads_exactly(checkpoints: tuple) -> None:
         ("flipped data", r"rank00001\.safetensors does not match its checksum"),
         ("flipped header", r"rank00000\.safetensors does not match its checksum"),
         ("renamed fragment, no checksums", r"no 'exp_avg_sq' optimizer state for \w+\.\w+\[\d+:\d+\]"),
-        (
-            "truncated shard",
-            r"rank00001\.safetensors does not match its checksum in meta\.json: the file is truncated",
-        ),
+        # A truncated file no longer parses: every rank opens every file's header before hashing what it reads.
+        ("truncated shard", r"rank00001\.safetensors is not a readable safetensors file .*: it is truncated"),
         ("truncated shard, no checksums", r"rank00001\.safetensors is not a readable safetensors file"),
         ("truncated meta", r"meta\.json is not valid JSON .*truncated"),
         ("foreign rank files", r"rank00002\.safetensors, rank00003\.safetensors.*the job had 2 ranks"),
