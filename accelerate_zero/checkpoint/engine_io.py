@@ -13,29 +13,25 @@ then records a fingerprint of each and loading takes them from the model after c
 parameters are not saved]). Every value is copied to host memory one fragment at a time, never cloned on the device.
 Nothing is ever unpickled beyond tensors and plain containers. Under NVMe offload the file format is the same:
 the masters and optimizer state are read from (and on load written back to) the swap files one sub-group at a
-time, and swapped parameter shards through the parameter store, so a checkpoint never needs them all in memory.
+time, and swapped parameter shards through the parameter store; a rank's file is written in parts as the fragments
+come ([Note: a save streams its rank file in parts] in rank_parts.py), so a checkpoint never needs them all in memory.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import save_file
 
+from accelerate_zero.checkpoint import rank_parts
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
 from accelerate_zero.checkpoint.io import FragmentReader, check_tag, fresh_partial_dir, publish_dir, resolve_tag
-from accelerate_zero.checkpoint.meta import (
-    FORMAT,
-    check_file_set,
-    file_digest,
-    rank_file_name,
-    read_meta,
-    verify_digests,
-    write_meta,
-)
+from accelerate_zero.checkpoint.meta import FORMAT, check_file_set, file_digest, read_meta, verify_digests, write_meta
+from accelerate_zero.checkpoint.rank_parts import DIGEST_SUFFIX, RankPartWriter
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange, StepCounters, TrainableRange
 
@@ -64,7 +60,6 @@ class ZeroEngine(Protocol):
 
 
 __all__ = ["FORMAT", "load_engine", "save_engine"]
-_DIGEST_SUFFIX = ".sha256"
 
 
 def _names(state: CheckpointState) -> dict[int, str]:
@@ -102,17 +97,28 @@ def _frozen_fingerprints(engine: ZeroEngine) -> dict[str, list[float]]:
     for frozen in state.frozen_shards():
         shard = state.read_frozen(frozen)
         for frag in _fragments(frozen.range, by_id):
-            values = shard[frag.offset : frag.offset + frag.numel].detach().double().cpu()
-            sums[index[frag.name]] += torch.stack([values.sum(), values.abs().sum()])
+            sums[index[frag.name]] += _sums(shard[frag.offset : frag.offset + frag.numel])
         in_flats.update(by_id[id(p)] for p in frozen.range.params)
     if engine.dp.rank == 0:  # parameters held whole on every rank: counted once
         for name, param in state.module.named_parameters():
             if name in index and name not in in_flats:
-                values = param.detach().double().cpu()
-                sums[index[name]] += torch.stack([values.sum(), values.abs().sum()])
+                sums[index[name]] += _sums(param)
     sums = sums.to(engine.device)
     collectives.all_reduce(sums, engine.dp, engine.comm_stats_counter, kind="checkpoint")
     return {name: sums[i].tolist() for name, i in index.items()}
+
+
+_SUM_CHUNK = 1 << 24
+
+
+def _sums(values: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of |values|] in float64 on the CPU, a chunk at a time where the values are: a float64 copy of a
+    whole frozen weight (an 8B model's embedding: 4 GB on the GPU) is never made."""
+    out = torch.zeros(2, dtype=torch.float64, device=values.device)
+    for chunk in values.detach().reshape(-1).split(_SUM_CHUNK):
+        out[0] += chunk.sum(dtype=torch.float64)
+        out[1] += chunk.abs().sum(dtype=torch.float64)
+    return out.cpu()
 
 
 def _check_frozen(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> set[str]:
@@ -164,10 +170,11 @@ def save_engine(
     _barrier(engine)
     # At stage 0 every rank holds the same full state: rank 0's file is enough.
     if engine.stage > 0 or is_main:
-        path = work / rank_file_name(rank)
-        save_file(_rank_tensors(state, is_main, set(excluded)), str(path))
-        # Each rank hashes its own file (in parallel); rank 0 collects the digests into meta.json.
-        (work / (path.name + _DIGEST_SUFFIX)).write_text(file_digest(path))
+        # [Note: a save streams its rank file in parts] in checkpoint/rank_parts.py
+        writer = RankPartWriter(work, rank, lambda tensors, path: save_file(tensors, path), rank_parts.SAVE_PART_BYTES)
+        for key, tensor in _rank_tensors(state, is_main, set(excluded)):
+            writer.add(key, tensor)
+        writer.flush()
     _barrier(engine)
     if is_main:
         if engine.lr_scheduler is not None:
@@ -179,8 +186,8 @@ def save_engine(
 
 def _collect_digests(work: Path) -> dict[str, str]:
     digests = {}
-    for sidecar in sorted(work.glob("*" + _DIGEST_SUFFIX)):
-        digests[sidecar.name[: -len(_DIGEST_SUFFIX)]] = sidecar.read_text().strip()
+    for sidecar in sorted(work.glob("*" + DIGEST_SUFFIX)):
+        digests[sidecar.name[: -len(DIGEST_SUFFIX)]] = sidecar.read_text().strip()
         sidecar.unlink()
     for name in ("scheduler.pt", "client_state.pt"):
         if (work / name).is_file():
@@ -188,25 +195,25 @@ def _collect_digests(work: Path) -> dict[str, str]:
     return digests
 
 
-def _rank_tensors(state: CheckpointState, is_main: bool, excluded: set[str]) -> dict[str, torch.Tensor]:
-    names, out = _names(state), {}
+def _rank_tensors(state: CheckpointState, is_main: bool, excluded: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, host copy) of everything this rank saves, one fragment at a time."""
+    names = _names(state)
     # Under NVMe optimizer offload the masters and their state are in memory one sub-group at a time.
     for batch in state.trainable_batches(write_back=False):
         for trainable in batch:
-            out.update(_trainable_tensors(state, trainable, names))
+            yield from _trainable_tensors(state, trainable, names)
     for frozen in state.frozen_shards():
         shard = state.read_frozen(frozen)
         for frag in _fragments(frozen.range, names):
             if frag.name not in excluded:
-                out[frag.key("param")] = _to_host(shard[frag.offset : frag.offset + frag.numel])
+                yield frag.key("param"), _to_host(shard[frag.offset : frag.offset + frag.numel])
     if is_main:
         covered = state.sharded_parameters()
         for name, param in state.module.named_parameters():
             if id(param) not in covered and name not in excluded:
-                out[whole_key(name, "full")] = _to_host(param)
+                yield whole_key(name, "full"), _to_host(param)
         for name, buffer in _persistent_buffers(state.module):
-            out[whole_key(name, "buffer")] = _to_host(buffer)
-    return {key: value.contiguous() for key, value in out.items()}
+            yield whole_key(name, "buffer"), _to_host(buffer)
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -222,18 +229,16 @@ def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
 
 def _trainable_tensors(
     state: CheckpointState, trainable: TrainableRange, names: dict[int, str]
-) -> dict[str, torch.Tensor]:
-    out = {}
+) -> Iterator[tuple[str, torch.Tensor]]:
     optimizer_state = state.optimizer.state.get(trainable.master, {})
     for frag in _fragments(trainable.range, names):
         piece = slice(frag.offset, frag.offset + frag.numel)
-        out[frag.key("master")] = _to_host(trainable.master[piece]).float()
+        yield frag.key("master"), _to_host(trainable.master[piece]).float()
         for kind, value in optimizer_state.items():
             if torch.is_tensor(value) and value.numel() == trainable.master.numel() and value.ndim > 0:
-                out[frag.key(kind)] = _to_host(value[piece])
+                yield frag.key(kind), _to_host(value[piece])
             elif torch.is_tensor(value) and value.numel() == 1:
-                out[frag.key(kind)] = _to_host(value.reshape(()))
-    return out
+                yield frag.key(kind), _to_host(value.reshape(()))
 
 
 def _meta(engine: ZeroEngine) -> dict[str, Any]:
