@@ -142,8 +142,6 @@ class _Assembly:
 
     def build(self, optimizer: torch.optim.Optimizer | None, progress: Callable[[], int]) -> EngineParts:
         config, zero = self.config, self.config.zero_optimization
-        if self.stage != 3:
-            self._place_module()
         optimizer = build_optimizer_for(self.module, optimizer, config)
         # [Note: fp32 gradients under mixed precision] in config/schema.py
         grad_dtype = dtype_from_name(config.data_types.grad_accum_dtype or DEFAULT_GRAD_ACCUM_DTYPE)
@@ -157,6 +155,7 @@ class _Assembly:
             buckets, locations, slices, on_complete = self._build_stage3(trainable, dtypes, zero)
         else:
             buckets, locations, slices, on_complete = self._build_flat_groups(trainable, dtypes, zero)
+            self._place_rest()
         if self.offload.optimizer:
             # [Note: no device masters under optimizer offload]
             # The fp32 masters live in host memory only: the slices were cut with the parameters as their masters
@@ -190,15 +189,27 @@ class _Assembly:
         )
 
     # ------------------------------------------------------------ stages 0-2
-    def _place_module(self) -> None:
-        self.module.to(self.device)
+    # [Note: stages 0-2 initialisation, straight into the flat buffers]
+    # Moving the whole module to the device and then flattening it held the model twice on the device at once (in its
+    # loaded dtype, and the flat buffers in the compute dtype). Instead each trainable parameter is copied from where
+    # the user built it (host memory, usually) into its group's flat buffer on the device, cast on the way, and
+    # re-pointed at its view, so its original can go at once (flat_buffer.flatten_params); then the rest (frozen
+    # parameters, buffers) is moved and cast, and everything is made rank 0's: one broadcast per flat buffer.
+    def _place_rest(self) -> None:
+        # Not `module.to(device)`: it would also "move" the flattened parameters, and a move that copies (seen:
+        # accelerate's CPU device "cpu:0" against tensors on "cpu", now normalised in groups.resolve_device) leaves
+        # them no longer views of their flat buffer, so the optimizer steps values the model never reads
+        # (tests/integration/test_zero_accelerator.py caught it). Only what was not flattened is moved.
+        flattened = {id(p) for shard in self.groups for p in shard.params}
         compute_dtype = self.config.compute_dtype
-        if compute_dtype != torch.float32:
-            for param in self.module.parameters():
-                if param.is_floating_point():
-                    param.data = param.data.to(compute_dtype)
+        others = [p for p in self.module.parameters() if id(p) not in flattened]
+        for param in others:
+            dtype = compute_dtype if param.is_floating_point() else param.dtype
+            param.data = param.data.to(device=self.device, dtype=dtype)
+        for buffer in self.module.buffers():
+            buffer.data = buffer.data.to(self.device)
         # Every rank starts from rank 0's weights and buffers, as DDP and DeepSpeed do.
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+        for tensor in [*(shard.param_buffer for shard in self.groups), *others, *self.module.buffers()]:
             collectives.broadcast(tensor.data, 0, self.dp, self.stats)
 
     def _build_flat_groups(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:

@@ -51,6 +51,9 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if device.type == "cpu":
+        # accelerate's device on a CPU run is "cpu:0"; `tensor.to("cpu:0")` copies a tensor that is on "cpu"
+        return torch.device("cpu")
     if device.type != "cuda":
         return device
     if device.index is None:

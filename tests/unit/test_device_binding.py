@@ -57,3 +57,10 @@ def test_the_only_visible_device_is_the_ranks_own(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     assert resolve_device(None) == torch.device("cuda", 0)
     assert four_gpus == [torch.device("cuda", 0)]
+
+
+def test_accelerates_cpu_device_is_the_cpu() -> None:
+    # accelerate's device on a CPU run is "cpu:0": tensor.to("cpu:0") copies a tensor on "cpu" (a view stops being one)
+    assert resolve_device(torch.device("cpu", 0)) == torch.device("cpu")
+    flat = torch.zeros(4)
+    assert flat.to(resolve_device("cpu:0")).data_ptr() == flat.data_ptr()
