@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import make_batches, make_model
+from tests.helpers.models import gathered_flat, make_batches, make_model, train_steps
 
 
 STEPS, GLOBAL_BATCH = 6, 6
@@ -32,18 +32,7 @@ def _engine(stage: int) -> tuple[Any, torch.nn.Module]:
 
 
 def _steps(engine: Any, rank: int, world_size: int, steps: range) -> None:
-    batches = make_batches(STEPS, 1, GLOBAL_BATCH)
-    for step in steps:
-        x, y = batches.rank_slice(step, 0, rank, world_size)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    import accelerate_zero
-
-    with accelerate_zero.GatheredParameters(list(model.parameters())):
-        return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    train_steps(engine, make_batches(STEPS, 1, GLOBAL_BATCH), rank, world_size, steps)
 
 
 def _original(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -53,7 +42,7 @@ def _original(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     _steps(engine, rank, world_size, range(3))
     path = engine.save_checkpoint(folder, client_state={"epoch": 7})
     _steps(engine, rank, world_size, range(3, STEPS))
-    return {"params": _params(model), "path": path, "lr": engine.get_lr()}
+    return {"params": gathered_flat(model), "path": path, "lr": engine.get_lr()}
 
 
 def _resumed(rank: int, world_size: int, folder: str, stage: int) -> dict[str, Any]:
@@ -61,7 +50,7 @@ def _resumed(rank: int, world_size: int, folder: str, stage: int) -> dict[str, A
     _, client_state = engine.load_checkpoint(folder)
     steps_loaded = engine.global_steps
     _steps(engine, rank, world_size, range(3, STEPS))
-    return {"params": _params(model), "client": client_state, "steps": steps_loaded, "lr": engine.get_lr()}
+    return {"params": gathered_flat(model), "client": client_state, "steps": steps_loaded, "lr": engine.get_lr()}
 
 
 def test_resume_exact_and_across_world_sizes_and_stages(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers.checkpoints import DAMAGE, EXPECTED, saved_values
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import make_batches, make_model
+from tests.helpers.models import gathered_flat, make_batches, make_model, train_steps
 
 
 GLOBAL_BATCH, TAG = 6, "global_step2"
@@ -49,18 +49,7 @@ def _engine(kind: str, swap: str, seed: int) -> tuple[Any, torch.nn.Module]:
 
 
 def _train(engine: Any, rank: int, world_size: int, steps: range) -> None:
-    batches = make_batches(4, 1, GLOBAL_BATCH)
-    for step in steps:
-        x, y = batches.rank_slice(step, 0, rank, world_size)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    import accelerate_zero
-
-    with accelerate_zero.GatheredParameters(list(model.parameters())):
-        return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    train_steps(engine, make_batches(4, 1, GLOBAL_BATCH), rank, world_size, steps)
 
 
 def _save(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
@@ -69,7 +58,7 @@ def _save(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
         engine, model = _engine(kind, f"{root}/swap_saved", seed=0)
         _train(engine, rank, world_size, range(2))
         engine.save_checkpoint(f"{root}/{kind}")
-        out[kind] = _params(model)
+        out[kind] = gathered_flat(model)
         engine.destroy()
     return out
 
@@ -93,17 +82,17 @@ def _load(rank: int, world_size: int, root: str, cases: list[str]) -> dict[str, 
         if kind == "nvme":
             engine.save_checkpoint(f"{root}/nvme_before", tag="state")
         for case in cases:
-            before = _params(model)
+            before = gathered_flat(model)
             outcome = _outcome(engine.load_checkpoint, f"{root}/{kind} {case}")
             out[f"{kind} {case}"] = outcome
             if outcome != "ok":
-                out[f"{kind} {case} unchanged"] = torch.equal(_params(model), before)
+                out[f"{kind} {case} unchanged"] = torch.equal(gathered_flat(model), before)
         if kind == "nvme":
             engine.save_checkpoint(f"{root}/nvme_after", tag="state")
         engine.destroy()
         engine, model = _engine(kind, f"{root}/swap_intact", seed=3)
         engine.load_checkpoint(f"{root}/{kind}")
-        out[f"{kind} intact"] = _params(model)
+        out[f"{kind} intact"] = gathered_flat(model)
         engine.destroy()
     return out
 

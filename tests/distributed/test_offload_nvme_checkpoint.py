@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import make_batches, make_model
+from tests.helpers.models import gathered_flat, make_batches, make_model, train_steps
 
 
 STEPS, GLOBAL_BATCH = 6, 6
@@ -47,18 +47,7 @@ def _engine(case: str, nvme_path: str) -> tuple[Any, torch.nn.Module]:
 
 
 def _steps(engine: Any, rank: int, world_size: int, steps: range) -> None:
-    batches = make_batches(STEPS, 1, GLOBAL_BATCH)
-    for step in steps:
-        x, y = batches.rank_slice(step, 0, rank, world_size)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
-
-
-def _params(model: torch.nn.Module) -> torch.Tensor:
-    import accelerate_zero
-
-    with accelerate_zero.GatheredParameters(list(model.parameters())):
-        return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    train_steps(engine, make_batches(STEPS, 1, GLOBAL_BATCH), rank, world_size, steps)
 
 
 def _save_continue_reload(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -69,12 +58,12 @@ def _save_continue_reload(rank: int, world_size: int, folder: str) -> dict[str, 
         _steps(engine, rank, world_size, range(3))
         engine.save_checkpoint(f"{folder}/ckpt{index}", client_state={"case": case})
         _steps(engine, rank, world_size, range(3, STEPS))
-        original = _params(model)
+        original = gathered_flat(model)
         engine.destroy()
         engine, model = _engine(case, f"{folder}/nvme{index}")
         _, client_state = engine.load_checkpoint(f"{folder}/ckpt{index}")
         _steps(engine, rank, world_size, range(3, STEPS))
-        out[case] = {"original": original, "resumed": _params(model), "client": client_state["case"]}
+        out[case] = {"original": original, "resumed": gathered_flat(model), "client": client_state["case"]}
         engine.destroy()
     return out
 
@@ -86,7 +75,7 @@ def _reload_elsewhere(rank: int, world_size: int, folder: str) -> dict[str, torc
         engine, model = _engine(case, f"{folder}/nvme_other")
         engine.load_checkpoint(f"{folder}/ckpt1")
         _steps(engine, rank, world_size, range(3, STEPS))
-        out[case] = _params(model)
+        out[case] = gathered_flat(model)
         engine.destroy()
     return out
 

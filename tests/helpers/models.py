@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -119,6 +120,22 @@ def round_to_bf16(model: nn.Module) -> nn.Module:
     for param in model.parameters():
         param.data = param.data.bfloat16().float()
     return model
+
+
+def train_steps(engine: Any, batches: Batches, rank: int, world_size: int, steps: Iterable[int]) -> None:
+    """`engine` trains the toy model on this rank's slice of `batches` (first micro-step of each step), MSE loss."""
+    for step in steps:
+        x, y = batches.rank_slice(step, 0, rank, world_size)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+
+def gathered_flat(model: nn.Module) -> torch.Tensor:
+    """Every parameter, gathered (stage 3) and flattened in fp32: a copy that outlives the gather."""
+    import accelerate_zero
+
+    with accelerate_zero.GatheredParameters(list(model.parameters())):
+        return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
