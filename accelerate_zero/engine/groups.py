@@ -118,11 +118,19 @@ def _destroy_the_default_group() -> None:
     accelerate's PartialState creates). Destroying it while the interpreter is still whole avoids that. After an
     uncaught exception (`sys.last_value` is set) it is left alone: the ranks are not in step, and a collective
     teardown (NCCL) could wait on a peer that is still computing; the launcher ends the others.
+
+    A group the script destroyed itself (accelerate's `end_training`) can still be alive as an object, held by
+    reference cycles: it was then freed by the interpreter's last garbage collection, inside finalization, where its
+    worker thread, releasing a finished all-reduce's tensors, needed the GIL and aborted the process (core dump of
+    the GRPO recipe, 1 run in about 40: `ProcessGroupGloo::runLoop` -> `~AsyncWork` -> `decref` -> `take_gil` ->
+    `pthread_exit` -> std::terminate). So the cycles are collected here in every case.
     """
-    if dist.is_initialized() and not hasattr(sys, "last_value"):
-        # Collect first: objects in reference cycles (modules, engines, finished collectives' buffers) would
-        # otherwise keep tensors that gloo's threads release after finalization began; collect after, so the group
-        # itself is freed now and its destructor joins those threads while the interpreter can still serve them.
-        gc.collect()
+    if hasattr(sys, "last_value"):
+        return
+    # Collect first: objects in reference cycles (modules, engines, finished collectives' buffers, a destroyed
+    # group) would otherwise keep tensors that gloo's threads release after finalization began; collect after, so
+    # the group itself is freed now and its destructor joins those threads while the interpreter can still serve them.
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()
