@@ -113,7 +113,9 @@ class _Assembly:
         self.stage = config.zero_optimization.stage
         self.offload = offload_policy(config)
         self.host_copies = HostCopies(device)
-        self.scratch = ScratchBuffers(device)  # [Note: temporaries reused in host memory]
+        self.scratch = ScratchBuffers(
+            device, reuse=False if __import__("os").environ.get("AZ_NOREUSE") else None
+        )  # [Note: temporaries reused in host memory]
         # [Note: pinned memory at its size] in offload/host_memory.py
         self.host_memory = HostMemory(pin=self.offload.pin_memory and device.type == "cuda")
         self.shard_store: ShardStore = ShardsInMemory()
@@ -258,6 +260,9 @@ class _Assembly:
         def from_rank_0(tensor: torch.Tensor) -> None:
             collectives.broadcast(tensor, 0, self.dp, self.stats)
 
+        def cut_on_rank_0(output: torch.Tensor, shards: list[torch.Tensor] | None) -> None:
+            collectives.scatter(output, shards, self.dp, self.stats)
+
         parts = build_stage3(
             self.module,
             layout,
@@ -270,6 +275,7 @@ class _Assembly:
             contiguous_gradients=zero.contiguous_gradients,
             host_memory=self.host_memory if self.offload.params else None,
             broadcast=from_rank_0,
+            scatter=cut_on_rank_0,
             shard_store=self.shard_store,
             kept_for=self._kept_for,
             scratch=self.scratch,

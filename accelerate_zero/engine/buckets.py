@@ -32,7 +32,7 @@ import torch
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.engine.kept_grads import DeviceShardGradient, KeptGradient, ReducedInPlace
+from accelerate_zero.engine.kept_grads import ArenaSlot, DeviceShardGradient, KeptGradient, ReducedInPlace
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
 
@@ -103,27 +103,29 @@ class GradBucket:
         grad_dtype: torch.dtype,
         comm_dtype: torch.dtype,
         device: torch.device,
-        storage: torch.Tensor | None,
+        storage: torch.Tensor | ArenaSlot | None,
         params: list[torch.nn.Parameter],
         kept: KeptGradient | None = None,
         scratch: ScratchBuffers | None = None,
     ) -> None:
-        """`storage`, when given, is a persistent view this bucket keeps its gradient in (full-size for stages 0/1,
-        shard-size for stage 2: `contiguous_gradients`); otherwise storage is taken from `scratch` on first use and
-        given back after each step (stage 2: after each reduction). `params` is the list `ParamSlot.param_index`
-        indexes. `kept`: where the averaged slice goes (engine/kept_grads.py); default: the compute device
-        (`storage` is then the shard-size buffer at stage 2). `scratch`: where the full-size temporaries come from
-        ([Note: temporaries reused in host memory]); default: fresh allocations."""
+        """`storage` (`contiguous_gradients`): at stages 0/1 a persistent full-size view this bucket keeps its
+        gradient in; at stages 2/3 the arena slot of its shard gradient ([Note: gradient shards live from the
+        first reduction to the optimizer step] in engine/kept_grads.py). Otherwise the full-size gradient is taken
+        from `scratch` on first use and given back after each step (stages 2/3: after each reduction). `params` is
+        the list `ParamSlot.param_index` indexes. `kept`: where the averaged slice goes (engine/kept_grads.py);
+        default: the compute device. `scratch`: where the full-size temporaries come from ([Note: temporaries reused
+        in host memory]); default: fresh allocations."""
         self.plan, self.mode, self.rank, self.params = plan, mode, rank, params
         self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
         to_shard = mode is ReduceMode.SCATTER_TO_SHARD
+        assert isinstance(storage, ArenaSlot) == (to_shard and storage is not None), "storage of the wrong kind"
         if kept is None:
             if to_shard:
                 kept = DeviceShardGradient(plan.shard_numel, grad_dtype, device, storage)
             else:
                 kept = ReducedInPlace(plan.numel if mode is ReduceMode.ALL_REDUCE else plan.shard_numel)
         if to_shard:
-            storage = None  # the shard-size storage is the home's
+            storage = None  # the shard gradient is the home's
         assert kept.numel == (plan.numel if mode is ReduceMode.ALL_REDUCE else plan.shard_numel), "kept slice size"
         self.kept = kept
         self.scratch = scratch if scratch is not None else ScratchBuffers(device, reuse=False)
@@ -134,6 +136,7 @@ class GradBucket:
         """`kept` holds this step's averaged gradient (else it holds an earlier step's, or nothing)."""
         self._pending: Pending | None = None
         self._unwritten: set[int] | None = None  # slots not written since the buffer was (re)used, see the note
+        self._adopted = False  # `grad` is autograd's ([Note: a single-tensor bucket reduces autograd's gradient ...])
         self._comm_buffer: torch.Tensor | None = None
         self._scaling: GradScaling | None = None
 
@@ -149,6 +152,11 @@ class GradBucket:
             self.finish_reduce()
         if self.state is BucketState.REDUCED:
             self._reopen()
+        if self._adopts(slot, grad):
+            # [Note: a single-tensor bucket reduces autograd's gradient itself]
+            self.grad, self._unwritten, self._adopted = grad.view(-1), None, True
+            self.state = BucketState.ACCUMULATING
+            return late
         view = self._full_grad(written=False)[slot.offset : slot.offset + slot.numel]
         if self._unwritten is not None and slot.param_index in self._unwritten:
             self._unwritten.discard(slot.param_index)
@@ -157,6 +165,25 @@ class GradBucket:
             view.add_(grad.reshape(-1))
         self.state = BucketState.ACCUMULATING
         return late
+
+    # [Note: a single-tensor bucket reduces autograd's gradient itself]
+    # A bucket that is one whole parameter with no padding (a stage-3 unit of its own: the input embeddings, an
+    # untied LM head, the largest tensors of a model) would copy autograd's fresh gradient into a full-size buffer
+    # of the same size and drop the original: two full-size gradients at once, at the very start of backward for the
+    # LM head. The reducer took the only reference (`param.grad = None`), so the bucket reduces that tensor instead,
+    # as FSDP2 reduces a parameter's own gradient. Only for the first gradient of a cycle into a bucket whose full
+    # gradient lives only while it fills and reduces (stages 2/3; stages 0/1 keep a persistent buffer), of the
+    # gradient dtype and contiguous; a later one is added to it as usual.
+    def _adopts(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
+        return (
+            self.grad is None
+            and self.mode is ReduceMode.SCATTER_TO_SHARD
+            and len(self.plan.slots) == 1
+            and slot.numel == self.plan.numel
+            and grad.dtype == self.grad_dtype
+            and grad.device == self.device
+            and grad.is_contiguous()
+        )
 
     def _full_grad(self, written: bool = True) -> torch.Tensor:
         """The full-size gradient; `written`: every slot holds its value (unwritten ones are zeroed first)."""
@@ -236,9 +263,9 @@ class GradBucket:
             self.kept.settle()
         if comm is not None:
             self._give_cast_copy(comm)
-        if self.grad is not None:
-            self.scratch.give(self.grad)
-        self.grad = None
+        if self.grad is not None and not self._adopted:
+            self.scratch.give(self.grad)  # (autograd's own gradient is dropped: no later one is served from it)
+        self.grad, self._adopted = None, False
 
     def _give_cast_copy(self, comm: torch.Tensor) -> None:
         """Gives back the buffer a reduction ran on when it is a cast copy, not the gradient itself."""

@@ -144,18 +144,52 @@ def reduce_scatter(
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
 
 
+# The received partial sums of one round of [Note: reduce-scatter on gloo], at most (16 MiB in fp32): a larger
+# bucket (a 32K-vocabulary embedding and LM head in one unit: 131 MB) is reduced in rounds over column ranges of the
+# W chunks, so the temporary never grows with the bucket and stays below a transformer layer's size.
+GLOO_ROUND_NUMEL = 1 << 22
+
+
 def _all_to_all_reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, scratch: ScratchBuffers
 ) -> Pending:
-    """[Note: reduce-scatter on gloo]: asynchronous; `wait()` sums the received partial sums into `output`."""
-    received = scratch.take(input.numel(), input.dtype)
-    work = dist.all_to_all_single(received, input, group=dp.group, async_op=True)
+    """[Note: reduce-scatter on gloo]: asynchronous; `wait()` sums the received partial sums into `output`
+    (the first round is in flight on return, the others run in `wait()`)."""
+    world, shard = dp.world_size, output.numel()
+    if input.numel() <= GLOO_ROUND_NUMEL:
+        received = scratch.take(input.numel(), input.dtype)
+        work = dist.all_to_all_single(received, input, group=dp.group, async_op=True)
 
-    def finish() -> None:
-        torch.sum(received.view(dp.world_size, -1), dim=0, out=output)
+        def finish() -> None:
+            torch.sum(received.view(world, -1), dim=0, out=output)
+            scratch.give(received)
+
+        return Pending(work, finish)
+    width = max(1, GLOO_ROUND_NUMEL // world)
+    received = scratch.take(width * world, input.dtype)
+    chunks = input.view(world, shard)
+
+    def start(lo: int) -> dist.Work:
+        hi = min(lo + width, shard)
+        into = list(received[: (hi - lo) * world].view(world, hi - lo).unbind(0))
+        # Column range [lo, hi) of every rank's chunk; `output` is this rank's chunk, written only after its round.
+        return dist.all_to_all(into, list(chunks[:, lo:hi].unbind(0)), group=dp.group, async_op=True)
+
+    first = start(0)
+
+    def finish_rounds() -> None:
+        work, lo = first, 0
+        while True:
+            work.wait()
+            hi = min(lo + width, shard)
+            torch.sum(received[: (hi - lo) * world].view(world, hi - lo), dim=0, out=output[lo:hi])
+            lo = hi
+            if lo >= shard:
+                break
+            work = start(lo)
         scratch.give(received)
 
-    return Pending(work, finish)
+    return Pending(None, finish_rounds)
 
 
 def all_gather(
@@ -201,6 +235,18 @@ def broadcast(
     stats.record("broadcast", _nbytes(tensor), 1.0)
     src = src_rank if dp.group is None else dist.get_global_rank(dp.group, src_rank)
     return Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op))
+
+
+def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataParallelGroup, stats: CommStats) -> None:
+    """Rank 0's `inputs[r]` into `output` on each rank r (`inputs`: rank 0's list, None elsewhere; synchronous)."""
+    if dp.world_size == 1:
+        assert inputs is not None and len(inputs) == 1
+        if output.data_ptr() != inputs[0].data_ptr():
+            output.copy_(inputs[0])
+        return
+    stats.record("scatter", _nbytes(output) * dp.world_size, (dp.world_size - 1) / dp.world_size)
+    src = 0 if dp.group is None else dist.get_global_rank(dp.group, 0)
+    dist.scatter(output, inputs if dp.rank == 0 else None, src=src, group=dp.group)
 
 
 def barrier(dp: DataParallelGroup) -> None:

@@ -16,6 +16,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.kept_grads import ArenaSlot, ShardGradArena
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import GroupPlan
 from accelerate_zero.engine.shard_slice import ShardSlice
@@ -79,15 +80,21 @@ def build_group_shard(
     shard. `fp32_master` False: no master on the device (under optimizer offload the policy makes them in host
     memory; [Note: no device masters under optimizer offload] in engine/assemble.py)."""
     param_buffer = flatten_params(params, plan, compute_dtype, device)
-    grad_storage = None
-    if contiguous_gradients:
-        numel = plan.shard_numel if mode is ReduceMode.SCATTER_TO_SHARD else plan.numel
-        grad_storage = torch.zeros(numel, dtype=grad_dtype, device=device)
-    offsets = plan.shard_offsets() if mode is ReduceMode.SCATTER_TO_SHARD else [b.offset for b in plan.buckets]
+    to_shard = mode is ReduceMode.SCATTER_TO_SHARD
+    grad_storage, arena = None, None
+    if contiguous_gradients and to_shard:
+        # [Note: gradient shards live from the first reduction to the optimizer step] in engine/kept_grads.py
+        arena = ShardGradArena(plan.shard_numel, grad_dtype, device)
+    elif contiguous_gradients:
+        grad_storage = torch.zeros(plan.numel, dtype=grad_dtype, device=device)
+    offsets = plan.shard_offsets() if to_shard else [b.offset for b in plan.buckets]
     buckets = []
     for bucket, offset in zip(plan.buckets, offsets, strict=True):
-        size = bucket.shard_numel if mode is ReduceMode.SCATTER_TO_SHARD else bucket.numel
-        storage = None if grad_storage is None else grad_storage[offset : offset + size]
+        storage: torch.Tensor | ArenaSlot | None = None
+        if arena is not None:
+            storage = ArenaSlot(arena, offset)
+        elif grad_storage is not None:
+            storage = grad_storage[offset : offset + bucket.numel]
         kept = kept_for(bucket, mode) if kept_for is not None else None
         buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage, params, kept, scratch))
     shard = GroupShard(

@@ -35,6 +35,8 @@ from accelerate_zero.engine.shard_plan import ParamSlot
 class _Session:
     """Bookkeeping of one backward pass started by the engine."""
 
+    boundary: bool
+    """This backward ends the accumulation cycle."""
     eager: bool
     """Launch reductions as buckets fill (else only accumulate)."""
     remaining: list[int]
@@ -106,6 +108,7 @@ class GradReducer:
         if self._session is not None:
             raise RuntimeError("begin_backward() called twice without end_backward(): is a backward still running?")
         self._session = _Session(
+            boundary=boundary,
             eager=boundary or self.partitioned,
             remaining=[len(b.plan.slots) for b in self.buckets],
             arrived=[set() for _ in self.buckets],
@@ -127,6 +130,10 @@ class GradReducer:
             if self.buckets[index].state is BucketState.ACCUMULATING:
                 self._launch(index)
         self._drain()
+        if session.boundary and self.partitioned:
+            # Every bucket of the cycle is reduced: the temporaries kept for the next micro-step have none to serve
+            # ([Note: temporaries reused in host memory]); what runs until the step allocates without them.
+            self.scratch.clear()
 
     def _raise_for_unused(self, session: _Session) -> None:
         unused = [

@@ -6,7 +6,8 @@ it back from there; the bucket never asks where that is ([Note: offload is a sto
 engine/stores.py). The homes:
 - `ReducedInPlace` (stages 0/1): the reduction wrote the averaged values into the bucket's own full-size buffer,
   which stays until the step; the home just remembers that view.
-- `DeviceShardGradient` (stages 2/3): a shard-sized buffer on the compute device that micro-steps accumulate into.
+- `DeviceShardGradient` (stages 2/3): a shard-sized buffer on the compute device that micro-steps accumulate into,
+  released after the step.
 - `HostGradient` (engine/host_grads.py, `offload_optimizer`): the slice in host memory, filled by asynchronous copies.
 - a slot of `NvmeGradStore` (offload/nvme_grads.py, `offload_optimizer` on NVMe, stages 2/3): the slice in a file.
 The composition root (engine/assemble.py) picks the home of every bucket when it is built.
@@ -14,6 +15,7 @@ The composition root (engine/assemble.py) picks the home of every bucket when it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -102,23 +104,81 @@ class ReducedInPlace:
         return []  # the bucket's own buffer
 
 
-class DeviceShardGradient:
-    """Stages 2/3 without offload: a shard-sized buffer on the compute device, accumulated over micro-steps.
+# [Note: gradient shards live from the first reduction to the optimizer step]
+# Between optimizer steps no rank needs a gradient: the step read and cleared them. FSDP2 frees its sharded
+# gradients at `zero_grad(set_to_none=True)`; keeping ours allocated would hold 4 bytes per parameter / W (a quarter
+# of fp32 AdamW's state) through evaluation, generation and checkpoints, memory they could use. So the shard
+# gradients of stages 2 and 3 are allocated by the first reduction of a step and released when the engine zeroes
+# the gradients after its step. `contiguous_gradients` (DeepSpeed's default) keeps its meaning, one buffer for the
+# shards instead of one per bucket (fewer allocations, no fragmentation): a `ShardGradArena`, allocated when its
+# first bucket takes a slot and freed when its last one gives the slot back. Measured in bench/user_load.py.
+class ShardGradArena:
+    """One flat buffer that several buckets' shard gradients are cut from (`contiguous_gradients`), allocated while
+    at least one of them holds its slot."""
 
-    `storage` (`contiguous_gradients`) is a view of one flat buffer kept for the whole run; otherwise the buffer is
-    allocated on first use and released after each step."""
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self._flat: torch.Tensor | None = None
+        self._holders = 0
+
+    def take(self, offset: int, numel: int) -> torch.Tensor:
+        """The slot [offset, offset + numel), uninitialised; allocates the buffer for the first holder."""
+        assert 0 <= offset and offset + numel <= self.numel, "a slot outside the arena"
+        if self._flat is None:
+            assert self._holders == 0, "an arena without a buffer has no holders"
+            self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self._holders += 1
+        return self._flat[offset : offset + numel]
+
+    def give(self) -> None:
+        """A holder drops its slot (and its view of it); the last one frees the buffer."""
+        assert self._holders > 0, "a slot given back that was not taken"
+        self._holders -= 1
+        if self._holders == 0:
+            self._flat = None
+
+    @property
+    def allocated(self) -> bool:
+        return self._flat is not None
+
+
+@dataclass(frozen=True)
+class ArenaSlot:
+    """Where in a `ShardGradArena` one bucket's shard gradient goes."""
+
+    arena: ShardGradArena
+    offset: int
+
+
+class DeviceShardGradient:
+    """Stages 2/3 without offload: a shard-sized buffer on the compute device, accumulated over micro-steps and
+    released after the step ([Note: gradient shards live from the first reduction to the optimizer step]).
+
+    `slot` (`contiguous_gradients`): the buffer is a slot of one flat buffer shared with other buckets; otherwise
+    it is allocated on its own."""
 
     in_host = False
 
     def __init__(
-        self, numel: int, dtype: torch.dtype, device: torch.device, storage: torch.Tensor | None = None
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slot: ArenaSlot | None = None,
     ) -> None:
-        self.numel, self.dtype, self.device, self._storage = numel, dtype, device, storage
-        self.values: torch.Tensor | None = storage
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self._slot = slot
+        self.values: torch.Tensor | None = None
+
+    def _allocate(self) -> torch.Tensor:
+        if self._slot is not None:
+            return self._slot.arena.take(self._slot.offset, self.numel)
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def add(self, reduced: torch.Tensor, post: float, fresh: bool) -> None:
         if self.values is None:
-            self.values = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            assert fresh, "a gradient added to a released shard must replace it"
+            self.values = self._allocate()
         fold_into(self.values, reduced, post, fresh)
 
     def read(self, start: int, end: int) -> torch.Tensor:
@@ -130,16 +190,16 @@ class DeviceShardGradient:
 
     def clear(self) -> None:
         if self.values is None:
-            self.values = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        else:
-            self.values.zero_()
+            self.values = self._allocate()
+        self.values.zero_()
 
     def settle(self) -> None:
         pass
 
     def reset(self) -> None:
-        if self._storage is None:
-            self.values = None
+        if self.values is not None and self._slot is not None:
+            self._slot.arena.give()
+        self.values = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.values is None else [self.values]

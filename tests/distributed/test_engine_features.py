@@ -122,6 +122,7 @@ def _comm_and_memory(stage: int, rank: int, world_size: int) -> dict[str, Any]:
     non_boundary = sum(v["bytes_per_rank"] for k, v in engine.comm_stats().items() if k not in ("total", "progress"))
     x, y = batches.rank_slice(0, 1, rank, world_size)
     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    before_step = engine.memory_breakdown()
     engine.step()
     stats = engine.comm_stats()
     padded = sum(g.plan.numel for g in engine.groups)
@@ -131,6 +132,7 @@ def _comm_and_memory(stage: int, rank: int, world_size: int) -> dict[str, Any]:
         "non_boundary_bytes": non_boundary,
         "stats": stats,
         "memory": engine.memory_breakdown(),
+        "memory_before_step": before_step,
     }
 
 
@@ -219,7 +221,10 @@ def test_memory_held_shrinks_by_stage(results: Any, stage: int) -> None:
         shard = padded if stage == 0 else padded // world_size
         assert memory["parameters"] == 4 * padded
         assert memory["master_weights"] == 0  # fp32: the master shard is a view of the parameters
-        assert memory["gradients"] == 4 * (shard if stage == 2 else padded)
+        # Between steps stage 2 holds no gradient ([Note: gradient shards live from the first reduction to the
+        # optimizer step]); before the step, the shard.
+        assert memory["gradients"] == (0 if stage == 2 else 4 * padded)
+        assert got["memory_before_step"]["gradients"] == 4 * (shard if stage == 2 else padded)
         # exp_avg and exp_avg_sq per shard element, plus one scalar step tensor per bucket
         assert 8 * shard <= memory["optimizer_states"] <= 8 * shard + 64
         apart = ("total", "communication_buffers_peak", "cached_buffers")  # not held for training: not in total

@@ -1,8 +1,9 @@
 """The estimate is honest: what `accelerate-zero estimate` predicts per rank is what the engine holds.
 
 One spawned group of 2 ranks builds the toy model and a tiny Llama for stages 0-3 (stage 3 with every parameter
-partitioned and with the default persistence threshold), in fp32 and bf16 with AdamW, takes one optimizer step,
-and returns `engine.memory_breakdown()` beside `estimate_stage(...)` for the same rank. The "-accum4" case runs
+partitioned and with the default persistence threshold), in fp32 and bf16 with AdamW, takes one optimizer step and
+one more backward, and returns `engine.memory_breakdown()` (the whole state held: the gradient shard lives until the
+step) beside `estimate_stage(...)` for the same rank. The "-accum4" case runs
 gradient accumulation 4 and reads the engine between micro-steps (after the first optimizer step and three
 more micro-steps): the estimate does not depend on accumulation, and neither may what stage 3 holds.
 """
@@ -76,10 +77,15 @@ def _one(name: str, key: str, precision: str, rank: int, world_size: int) -> dic
     # Shapes before initialize: the engine flattens (and at stage 3 empties) the parameters.
     estimate = estimate_stage(shapes_from_module(model, zero_config), setup, zero["stage"], rank=rank)
     engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
-    micro_steps = 1 if accumulation == 1 else accumulation + 3  # accumulation: stop between micro-steps
+    # Read where the whole training state is held: after a backward, before its optimizer step (stages 2-3 free the
+    # gradient shard after the step), and after a first step made the optimizer states: one step then a backward,
+    # or with accumulation between micro-steps.
+    micro_steps = 1 if accumulation == 1 else accumulation + 3
     for _ in range(micro_steps):
         engine.backward(_loss(name, engine, rank))
         engine.step()
+    if accumulation == 1:
+        engine.backward(_loss(name, engine, rank))
     measured = engine.memory_breakdown()
     peak_live = engine.scheduler.peak_live_numel * (2 if precision == "bf16" else 4) if engine.scheduler else 0
     engine.destroy()

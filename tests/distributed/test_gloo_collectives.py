@@ -38,13 +38,23 @@ def _checks(rank: int, world_size: int) -> dict[str, Any]:
             pending = collectives.all_gather(full, source, dp, stats, async_op=async_op)
             pending.wait()
             gathered = torch.equal(full, expected_gather)
-            buffer = partial[rank].clone()
-            shard = buffer[rank * SHARD : (rank + 1) * SHARD] if in_place else torch.empty(SHARD)
-            collectives.reduce_scatter(shard, buffer, dp, stats, async_op=async_op).wait()
-            reduced = (shard - expected_sum[rank * SHARD : (rank + 1) * SHARD]).abs().max().item()
+            reduced = 0.0
+            # In rounds of 10 elements (3 or 5 columns per rank, the last round partial) as in one.
+            for round_numel in (collectives.GLOO_ROUND_NUMEL, 10):
+                default, collectives.GLOO_ROUND_NUMEL = collectives.GLOO_ROUND_NUMEL, round_numel
+                try:
+                    buffer = partial[rank].clone()
+                    shard = buffer[rank * SHARD : (rank + 1) * SHARD] if in_place else torch.empty(SHARD)
+                    collectives.reduce_scatter(shard, buffer, dp, stats, async_op=async_op).wait()
+                finally:  # the rank serves other tests
+                    collectives.GLOO_ROUND_NUMEL = default
+                reduced = max(reduced, (shard - expected_sum[rank * SHARD : (rank + 1) * SHARD]).abs().max().item())
             counts = stats.as_dict()
             key = f"{'async' if async_op else 'sync'}-{'in_place' if in_place else 'copy'}"
             out[key] = {"gathered": gathered, "reduced": reduced, "counts": counts}
+    received = torch.full((SHARD,), float("nan"))
+    collectives.scatter(received, everyone if rank == 0 else None, dp, CommStats())
+    out["scatter"] = torch.equal(received, everyone[rank])
     return out
 
 
@@ -52,9 +62,10 @@ def _checks(rank: int, world_size: int) -> dict[str, Any]:
 def test_gloo_all_gather_and_reduce_scatter_equal_their_definitions(world_size: int) -> None:
     ring = (world_size - 1) / world_size
     for r in run_distributed(_checks, world_size):
+        assert r.pop("scatter")  # rank 0's list, one tensor to each rank
         for key, result in r.items():
             assert result["gathered"], key
             assert result["reduced"] < 1e-6, (key, result["reduced"])
             full_bytes = 4 * SHARD * world_size
             assert result["counts"]["all_gather"]["bytes_per_rank"] == pytest.approx(full_bytes * ring), key
-            assert result["counts"]["reduce_scatter"]["bytes_per_rank"] == pytest.approx(full_bytes * ring), key
+            assert result["counts"]["reduce_scatter"]["bytes_per_rank"] == pytest.approx(2 * full_bytes * ring), key

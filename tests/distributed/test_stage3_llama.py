@@ -157,12 +157,14 @@ def _comm_and_memory(rank: int, world_size: int, batches: list) -> dict[str, Any
     engine.step()
     engine.reset_comm_stats()
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+    before_step = engine.memory_breakdown()
     engine.step()
     padded = sum(flat.plan.numel for unit in engine.units for flat in unit.flats)
     return {
         "stats": engine.comm_stats(),
         "padded": padded,
         "memory": engine.memory_breakdown(),
+        "memory_before_step": before_step,
         "numel": sum(p.numel() for p in _tiny_llama().parameters()),
         "flats": sum(len(unit.flats) for unit in engine.units),
     }
@@ -279,7 +281,9 @@ def test_bytes_moved_and_held(results: Any) -> None:
         # fp32 SGD with momentum at rest: shard params (= master) + shard grads + momentum, each 4 * padded / W
         shard_bytes = 4 * padded // world_size
         assert memory["parameters"] == shard_bytes
-        assert memory["gradients"] == shard_bytes
+        # the gradient shard is held from backward to the step only ([Note: gradient shards live from the first
+        # reduction to the optimizer step])
+        assert r["comm"]["memory_before_step"]["gradients"] == shard_bytes and memory["gradients"] == 0
         assert memory["master_weights"] == 0
         # momentum covers parameter elements only, not this rank's padding
         assert shard_bytes - 4 * 8 * world_size <= memory["optimizer_states"] <= shard_bytes

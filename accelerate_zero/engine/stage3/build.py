@@ -12,10 +12,11 @@ from torch import nn
 
 from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard, group_slices
+from accelerate_zero.engine.kept_grads import ArenaSlot, ShardGradArena
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import ParamSlot, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
-from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer, build_flat
+from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer, Scatter, build_flat, set_data
 from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR, adopt
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, unit_slices
 from accelerate_zero.engine.stage3.units import UnitLayout
@@ -49,11 +50,13 @@ class Stage3Parts:
 # The model arrives wherever the user built it (host memory, usually) and must end with each rank holding its 1/W
 # shard of every unit on the device. Moving the whole model to the device first (as stages 0-2 do) would put the
 # whole model on every GPU at once: the OOM stage 3 exists to avoid. So the engine leaves stage 3's parameters
-# where they are, and here each unit is flattened straight into one device buffer (cast to the compute dtype),
-# broadcast from rank 0 in one collective (every rank starts from rank 0's weights, as DDP and DeepSpeed do), cut
-# to this rank's shard and freed before the next unit: the device never holds more than the shards plus one unit.
-# Persistent parameters (small by definition) go to the device one by one, as do the buffers and what no unit holds
-# (non-floating-point parameters of a quantized base), through `module.to`, which knows how to move those.
+# where they are, and here each unit is cut on rank 0 into one shard per rank (cast to the compute dtype) and
+# scattered ([Note: rank 0's weights, cut on rank 0] in flat_unit.py): every rank starts from rank 0's weights, as
+# DDP and DeepSpeed do, and no rank other than rank 0 ever holds a unit whole or reads its own copy of one. The
+# device never holds more than the shards plus one unit. Persistent parameters (small by definition) go to the
+# device one by one and are broadcast, as are the buffers and what no unit holds (non-floating-point parameters of
+# a quantized base), moved by `module.to`, which knows how to move those. A rank other than 0 may hold all of them
+# on the meta device: they get empty storage on the device, which the broadcast fills.
 def build_stage3(
     module: nn.Module,
     layout: UnitLayout,
@@ -67,6 +70,7 @@ def build_stage3(
     contiguous_gradients: bool,
     host_memory: HostMemory | None,
     broadcast: Callable[[torch.Tensor], None],
+    scatter: Scatter,
     shard_store: ShardStore,
     kept_for: KeptFor | None = None,
     scratch: ScratchBuffers | None = None,
@@ -76,8 +80,9 @@ def build_stage3(
     shards every unit, and plans the persistent parameters per optimizer param group. Every gradient bucket takes
     its temporaries from `scratch`. `fp32_masters` False: no fp32 masters on the device (optimizer offload)."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
+    _refuse_meta_on_rank_0(module, rank, device, broadcast)
     for param in layout.persistent:
-        param.data = param.data.to(device=device, dtype=dtypes.compute)
+        set_data(param, _on_device(param.data, device, dtypes.compute))
         broadcast(param.data)
     units = _build_units(
         module,
@@ -88,7 +93,7 @@ def build_stage3(
         device,
         contiguous_gradients,
         host_memory,
-        broadcast,
+        scatter,
         shard_store,
         kept_for,
         scratch,
@@ -169,6 +174,29 @@ def _settle_shards(
             flat.shard = host_memory.empty(flat.shard.numel(), flat.shard.dtype).copy_(flat.shard)
 
 
+def _refuse_meta_on_rank_0(
+    module: nn.Module, rank: int, device: torch.device, broadcast: Callable[[torch.Tensor], None]
+) -> None:
+    """Every rank raises when rank 0 holds a parameter on the meta device (rank 0's weights are what every rank
+    starts from), before any rank waits for rank 0 in a collective."""
+    names = [name for name, p in module.named_parameters() if p.device.type == "meta"] if rank == 0 else []
+    flag = torch.tensor([len(names)], dtype=torch.int64, device=device)
+    broadcast(flag)
+    if flag.item():
+        where = f" ({len(names)} of them, first {names[0]!r})" if names else ""
+        raise ValueError(
+            f"parameters are on the meta device on rank 0{where}: at stage 3 every rank starts from rank 0's "
+            "weights, so rank 0 must hold real ones (the other ranks may build on the meta device)"
+        )
+
+
+def _on_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` on `device` in `dtype`; uninitialised storage for one on the meta device (to be broadcast into)."""
+    if tensor.device.type == "meta":
+        return torch.empty(tensor.shape, dtype=dtype, device=device)
+    return tensor.to(device=device, dtype=dtype)
+
+
 def _place_rest(
     module: nn.Module,
     layout: UnitLayout,
@@ -180,6 +208,9 @@ def _place_rest(
     (The units' parameters are 0-element placeholders on the device by now: `to` leaves them as they are.)"""
     placed = {id(p) for p in layout.persistent}
     placed |= {id(p) for unit in units for flat in unit.flats for p in flat.params}
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type == "meta":  # a rank other than 0 that only built the model: rank 0's come below
+            set_data(tensor, _on_device(tensor.data, device, tensor.dtype))
     module.to(device)
     for param in module.parameters():
         if id(param) not in placed:
@@ -197,7 +228,7 @@ def _build_units(
     device: torch.device,
     contiguous_gradients: bool,
     host_memory: HostMemory | None,
-    broadcast: Callable[[torch.Tensor], None],
+    scatter: Scatter,
     shard_store: ShardStore,
     kept_for: KeptFor | None,
     scratch: ScratchBuffers | None,
@@ -210,21 +241,27 @@ def _build_units(
             return None
         flat = adopt(module, params, world_size, rank)
         if flat is None:
-            flat = build_flat(params, rank, world_size, dtypes.compute, device, broadcast=broadcast)
+            flat = build_flat(params, rank, world_size, dtypes.compute, device, scatter=scatter)
         if host_memory is not None and flat.shard.device.type != "cpu":
             # offload_param: the shard lives in host memory, copied in before each gather. A private copy for now:
             # [Note: where an offloaded shard settles] (pinned chunks only take the shards that stay).
             flat.shard = flat.shard.to("cpu", copy=True)
         return flat
 
+    flats = [(flat_of(spec.trainable), flat_of(spec.frozen)) for spec in layout.units]
+    arena, offset = None, 0
+    if contiguous_gradients:
+        # [Note: gradient shards live from the first reduction to the optimizer step] in engine/kept_grads.py
+        total = sum(train.plan.shard_numel for train, _ in flats if train is not None)
+        arena = ShardGradArena(total, dtypes.grad, device)
     units = []
-    for index, spec in enumerate(layout.units):
-        train_flat, frozen_flat = flat_of(spec.trainable), flat_of(spec.frozen)
+    for index, (spec, (train_flat, frozen_flat)) in enumerate(zip(layout.units, flats, strict=True)):
         bucket = None
         if train_flat is not None:
             storage = None
-            if contiguous_gradients:
-                storage = torch.zeros(train_flat.plan.shard_numel, dtype=dtypes.grad, device=device)
+            if arena is not None:
+                storage = ArenaSlot(arena, offset)
+                offset += train_flat.plan.shard_numel
             bucket = GradBucket(
                 train_flat.plan,
                 ReduceMode.SCATTER_TO_SHARD,

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from accelerate_zero.engine.flat_buffer import flatten_params
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 
 
@@ -47,23 +46,72 @@ class FlatUnitBuffer:
         self.full.untyped_storage().resize_(0)
 
 
+Scatter = Callable[[torch.Tensor, "list[torch.Tensor] | None"], None]
+"""Rank 0's list of W shards into each rank's output (None on the other ranks)."""
+
+
+# [Note: rank 0's weights, cut on rank 0]
+# Every rank starts from rank 0's weights (as DDP and DeepSpeed's zero.Init do), but no rank needs the whole unit
+# to get there: rank 0 cuts the unit into its W shards and scatters them, and every other rank only allocates its
+# own shard. The other ranks never read their own copy of the parameters: the pages of a checkpoint that
+# `from_pretrained` mapped lazily stay unread there, and their parameters may even be on the meta device (the
+# loading accelerate's FSDP `cpu_ram_efficient_loading` uses: rank 0 loads, the others only build). On rank 0 a
+# unit that is one parameter already in the compute dtype and layout (embeddings, an LM head: the largest tensors)
+# is scattered from views of it, without a copy; any other unit is flattened into one buffer first (one unit).
 def build_flat(
     params: list[nn.Parameter],
     rank: int,
     num_shards: int,
     dtype: torch.dtype,
     device: torch.device,
-    broadcast: Callable[[torch.Tensor], None] | None = None,
+    scatter: Scatter | None = None,
 ) -> FlatUnitBuffer:
-    """Flattens `params` into one padded bucket on `device` (`broadcast` makes it rank 0's, in one collective),
-    keeps this rank's slice, and frees the full buffer."""
+    """Flattens `params` into one padded bucket and keeps this rank's slice, the full buffer freed. `scatter`:
+    the slices are rank 0's ([Note: rank 0's weights, cut on rank 0]); None: every rank cuts its own."""
     plan = plan_group([tuple(p.shape) for p in params], sys.maxsize, num_shards)
-    full = flatten_params(params, plan, dtype, device)
-    if broadcast is not None:
-        broadcast(full)
     (bucket,) = plan.buckets
     lo, hi = bucket.shard_range(rank)
-    views = [param.data for param in params]
-    flat = FlatUnitBuffer(plan=bucket, rank=rank, params=params, views=views, full=full, shard=full[lo:hi].clone())
+    if scatter is None or rank == 0:
+        shards = _shards_of(params, bucket, num_shards, dtype, device)
+        shard = shards[rank].clone()
+        if scatter is not None:
+            scatter(shard, shards)
+    else:
+        shard = torch.empty(hi - lo, dtype=dtype, device=device)
+        scatter(shard, None)
+    # The full buffer is never written here (on a CPU its pages are never touched): it only gives the parameters
+    # their views, and its storage is freed at once.
+    full = torch.empty(bucket.numel, dtype=dtype, device=device)
+    views = [full[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in bucket.slots]
+    views = [views[index] for index in sorted(range(len(views)), key=lambda i: bucket.slots[i].param_index)]
+    for param in params:
+        set_data(param, full.new_empty(0))
+    flat = FlatUnitBuffer(plan=bucket, rank=rank, params=params, views=views, full=full, shard=shard)
     flat.free()
     return flat
+
+
+def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """`tensor.data = value`, also for a tensor on the meta device (whose data cannot be re-pointed at real storage:
+    its contents are swapped instead, keeping the Python object every reference holds, the optimizer's included)."""
+    if tensor.device.type != "meta":
+        tensor.data = value
+    elif isinstance(tensor, nn.Parameter):
+        torch.utils.swap_tensors(tensor, nn.Parameter(value, requires_grad=tensor.requires_grad))
+    else:
+        torch.utils.swap_tensors(tensor, value)
+
+
+def _shards_of(
+    params: list[nn.Parameter], bucket: BucketPlan, num_shards: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    ranges = [bucket.shard_range(r) for r in range(num_shards)]
+    only = params[0].detach() if len(params) == 1 else None
+    if only is not None and bucket.padding == 0 and only.dtype == dtype and only.device == device:
+        if only.is_contiguous():
+            flat = only.reshape(-1)
+            return [flat[lo:hi] for lo, hi in ranges]
+    full = torch.zeros(bucket.numel, dtype=dtype, device=device)
+    for slot in bucket.slots:
+        full[slot.offset : slot.offset + slot.numel].copy_(params[slot.param_index].detach().reshape(-1))
+    return [full[lo:hi] for lo, hi in ranges]

@@ -1,0 +1,283 @@
+"""The way DeepSpeed users load: their own `from_pretrained`, then the engine. Peak host memory per rank per phase.
+
+Usage:
+    .venv/bin/python bench/user_load.py                                   # W = 4, every entry point (~2 min)
+    .venv/bin/python bench/user_load.py --entries initialize --world_size 2
+    .venv/bin/python bench/user_load.py --json bench/out/user_load.json
+
+A LlamaForCausalLM of about 69M parameters (276 MB in fp32, untied) is saved once with `save_pretrained` into
+`--folder`, then on W gloo ranks (one thread each, `MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back
+to the OS) each rank: reads its baseline after the imports (the Trainer's and accelerate's too) and the process
+group; builds `TrainingArguments` /
+`ZeroAccelerator` with the stage-3 config first when the entry point is the Trainer or the accelerator (as users
+do, and as DeepSpeed needs for `zero.Init`); calls `AutoModelForCausalLM.from_pretrained(folder)` itself; hands
+the model to the entry point (`initialize`, `ZeroAccelerator.prepare`, `Trainer`, or FSDP2's `fully_shard` on
+each decoder layer and the root, the peer); trains 2 steps (phases forward/backward/optimizer of each; the
+Trainer's engine is built inside `train()`, one phase). A thread
+polls /proc/self/status every 2 ms and keeps, per phase (load, init, step), the peak of RssAnon (the process's
+own memory) and of RssFile (pages of mapped files: the safetensors file transformers maps lazily; shared with
+the other ranks and the page cache, dropped by the kernel under pressure, so reported apart). The goal (issue
+31, item 1): the anonymous peak per rank at most the rank's training state (16 bytes per parameter / W for fp32
+AdamW at stage 3) plus one unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+LLAMA = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=10,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
+ENTRIES = ["initialize", "accelerator", "trainer", "fsdp2"]
+MB = 1e6
+ZERO3: dict = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "zero_optimization": {"stage": 3},
+}
+
+
+class PhasePeaks:
+    """Polls RssAnon and RssFile; `phase(name)` starts a new phase and returns the peaks of the one that ended."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, dict[str, int]] = {}
+        self.ends: dict[str, dict[str, int]] = {}
+        self.current = "baseline"
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def read() -> dict[str, int]:
+        out = {}
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile"):
+                    out[key] = int(value.split()[0]) * 1024
+        return out
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            self._record()
+            self._done.wait(0.002)
+
+    def _record(self) -> None:
+        reading = self.read()
+        with self._lock:
+            peak = self.peaks.setdefault(self.current, dict(reading))
+            for key, value in reading.items():
+                peak[key] = max(peak[key], value)
+
+    def phase(self, name: str) -> None:
+        self._record()
+        with self._lock:
+            self.ends[self.current] = self.read()
+            self.current = name
+        self._record()
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        self._done.set()
+        self._thread.join()
+        self._record()
+        self.ends[self.current] = self.read()
+        return {"peaks": self.peaks, "ends": self.ends}
+
+
+def save_model(folder: Path) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes_file = folder / "bench_sizes.json"
+    if sizes_file.exists():
+        return json.loads(sizes_file.read_text())
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    model.save_pretrained(folder)
+    sizes = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "layer_bytes": sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters()),
+        "largest_tensor_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
+    }
+    sizes_file.write_text(json.dumps(sizes))
+    return sizes
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_zero
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Imported before the baseline, so that no phase counts the modules of the entry point (the Trainer: ~100 MB).
+    import datasets  # noqa: F401
+
+    _ = accelerate_zero.ZeroAccelerator, accelerate_zero.Trainer
+    peaks = PhasePeaks()
+    baseline = PhasePeaks.read()
+    batch = {
+        "input_ids": torch.randint(0, LLAMA["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(rank))
+    }
+    batch["labels"] = batch["input_ids"].clone()
+    prepared = None
+    if args.entry == "trainer":
+        training_args = accelerate_zero.TrainingArguments(
+            output_dir=str(Path(args.folder) / f"out_{rank}"),
+            zero_config=ZERO3,
+            per_device_train_batch_size=1,
+            max_steps=2,
+            learning_rate=1e-4,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+        )
+    elif args.entry == "accelerator":
+        from accelerate_zero.integrations.accelerate import ZeroPlugin
+
+        config = {key: value for key, value in ZERO3.items() if key != "optimizer"}  # the loop's optimizer
+        config.update(gradient_accumulation_steps="auto")
+        prepared = accelerate_zero.ZeroAccelerator(ZeroPlugin(config=config), cpu=True)
+    peaks.phase("load")
+    model = AutoModelForCausalLM.from_pretrained(args.folder)
+    peaks.phase("init")
+    if args.entry == "initialize":
+        engine = accelerate_zero.initialize(model, config=ZERO3)
+
+        def step(index: int) -> None:
+            peaks.phase(f"forward{index}")
+            loss = engine(**batch).loss
+            peaks.phase(f"backward{index}")
+            engine.backward(loss)
+            peaks.phase(f"optimizer{index}")
+            engine.step()
+
+    elif args.entry == "accelerator":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = prepared.prepare(model, optimizer)
+
+        def step(index: int) -> None:
+            peaks.phase(f"forward{index}")
+            loss = model(**batch).loss
+            peaks.phase(f"backward{index}")
+            prepared.backward(loss)
+            peaks.phase(f"optimizer{index}")
+            optimizer.step()
+            optimizer.zero_grad()
+
+    elif args.entry == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = ZERO3["zero_optimization"].get("stage3_max_reuse_distance", 1e9) == 0
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(index: int) -> None:
+            peaks.phase(f"forward{index}")
+            loss = model(**batch).loss
+            peaks.phase(f"backward{index}")
+            loss.backward()
+            peaks.phase(f"optimizer{index}")
+            optimizer.step()
+            optimizer.zero_grad()
+
+    else:
+        from datasets import Dataset
+
+        rows = [{"input_ids": batch["input_ids"][0].tolist(), "labels": batch["labels"][0].tolist()}] * 4
+        trainer = accelerate_zero.Trainer(model=model, args=training_args, train_dataset=Dataset.from_list(rows))
+
+    # (the user keeps `model`: the engine holds the same module)
+    if args.entry == "trainer":
+        peaks.phase("train")  # the Trainer builds the engine inside train()
+        trainer.train()
+    else:
+        for index in range(2):
+            step(index)
+    result = {"rank": rank, "baseline": baseline, **peaks.stop()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world_size", type=int, default=4)
+    parser.add_argument("--entries", nargs="+", default=ENTRIES, choices=ENTRIES)
+    parser.add_argument("--folder", default="/tmp/az_user_load_llama")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--entry", default="initialize", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--zero", default="{}", help="JSON merged into zero_optimization (e.g. reuse distance)")
+    args = parser.parse_args()
+    ZERO3["zero_optimization"].update(json.loads(args.zero))
+    if args.worker:
+        worker(args)
+        return
+    folder = Path(args.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = save_model(folder)
+    state = 16 * sizes["params"] / args.world_size
+    print(
+        f"model: {sizes['params'] / 1e6:.1f}M parameters; state per rank (16 B/param / {args.world_size}): "
+        f"{state / MB:.0f} MB; one layer {sizes['layer_bytes'] / MB:.1f} MB, largest tensor "
+        f"{sizes['largest_tensor_bytes'] / MB:.1f} MB"
+    )
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
+    results = {"sizes": sizes, "world_size": args.world_size, "entries": {}}
+    for entry in args.entries:
+        out = folder / f"result_{entry}.json"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.world_size}",
+        ]
+        command += [__file__, "--worker", "--entry", entry, "--folder", str(folder), "--out", str(out)]
+        command += ["--zero", args.zero]
+        subprocess.run(command, env=env, check=True)
+        ranks = json.loads(out.read_text())
+        results["entries"][entry] = ranks
+        print(f"\n{entry}: peak above the baseline per rank, MB (anonymous / file-backed), max over ranks")
+        for phase in ranks[0]["peaks"]:
+            if phase == "baseline":
+                continue
+            anon = max(r["peaks"][phase]["RssAnon"] - r["baseline"]["RssAnon"] for r in ranks)
+            file = max(r["peaks"][phase]["RssFile"] - r["baseline"]["RssFile"] for r in ranks)
+            end = max(r["ends"][phase]["RssAnon"] - r["baseline"]["RssAnon"] for r in ranks)
+            print(
+                f"  {phase:8s} peak anon {anon / MB:7.1f}  file {file / MB:7.1f}  (anon / state {anon / state:4.2f});"
+                f"  anon at its end {end / MB:7.1f}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
