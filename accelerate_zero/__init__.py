@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from accelerate_zero.config import AUTO, ZeroConfig, ZeroConfigError
 from accelerate_zero.engine.engine import ZeroEngine, initialize
 from accelerate_zero.engine.gathered import GatheredParameters, register_external_parameter
+from accelerate_zero.engine.sleep import OffloadDeviceEnum, OffloadStateTypeEnum
 from accelerate_zero.engine.stage3.loading import from_pretrained
 
 
@@ -39,6 +40,8 @@ def __getattr__(name: str):
 __all__ = [
     "AUTO",
     "GatheredParameters",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
     "Trainer",
     "TrainingArguments",
     "ZeroArgumentsMixin",

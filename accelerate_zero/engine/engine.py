@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.assemble import assemble
 from accelerate_zero.engine.checkpoint_state import CheckpointState, StepCounters
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.full_weights import named_full_parameters
 from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
 from accelerate_zero.engine.progress import BackwardPositionCheck
@@ -30,6 +31,14 @@ from accelerate_zero.engine.setup import (
     cast_forward_inputs,
     check_implemented,
     forward_input_dtype,
+)
+from accelerate_zero.engine.sleep import (
+    OffloadDeviceEnum,
+    OffloadStateTypeEnum,
+    SleepingState,
+    check_device,
+    parse_include,
+    training_state,
 )
 from accelerate_zero.engine.step_log import StepLog
 
@@ -113,6 +122,7 @@ class ZeroEngine:
         self._boundary_override: bool | None = None
         self._position_check = BackwardPositionCheck(dp, self.comm_stats_counter, device)
         self._global_grad_norm: float | None = None
+        self._sleep = SleepingState(device)
         parts = assemble(
             module,
             optimizer,
@@ -158,6 +168,7 @@ class ZeroEngine:
         complete; at stage 3 each unit is released as soon as its gradient is reduced), at stages 0 and 1 only on
         the accumulation boundary (other micro-steps communicate nothing).
         """
+        self._sleep.check_awake("backward")
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
@@ -184,6 +195,7 @@ class ZeroEngine:
         On an fp16 overflow (on any rank) the step is skipped on every rank, the loss scale drops and the LR
         scheduler does not step. Gradients are zeroed after the boundary.
         """
+        self._sleep.check_awake("step")
         if self.is_gradient_accumulation_boundary():
             with self.step_log.timed("step"):
                 self.reducer.finish_step()
@@ -418,6 +430,34 @@ class ZeroEngine:
             for name, t in local.items()
             if only is None or name in only
         }
+
+    def offload_states(
+        self,
+        include: Iterable[OffloadStateTypeEnum | str] | None = None,
+        device: OffloadDeviceEnum | str = OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """Moves the training state off the device until `reload_states()`, as DeepSpeed's engine does between
+        rollouts ([Note: sleeping moves storages, not tensors] in engine/sleep.py). `include`: the kinds to move
+        (`OffloadStateTypeEnum` members or their names); None: all of them. Call it between steps."""
+        kinds = parse_include(include)
+        check_device(device)
+        if any(flat.full.untyped_storage().nbytes() for unit in self.units for flat in unit.flats):
+            raise RuntimeError("offload_states() while stage-3 parameters are gathered: call it between steps")
+        self.reducer.scratch.clear()
+        self._sleep.offload(training_state(self), kinds, self.module, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Puts back what `offload_states()` moved; training goes on as if it never left."""
+        self._sleep.reload(non_blocking)
+
+    def named_full_parameters(
+        self, max_bytes: int | None = None, dtype: torch.dtype | None = None, rank0_only: bool = False, merge_lora=True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) pairs, at most `max_bytes` of units gathered at once, a LoRA adapter merged ([Note:
+        streaming full weights to a generator] in engine/full_weights.py). Every rank iterates it to the end."""
+        return named_full_parameters(self, max_bytes, dtype, rank0_only, merge_lora)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now, per kind, counted from the engine's tensors (each storage once).

@@ -14,6 +14,8 @@ exits 1 if any failed. Checks (a CUDA-only check is reported as skipped on the C
 - checkpoint resume is bit-identical at the same world size and stage; on CUDA the device memory the save allocates
   beyond what the engine holds is at most one fragment (host copies made piecewise);
 - an fp16 overflow on the last rank skips the same step on every rank;
+- `offload_states()` leaves at most 1 MiB (or 1%) of the training state's device memory allocated, and training
+  after `reload_states()` equals the reference (stages 1 and 3);
 - stage 3: the peak of gathered parameter elements does not grow with accumulation, and with a prefetch budget of
   one unit the next unit's gather is issued ahead of its use;
 - CUDA, checked first in the fresh process: the engine bound this rank's device (`torch.cuda.current_device() ==
@@ -260,6 +262,31 @@ def check_stage3_schedule(rank: int, world_size: int, device: torch.device) -> d
     }
 
 
+def check_sleep(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+    """`offload_states()` between steps leaves (almost) nothing on the device; after `reload_states()` training
+    equals the reference ([Note: sleeping moves storages, not tensors] in accelerate_zero/engine/sleep.py)."""
+    expected = _reference(1, world_size, device)
+    batches = make_batches(STEPS, 1, PER_RANK * world_size)
+    out: dict[str, Any] = {}
+    for stage in (1, 3):
+        model = make_model()
+        engine = accelerate_zero.initialize(model, _optimizer(model, "adamw"), config=_config(stage, 1), device=device)
+        _train(engine, batches, rank, world_size, range(1))
+        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        engine.offload_states()
+        name = f"stage {stage}: device bytes allocated asleep (awake: {held})"
+        if device.type == "cuda":
+            left = torch.cuda.memory_allocated(device)
+            out[name] = (left, left <= max(1 << 20, held // 100))
+        else:
+            out[name] = (SKIPPED, True)
+        engine.reload_states()
+        _train(engine, batches, rank, world_size, range(1, STEPS))
+        diff = (_flat(model) - expected).abs().max().item()
+        out[f"stage {stage}: slept a step, max |param - fp32 reference|"] = (diff, diff < 1e-5)
+    return out
+
+
 def check_cuda_binding(rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {
@@ -305,6 +332,7 @@ CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "resume": check_resume,
     "fp16_overflow": check_fp16_overflow,
     "stage3_schedule": check_stage3_schedule,
+    "sleep": check_sleep,
     "refused_pinning": check_refused_pinning,
     "loading": check_loading,
     "medium": check_medium,

@@ -28,6 +28,7 @@ CUDA_ONLY = (
     "allocated between steps",
     "CUDA contexts",
     "a refused cudaHostRegister",
+    "device bytes allocated asleep",
 )
 
 

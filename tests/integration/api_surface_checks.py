@@ -394,12 +394,16 @@ def release(rank: int, world_size: int) -> dict[str, Any]:
     x, y = loop_data(world_size, 1)
     x, y = x[rank * MICRO :][:MICRO], y[rank * MICRO :][:MICRO]
     accelerator.backward(F.mse_loss(model(x), y))  # one optimizer step
+    # DeepSpeed's engine (what accelerate's prepare returns there) sleeps between rollouts: so does the model here.
+    model.offload_states()
+    asleep = accelerator.zero_engines[0].memory_breakdown()["total"]
+    model.reload_states()
     probe = torch.linspace(-1, 1, 2 * IN_FEATURES).reshape(2, IN_FEATURES)
     with torch.no_grad():
         logits = {"model": model(probe), "frozen": frozen(probe)}
     engines = [weakref.ref(e) for e in accelerator.zero_engines]
     tensors = [weakref.ref(t) for e in accelerator.zero_engines for t in _engine_tensors(e)]
-    out: dict[str, Any] = {"hooks_while_prepared": hook_census(model), "hooks_before": census}
+    out: dict[str, Any] = {"hooks_while_prepared": hook_census(model), "hooks_before": census, "asleep": asleep}
     accelerator.release_model(model)
     accelerator.release_model(frozen)
     del optimizer  # the optimizer prepare returned (its wrapper holds the engine, as accelerate's holds its engine)
@@ -410,6 +414,7 @@ def release(rank: int, world_size: int) -> dict[str, Any]:
         tensors_tracked=len(tensors),
         hooks_after={"model": hook_census(model), "frozen": hook_census(frozen)},
         prepared_left=len(accelerator.zero_engines),
+        sleeps_after=hasattr(model, "offload_states") or hasattr(model, "reload_states"),
         requires_grad=[p.requires_grad for m in (model, frozen) for p in m.parameters()],
         shapes_ok=all(p.shape == r.shape for p, r in zip(model.parameters(), make_model().parameters(), strict=True)),
     )

@@ -160,6 +160,7 @@ def test_release_model_frees_the_engine_and_gives_back_a_plain_module(ranks: Any
         assert sum(run["hooks_while_prepared"].values()) > 0  # the census sees the engine's hooks
         assert run["hooks_after"] == run["hooks_before"]
         assert run["prepared_left"] == 0 and run["engines_alive"] == 0
+        assert run["asleep"] == 0 and not run["sleeps_after"]  # model.offload_states() while prepared, not after
         assert run["tensors_tracked"] > 0 and run["tensors_alive"] == 0  # shards, masters, optimizer state
         assert run["shapes_ok"] and all(run["requires_grad"])  # the frozen model's flags are back too
         assert run["logit_diff"] == 0.0  # the same fp32 weights the engine computed with

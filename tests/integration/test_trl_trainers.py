@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from tests.helpers.dist import run_distributed
 
@@ -21,7 +22,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from tests.integration import trl_trainer_checks
 
     results = run_distributed(trl_trainer_checks.all_checks, 2, str(tmp_path_factory.mktemp("trl")))
-    print("TRL measurements:", json.dumps(results))  # pytest -s shows them (generate times, bytes held)
+    print("TRL measurements:", json.dumps(results, default=str))  # pytest -s shows them (times, bytes held)
     return results
 
 
@@ -44,3 +45,16 @@ def test_grpo_generation_gathers_once_per_call(ranks: Any) -> None:
         for call in once["generate"]:
             assert call["collectives"] <= once["units"]  # one gather per unit for the whole generate call
         assert min(c["collectives"] for c in per_step["generate"]) > once["units"]
+
+
+def test_grpo_generates_with_the_training_state_asleep(ranks: Any) -> None:
+    """`offload_states_during_generation`: while completions are generated the engine holds its parameters only;
+    the run trains to the very weights of the run that kept everything on the device."""
+    for rank in ranks:
+        awake, asleep = rank["grpo_gather"], rank["grpo_asleep"]
+        assert asleep["steps"] == 2 and asleep["generate"]
+        assert awake["held_while_generating"]["optimizer_states"] > 0  # the second rollout follows a step
+        for kind in ("optimizer_states", "master_weights", "gradients"):
+            assert asleep["held_while_generating"][kind] == 0, (kind, asleep["held_while_generating"])
+        assert asleep["held_while_generating"]["parameters"] > 0
+        assert torch.equal(asleep["trained"], awake["trained"])

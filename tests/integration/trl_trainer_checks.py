@@ -96,20 +96,27 @@ def dpo(folder: Path) -> dict[str, Any]:
     }
 
 
-def grpo(folder: Path, gather: bool) -> dict[str, Any]:
+def grpo(folder: Path, gather: bool, sleep: bool = False) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoTokenizer
 
+    import accelerate_zero
     from accelerate_zero.integrations.trl import GRPOConfig, GRPOTrainer
 
     calls: list[dict[str, float]] = []
+    held_while_generating: list[dict[str, int]] = []
+    generating = [False]
 
     class Timed(GRPOTrainer):
         def _generate_single_turn(self, *a: Any, **k: Any) -> Any:
             engine = self.zero_engine
             engine.reset_comm_stats()
             start = time.perf_counter()
-            out = super()._generate_single_turn(*a, **k)
+            generating[0] = True
+            try:
+                out = super()._generate_single_turn(*a, **k)
+            finally:
+                generating[0] = False
             stats = engine.comm_stats()
             calls.append({"seconds": time.perf_counter() - start, "collectives": stats["total"]["calls"]})
             return out
@@ -123,10 +130,18 @@ def grpo(folder: Path, gather: bool) -> dict[str, Any]:
         max_completion_length=8,
         beta=0.1,  # a reference model
         ds3_gather_for_generation=gather,
-        **common(str(folder / f"grpo_{gather}")),
+        offload_states_during_generation=sleep,
+        **common(str(folder / f"grpo_{gather}_{sleep}")),
     )
+    model = load()
+
+    def record(module: Any, args: Any) -> None:  # every forward of a generate call: what the engine holds then
+        if generating[0] and trainer.zero_engine is not None:
+            held_while_generating.append(trainer.zero_engine.memory_breakdown())
+
+    model.register_forward_pre_hook(record)
     trainer = Timed(
-        model=load(),
+        model=model,
         reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS * 4]),
@@ -134,7 +149,12 @@ def grpo(folder: Path, gather: bool) -> dict[str, Any]:
     )
     trainer.train()
     ref_entry = trainer.accelerator.prepared_model_of(trainer.ref_model)
+    with accelerate_zero.GatheredParameters(list(model.parameters())):
+        trained = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    kinds = ("optimizer_states", "master_weights", "gradients", "parameters")
     return {
+        "trained": trained,
+        "held_while_generating": {k: max((h[k] for h in held_while_generating), default=-1) for k in kinds},
         "steps": trainer.state.global_step,
         "generate": calls,
         "units": len(trainer.zero_engine.units),
@@ -149,4 +169,5 @@ def all_checks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "dpo": dpo(root),
         "grpo_gather": grpo(root, gather=True),
         "grpo_no_gather": grpo(root, gather=False),
+        "grpo_asleep": grpo(root, gather=True, sleep=True),
     }

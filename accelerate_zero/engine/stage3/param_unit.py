@@ -92,6 +92,12 @@ class ParamUnit:
         if self.state is not UnitState.SHARDED:
             return
         for flat in self.flats:
+            if flat.shard.numel() and not flat.shard.untyped_storage().nbytes():
+                # [Note: sleeping moves storages, not tensors] (engine/sleep.py): gathering now would read nothing.
+                raise RuntimeError(
+                    f"unit {self.name!r} is gathered while the training state is offloaded: call "
+                    "engine.reload_states() first"
+                )
             flat.allocate()
             swapped = self.store.swapped(flat)
             source = self.store.acquire(flat)

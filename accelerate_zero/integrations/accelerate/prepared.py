@@ -72,6 +72,8 @@ class PreparedModel:
     def close(self) -> None:
         for handle in self.hooks:
             handle.remove()
+        for name in ("offload_states", "reload_states"):  # the engine's, set by prepare
+            self.model.__dict__.pop(name, None)
         self.engine.destroy()
 
     def release(self) -> None:

@@ -136,6 +136,9 @@ def build_prepared_model(
     if input_dtype is not None:
         # The model is returned unwrapped: a pre-hook casts its inputs as `engine(...)` would.
         hooks.append(model.register_forward_pre_hook(CastForwardInputs(input_dtype), with_kwargs=True))
+    # accelerate returns DeepSpeed's engine from prepare, and RL code (TRL, OpenRLHF, verl) puts it to sleep between
+    # rollouts through it: the model we return answers the same two calls (taken off again by `close`).
+    model.offload_states, model.reload_states = engine.offload_states, engine.reload_states
     return PreparedModel(model, engine, wrapper, hooks, requires_grad)
 
 

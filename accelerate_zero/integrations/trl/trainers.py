@@ -18,13 +18,14 @@ Frozen reference and reward models are prepared for inference (sharded at stage 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.distributed import DistributedBackend
+from trl.generation.vllm_generation import VLLMGeneration
 
 from accelerate_zero.engine.gathered import GatheredParameters
 from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
@@ -39,6 +40,34 @@ class ZeroDistributedBackend(DistributedBackend):
     def gather_params(self, params: Iterable[torch.nn.Parameter]) -> Iterator[None]:
         with GatheredParameters(list(params)):
             yield
+
+
+class ZeroVLLMGeneration(VLLMGeneration):
+    """TRL's vLLM generation whose weight sync (colocate and server modes alike) reads the engine's stream ([Note:
+    streaming full weights to a generator] in engine/full_weights.py): each unit gathered once, a few at a time
+    within `sync_max_bytes`, a PEFT adapter merged layer by layer, where TRL gathers once per parameter (its whole
+    unit every time) or, with PEFT, the whole model at once. Before the engine exists, TRL's own path (with our
+    gather) runs."""
+
+    engine_of: Callable[[], Any]
+    """The trainer's engine, looked up at each sync (the Trainer builds it in `train()`, after this object)."""
+    sync_max_bytes: int | None = None
+
+    def _iter_named_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        engine = self.engine_of()
+        if engine is None:
+            yield from super()._iter_named_params()
+            return
+        for name, tensor in engine.named_full_parameters(max_bytes=self.sync_max_bytes):
+            yield self._fix_param_name_to_vllm(name), tensor
+
+
+def use_zero_weight_sync(generation: VLLMGeneration, accelerator: Any, engine_of: Callable[[], Any]) -> None:
+    """Makes TRL's `VLLMGeneration` (built inside GRPOTrainer's `__init__`, which offers no hook) a
+    `ZeroVLLMGeneration`: the subclass only overrides how parameters are read for a sync."""
+    generation.__class__ = ZeroVLLMGeneration
+    generation._dist = ZeroDistributedBackend(accelerator)
+    generation.engine_of = engine_of
 
 
 class ZeroTRLMixin(ZeroTrainerMixin):
@@ -80,15 +109,52 @@ class ZeroDPOTrainer(ZeroTRLMixin, DPOTrainer):
     """TRL's `DPOTrainer` on the ZeRO engine; the reference model stays sharded at stage 3 for the whole run."""
 
 
+# What sleeps while GRPO generates: everything but the parameters, which the policy (or the vLLM sync before it)
+# reads to generate ([Note: sleeping moves storages, not tensors] in engine/sleep.py).
+ASLEEP_DURING_GENERATION = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
+
+
 @dataclass
 class ZeroGRPOConfig(ZeroArgumentsMixin, GRPOConfig):
-    """TRL's `GRPOConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`)."""
+    """TRL's `GRPOConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`) and
+    `offload_states_during_generation`."""
+
+    offload_states_during_generation: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Move the optimizer state, the fp32 master weights and the gradients off the device while completions "
+                "are generated (engine.offload_states), and back before training: the device then holds the "
+                "parameters only, memory the generation (its KV cache, or a colocated vLLM) can use."
+            )
+        },
+    )
 
 
 class ZeroGRPOTrainer(ZeroTRLMixin, GRPOTrainer):
     """TRL's `GRPOTrainer` on the ZeRO engine: generation gathers the policy once per call at stage 3 (TRL's
-    `ds3_gather_for_generation`, default true); the reference model stays sharded."""
+    `ds3_gather_for_generation`, default true); the reference model stays sharded; with vLLM, weights reach it
+    streamed unit by unit (`ZeroVLLMGeneration`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "vllm_generation", None) is not None:
+            use_zero_weight_sync(self.vllm_generation, self.accelerator, lambda: self.zero_engine)
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        with self.gathered_for_generation():
+        with self.asleep_for_generation(), self.gathered_for_generation():
             return super()._generate_single_turn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def asleep_for_generation(self) -> Iterator[None]:
+        """The training state other than the parameters off the device while generating
+        (`args.offload_states_during_generation`); back, unchanged, before the step that follows."""
+        engine = self.zero_engine
+        if engine is None or not getattr(self.args, "offload_states_during_generation", False):
+            yield
+            return
+        engine.offload_states(include=ASLEEP_DURING_GENERATION)
+        try:
+            yield
+        finally:
+            engine.reload_states()

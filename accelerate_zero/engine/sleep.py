@@ -1,0 +1,185 @@
+"""Training state put to sleep and woken: `ZeroEngine.offload_states()` / `reload_states()`, DeepSpeed's API.
+
+[Note: sleeping moves storages, not tensors]
+Reinforcement-learning recipes share the GPUs between training and a generation engine: between rollouts the
+trainer's state must leave the device and come back unchanged. The state is full of aliases (a parameter is a view
+of a flat buffer, an fp32 master a view of the same shard, a gradient a slot of an arena, the optimizer's state
+keyed by tensors it holds), and every alias must still point at the same values after waking. So what moves is the
+storage under the tensors, never the tensors: each distinct storage of the chosen kinds is copied into host memory
+and resized to 0 bytes (its device memory goes back to the allocator, every view keeps its shape and stride), and
+waking resizes it back and copies the bytes in. No tensor object changes, so the optimizer, the hooks and the
+user's references stay valid, and training resumes bit-identical to a run that never slept.
+
+A storage shared by two kinds (fp32 training: the master is a view of the parameter shard) moves only when both
+are asked for, so the kinds kept stay usable (GRPO generating with everything but the parameters asleep). Host memory the offload policy already holds (`offload_param`, `offload_optimizer`) is not
+device memory and stays where it is. While asleep, a backward or step raises, naming `reload_states()`, and so
+does a forward when the parameters were moved.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from accelerate_zero.debug.memory import EngineState
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    """What `offload_states(include=...)` moves; DeepSpeed's names and values (deepspeed.runtime.zero.offload_states)."""
+
+    optim_states = "optim_states"
+    """The optimizer's state (Adam's moments, ...)."""
+    hp_params = "hp_params"
+    """The fp32 master weights."""
+    lp_params = "lp_params"
+    """The parameters in the compute dtype (stage 3: this rank's shards and the persistent parameters)."""
+    lp_grads = "lp_grads"
+    """The gradients held (stages 0/1: the full buffers; stages 2/3: the shard, held only from backward to step)."""
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+    """The contiguous gradient storage (`contiguous_gradients`); here the same storage as `lp_grads`."""
+
+
+class OffloadDeviceEnum(str, enum.Enum):
+    """Where `offload_states(device=...)` moves the state; DeepSpeed's values (only "cpu" is offered, as there)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+def training_state(engine: EngineState) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
+    """The engine's tensors of each kind that live on its device (what the offload policy keeps in host memory is
+    left out, as `memory_breakdown` reports it apart)."""
+    kept = engine.sharded_optimizer.held_tensors()
+    unit_shards = [flat.shard for unit in engine.units for flat in unit.flats]
+    on_host = engine.offload.optimizer
+    grads = engine.reducer.gradient_tensors()
+    return {
+        OffloadStateTypeEnum.lp_params: [
+            *(shard.param_buffer for shard in engine.groups),
+            *([] if engine.offload.params else unit_shards),
+            *engine.module.parameters(),
+        ],
+        # every master, the views of the parameter shards (fp32 training) too: those move only with lp_params
+        OffloadStateTypeEnum.hp_params: [] if on_host else [s.master for s in engine.sharded_optimizer.slices],
+        OffloadStateTypeEnum.optim_states: [] if on_host else kept["optimizer_states"],
+        OffloadStateTypeEnum.lp_grads: grads,
+        OffloadStateTypeEnum.contiguous_grad_buffer: grads,
+    }
+
+
+def parse_include(include: Iterable[object] | None) -> set[OffloadStateTypeEnum]:
+    """`include` as enum members: members of this enum (or DeepSpeed's, by value) or their string values."""
+    if include is None:
+        return set(OffloadStateTypeEnum)
+    if isinstance(include, (str, enum.Enum)):
+        include = [include]
+    out = set()
+    for item in include:
+        value = getattr(item, "value", item)
+        try:
+            out.add(OffloadStateTypeEnum(value))
+        except ValueError:
+            names = ", ".join(kind.value for kind in OffloadStateTypeEnum)
+            raise ValueError(f"offload_states(include=...): unknown state {item!r}; known: {names}") from None
+    return out
+
+
+def check_device(device: object) -> None:
+    value = getattr(device, "value", device)
+    if value != OffloadDeviceEnum.cpu.value:
+        raise ValueError(
+            f"offload_states(device={device!r}): only 'cpu' is supported (as in DeepSpeed); NVMe offload of training "
+            "state is a config choice (zero_optimization.offload_optimizer / offload_param), not a sleep"
+        )
+
+
+@dataclass
+class _Moved:
+    storage: torch.UntypedStorage
+    host: torch.Tensor  # uint8, the storage's bytes
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of `storage` (whatever the dtypes of the tensors that use it)."""
+    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return view.set_(storage, 0, (storage.nbytes(),))
+
+
+class SleepingState:
+    """The storages one `offload_states()` moved to host memory, until `reload_states()` puts them back."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._moved: list[_Moved] = []
+        self._guard: RemovableHandle | None = None
+        self.asleep = False
+
+    def offload(
+        self,
+        kinds: Mapping[OffloadStateTypeEnum, Iterable[torch.Tensor]],
+        include: set[OffloadStateTypeEnum],
+        module: nn.Module,
+        pin_memory: bool,
+        non_blocking: bool,
+    ) -> int:
+        """Moves the storages of the `include`d kinds off the device; returns the bytes moved."""
+        assert not self.asleep, "offload_states() twice without reload_states()"
+        holders: dict[int, set[OffloadStateTypeEnum]] = {}  # storage -> the kinds that hold it
+        storages: dict[int, torch.UntypedStorage] = {}
+        for kind, tensors in kinds.items():
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if tensor.device == self.device and storage.nbytes() > 0:
+                    holders.setdefault(storage.data_ptr(), set()).add(kind)
+                    storages[storage.data_ptr()] = storage
+        pin = pin_memory and self.device.type == "cuda"
+        params_moved = False
+        for key, storage in storages.items():
+            if not holders[key] <= include:
+                continue  # also held by a kind that stays (an fp32 master is the parameter shard): it stays too
+            params_moved |= OffloadStateTypeEnum.lp_params in holders[key]
+            source = _bytes_of(storage)
+            host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=pin)
+            host.copy_(source, non_blocking=non_blocking and pin)
+            # A device copy that is still reading is ordered before any reuse of the freed block: the caching
+            # allocator hands it out again only to work queued after it on the same stream.
+            storage.resize_(0)
+            self._moved.append(_Moved(storage, host))
+        if self.device.type == "cuda":
+            if not non_blocking:
+                torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.empty_cache()  # the generation engine beside us allocates outside torch's cache
+        if params_moved:  # with the parameters kept, the model still computes (generation while the rest sleeps)
+            self._guard = module.register_forward_pre_hook(_refuse_while_asleep, prepend=True)
+        self.asleep = True
+        return sum(moved.host.numel() for moved in self._moved)
+
+    def reload(self, non_blocking: bool) -> None:
+        """Puts every moved storage back on the device, with the bytes it had."""
+        assert self.asleep, "reload_states() without offload_states()"
+        for moved in self._moved:
+            moved.storage.resize_(moved.host.numel())
+            _bytes_of(moved.storage).copy_(moved.host, non_blocking=non_blocking and moved.host.is_pinned())
+        if self.device.type == "cuda" and not non_blocking:
+            torch.cuda.current_stream(self.device).synchronize()
+        # Dropping a pinned host copy that a non-blocking copy still reads is safe: torch's pinned-memory allocator
+        # records the copy's stream and hands the block out again only once the copy is done.
+        self._moved = []
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        self.asleep = False
+
+    def check_awake(self, what: str) -> None:
+        if self.asleep:
+            raise RuntimeError(f"{what} while the training state is offloaded: call engine.reload_states() first")
+
+
+def _refuse_while_asleep(module: nn.Module, args: object) -> None:
+    raise RuntimeError("forward while the training state is offloaded: call engine.reload_states() first")
