@@ -41,7 +41,8 @@ LLAMA = dict(
     vocab_size=32000,
     tie_word_embeddings=False,
 )
-ENTRIES = ["initialize", "accelerator", "trainer", "fsdp2"]
+ENTRIES = ["initialize", "accelerator", "trainer", "fsdp2", "ds3"]
+DS_VENV = Path(__file__).resolve().parents[1] / ".ds-venv"
 MB = 1e6
 ZERO3: dict = {
     "train_micro_batch_size_per_gpu": 1,
@@ -119,7 +120,51 @@ def save_model(folder: Path) -> dict:
     return sizes
 
 
+def ds3_worker(args: argparse.Namespace) -> None:
+    """DeepSpeed's own way, in its virtualenv: `HfDeepSpeedConfig` alive before `from_pretrained`, so transformers
+    builds and loads the model under `zero.Init` (each rank keeps its partition), then `deepspeed.initialize`."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = dict(ZERO3, optimizer={"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}})
+    config["zero_optimization"] = dict(ZERO3["zero_optimization"])
+    for key in ("stage3_max_reuse_distance", "stage3_max_live_parameters"):  # DeepSpeed takes integers
+        if key in config["zero_optimization"]:
+            config["zero_optimization"][key] = int(config["zero_optimization"][key])
+    keep = HfDeepSpeedConfig(config)  # noqa: F841 (transformers reads it through a weak reference)
+    peaks = PhasePeaks()
+    baseline = PhasePeaks.read()
+    tokens = torch.randint(0, LLAMA["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(rank))
+    peaks.phase("load")
+    model = AutoModelForCausalLM.from_pretrained(args.folder)
+    peaks.phase("init")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for index in range(2):
+        peaks.phase(f"forward{index}")
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        peaks.phase(f"backward{index}")
+        engine.backward(loss)
+        peaks.phase(f"optimizer{index}")
+        engine.step()
+    result = {"rank": rank, "baseline": baseline, **peaks.stop()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
 def worker(args: argparse.Namespace) -> None:
+    if args.entry == "ds3":
+        ds3_worker(args)
+        return
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -248,12 +293,16 @@ def main() -> None:
         f"{state / MB:.0f} MB; one layer {sizes['layer_bytes'] / MB:.1f} MB, largest tensor "
         f"{sizes['largest_tensor_bytes'] / MB:.1f} MB"
     )
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     results = {"sizes": sizes, "world_size": args.world_size, "entries": {}}
     for entry in args.entries:
         out = folder / f"result_{entry}.json"
+        if entry == "ds3" and not (DS_VENV / "bin" / "python").exists():
+            print(f"\nds3: skipped, no DeepSpeed virtualenv at {DS_VENV} (bench/ds_venv.py says how to make it)")
+            continue
+        python = str(DS_VENV / "bin" / "python") if entry == "ds3" else sys.executable
         command = [
-            sys.executable,
+            python,
             "-m",
             "torch.distributed.run",
             "--standalone",
