@@ -118,7 +118,7 @@ def _named(
         name = _ADAPTER_COPY.sub("", name.removeprefix("base_model.model.").replace(".base_layer", ""))
         layer = lora_of.get(id(param))
         if layer is not None:
-            merged = value.float()
+            merged = value.to(torch.float32, copy=True)  # never an alias of the gathered weight (fp32 training)
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
                     merged += layer.get_delta_weight(adapter).float()

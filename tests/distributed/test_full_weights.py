@@ -3,7 +3,8 @@ weights to a generator] in engine/full_weights.py).
 
 One spawned group per world size (2, 3) trains a tiny Llama at stage 3 (every tensor partitioned) one step, with
 and without a LoRA adapter (peft), then streams its weights:
-- every parameter comes out once, equal to the gathered one; with a budget of one unit, or of three, the gathered
+- every parameter comes out once, equal to the gathered one, and stays intact after its unit is released (the
+  test keeps every tensor as given); with a budget of one unit, or of three, the gathered
   units never exceed the budget (the largest unit when it alone is larger); `rank0_only` yields on rank 0 only;
   `dtype` casts;
 - a stand-in receiver (a plain transformers model of the base architecture, what vLLM's `load_weights` fills)
@@ -78,7 +79,7 @@ def _stream_checks(rank: int, world_size: int, lora: bool) -> dict[str, Any]:
         for name, tensor in engine.named_full_parameters(max_bytes=budget):
             peak = max(peak, _gathered_units_bytes(engine))
             assert name not in weights, f"{name} twice"
-            weights[name] = tensor.clone()
+            weights[name] = tensor  # kept as given: it must outlive its unit's gather
         out[f"peak-{budget is None}"] = (peak, budget)
     with torch.no_grad(), accelerate_zero.GatheredParameters(list(model.parameters())):
         trained_logits = model(input_ids=PROBE).logits
@@ -104,7 +105,7 @@ class _Recorder:
     def load_weights(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in pairs:
             self.peak = max(self.peak, _gathered_units_bytes(self.engine))
-            self.weights[name] = tensor.clone()
+            self.weights[name] = tensor  # kept as given, as a packing receiver keeps several
 
     def update_named_params(self, metadata: list[Any], pairs: Any) -> None:
         self.metadata = metadata
