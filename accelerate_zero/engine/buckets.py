@@ -103,22 +103,21 @@ class GradBucket:
         grad_dtype: torch.dtype,
         comm_dtype: torch.dtype,
         device: torch.device,
-        storage: torch.Tensor | ArenaSlot | None,
+        storage: ArenaSlot | None,
         params: list[torch.nn.Parameter],
         kept: KeptGradient | None = None,
         scratch: ScratchBuffers | None = None,
     ) -> None:
-        """`storage` (`contiguous_gradients`): at stages 0/1 a persistent full-size view this bucket keeps its
-        gradient in; at stages 2/3 the arena slot of its shard gradient ([Note: gradient shards live from the
-        first reduction to the optimizer step] in engine/kept_grads.py). Otherwise the full-size gradient is taken
-        from `scratch` on first use and given back after each step (stages 2/3: after each reduction). `params` is
+        """`storage` (`contiguous_gradients`): the arena slot of this bucket's gradient, at stages 0/1 the full-size
+        buffer the cycle accumulates into, at stages 2/3 the shard ([Note: gradients live from the first backward to
+        the optimizer step] in engine/kept_grads.py). Otherwise the full-size gradient is taken from `scratch` on
+        first use and given back after each step (stages 2/3: after each reduction). `params` is
         the list `ParamSlot.param_index` indexes. `kept`: where the averaged slice goes (engine/kept_grads.py);
         default: the compute device. `scratch`: where the full-size temporaries come from ([Note: temporaries reused
         in host memory]); default: fresh allocations."""
         self.plan, self.mode, self.rank, self.params = plan, mode, rank, params
         self.grad_dtype, self.comm_dtype, self.device = grad_dtype, comm_dtype, device
         to_shard = mode is ReduceMode.SCATTER_TO_SHARD
-        assert isinstance(storage, ArenaSlot) == (to_shard and storage is not None), "storage of the wrong kind"
         if kept is None:
             if to_shard:
                 kept = DeviceShardGradient(plan.shard_numel, grad_dtype, device, storage)
@@ -126,12 +125,12 @@ class GradBucket:
                 kept = ReducedInPlace(plan.numel if mode is ReduceMode.ALL_REDUCE else plan.shard_numel)
         if to_shard:
             storage = None  # the shard gradient is the home's
+        self._slot = storage  # stages 0/1: where the full-size gradient is cut from while it lives
         assert kept.numel == (plan.numel if mode is ReduceMode.ALL_REDUCE else plan.shard_numel), "kept slice size"
         self.kept = kept
         self.scratch = scratch if scratch is not None else ScratchBuffers(device, reuse=False)
-        self._storage = storage
         self.state = BucketState.EMPTY
-        self.grad = storage
+        self.grad: torch.Tensor | None = None
         self._has_reduced = False
         """`kept` holds this step's averaged gradient (else it holds an earlier step's, or nothing)."""
         self._pending: Pending | None = None
@@ -188,7 +187,10 @@ class GradBucket:
     def _full_grad(self, written: bool = True) -> torch.Tensor:
         """The full-size gradient; `written`: every slot holds its value (unwritten ones are zeroed first)."""
         if self.grad is None:
-            self.grad = self.scratch.take(self.plan.numel, self.grad_dtype)
+            if self._slot is not None:
+                self.grad = self._slot.arena.take(self._slot.offset, self.plan.numel)
+            else:
+                self.grad = self.scratch.take(self.plan.numel, self.grad_dtype)
             self.grad[self.plan.numel - self.plan.padding :].zero_()  # a reused buffer holds another bucket's data
             self._unwritten = {slot.param_index for slot in self.plan.slots}
         if written and self._unwritten is not None:
@@ -263,7 +265,9 @@ class GradBucket:
             self.kept.settle()
         if comm is not None:
             self._give_cast_copy(comm)
-        if self.grad is not None and not self._adopted:
+        if self.grad is not None and self._slot is not None:
+            self._slot.arena.give()
+        elif self.grad is not None and not self._adopted:
             self.scratch.give(self.grad)  # (autograd's own gradient is dropped: no later one is served from it)
         self.grad, self._adopted = None, False
 
@@ -325,12 +329,8 @@ class GradBucket:
         """Clears the gradients after an optimizer step (or a skipped one); releases lazily allocated storage."""
         if self.state is BucketState.REDUCING:
             self.finish_reduce()
-        self.kept.reset()  # a copy in flight may still read the gradient zeroed or released below
-        if self._storage is None:
-            self._give_back(None)
-        else:
-            # [Note: the first gradient of a cycle is copied, not added]: no pass over the buffer here.
-            self._unwritten = {slot.param_index for slot in self.plan.slots}
+        self.kept.reset()  # a copy in flight may still read the gradient released below
+        self._give_back(None)
         self._has_reduced = False
         self.state = BucketState.EMPTY
 

@@ -16,7 +16,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.engine.kept_grads import ArenaSlot, ShardGradArena
+from accelerate_zero.engine.kept_grads import ArenaSlot, GradArena
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import GroupPlan
 from accelerate_zero.engine.shard_slice import ShardSlice
@@ -81,20 +81,14 @@ def build_group_shard(
     memory; [Note: no device masters under optimizer offload] in engine/assemble.py)."""
     param_buffer = flatten_params(params, plan, compute_dtype, device)
     to_shard = mode is ReduceMode.SCATTER_TO_SHARD
-    grad_storage, arena = None, None
-    if contiguous_gradients and to_shard:
-        # [Note: gradient shards live from the first reduction to the optimizer step] in engine/kept_grads.py
-        arena = ShardGradArena(plan.shard_numel, grad_dtype, device)
-    elif contiguous_gradients:
-        grad_storage = torch.zeros(plan.numel, dtype=grad_dtype, device=device)
+    arena = None
+    if contiguous_gradients:
+        # [Note: gradients live from the first backward to the optimizer step] in engine/kept_grads.py
+        arena = GradArena(plan.shard_numel if to_shard else plan.numel, grad_dtype, device)
     offsets = plan.shard_offsets() if to_shard else [b.offset for b in plan.buckets]
     buckets = []
     for bucket, offset in zip(plan.buckets, offsets, strict=True):
-        storage: torch.Tensor | ArenaSlot | None = None
-        if arena is not None:
-            storage = ArenaSlot(arena, offset)
-        elif grad_storage is not None:
-            storage = grad_storage[offset : offset + bucket.numel]
+        storage = ArenaSlot(arena, offset) if arena is not None else None
         kept = kept_for(bucket, mode) if kept_for is not None else None
         buckets.append(GradBucket(bucket, mode, rank, grad_dtype, comm_dtype, device, storage, params, kept, scratch))
     shard = GroupShard(

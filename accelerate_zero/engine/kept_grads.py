@@ -104,17 +104,20 @@ class ReducedInPlace:
         return []  # the bucket's own buffer
 
 
-# [Note: gradient shards live from the first reduction to the optimizer step]
+# [Note: gradients live from the first backward to the optimizer step]
 # Between optimizer steps no rank needs a gradient: the step read and cleared them. FSDP2 frees its sharded
-# gradients at `zero_grad(set_to_none=True)`; keeping ours allocated would hold 4 bytes per parameter / W (a quarter
-# of fp32 AdamW's state) through evaluation, generation and checkpoints, memory they could use. So the shard
-# gradients of stages 2 and 3 are allocated by the first reduction of a step and released when the engine zeroes
-# the gradients after its step. `contiguous_gradients` (DeepSpeed's default) keeps its meaning, one buffer for the
-# shards instead of one per bucket (fewer allocations, no fragmentation): a `ShardGradArena`, allocated when its
-# first bucket takes a slot and freed when its last one gives the slot back. Measured in bench/user_load.py.
-class ShardGradArena:
-    """One flat buffer that several buckets' shard gradients are cut from (`contiguous_gradients`), allocated while
-    at least one of them holds its slot."""
+# gradients at `zero_grad(set_to_none=True)` and DeepSpeed allocates its gradients in backward; keeping ours would
+# hold them through evaluation, generation and checkpoints, memory those could use: 4 bytes per parameter / W at
+# stages 2-3 (a quarter of fp32 AdamW's state), 4 bytes per parameter at stages 0-1 (the full gradient, which also
+# sat allocated from `initialize` to the first backward). So every gradient buffer is allocated by the first
+# backward of a step (stages 0-1: the full buffer the cycle accumulates into; stages 2-3: the shard, by the first
+# reduction) and released when the engine zeroes the gradients after its step. `contiguous_gradients` (DeepSpeed's
+# default) keeps its meaning, one buffer for the buckets instead of one per bucket (fewer allocations, no
+# fragmentation): a `GradArena`, allocated when its first bucket takes a slot and freed when its last one gives the
+# slot back. Measured in bench/user_load.py (stage 3) and bench/phase_peaks.py (stages 0-2).
+class GradArena:
+    """One flat buffer that several buckets' gradients are cut from (`contiguous_gradients`), allocated while at
+    least one of them holds its slot."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
@@ -144,15 +147,15 @@ class ShardGradArena:
 
 @dataclass(frozen=True)
 class ArenaSlot:
-    """Where in a `ShardGradArena` one bucket's shard gradient goes."""
+    """Where in a `GradArena` one bucket's gradient goes (its shard at stages 2-3, its full buffer at 0-1)."""
 
-    arena: ShardGradArena
+    arena: GradArena
     offset: int
 
 
 class DeviceShardGradient:
     """Stages 2/3 without offload: a shard-sized buffer on the compute device, accumulated over micro-steps and
-    released after the step ([Note: gradient shards live from the first reduction to the optimizer step]).
+    released after the step ([Note: gradients live from the first backward to the optimizer step]).
 
     `slot` (`contiguous_gradients`): the buffer is a slot of one flat buffer shared with other buckets; otherwise
     it is allocated on its own."""

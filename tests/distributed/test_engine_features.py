@@ -221,9 +221,9 @@ def test_memory_held_shrinks_by_stage(results: Any, stage: int) -> None:
         shard = padded if stage == 0 else padded // world_size
         assert memory["parameters"] == 4 * padded
         assert memory["master_weights"] == 0  # fp32: the master shard is a view of the parameters
-        # Between steps stage 2 holds no gradient ([Note: gradient shards live from the first reduction to the
-        # optimizer step]); before the step, the shard.
-        assert memory["gradients"] == (0 if stage == 2 else 4 * padded)
+        # Between steps no stage holds a gradient ([Note: gradients live from the first backward to the optimizer
+        # step]); before the step, the full buffer (stages 0/1) or the shard (stage 2).
+        assert memory["gradients"] == 0
         assert got["memory_before_step"]["gradients"] == 4 * (shard if stage == 2 else padded)
         # exp_avg and exp_avg_sq per shard element, plus one scalar step tensor per bucket
         assert 8 * shard <= memory["optimizer_states"] <= 8 * shard + 64

@@ -281,8 +281,8 @@ def test_bytes_moved_and_held(results: Any) -> None:
         # fp32 SGD with momentum at rest: shard params (= master) + shard grads + momentum, each 4 * padded / W
         shard_bytes = 4 * padded // world_size
         assert memory["parameters"] == shard_bytes
-        # the gradient shard is held from backward to the step only ([Note: gradient shards live from the first
-        # reduction to the optimizer step])
+        # the gradient shard is held from backward to the step only ([Note: gradients live from the first backward
+        # to the optimizer step])
         assert r["comm"]["memory_before_step"]["gradients"] == shard_bytes and memory["gradients"] == 0
         assert memory["master_weights"] == 0
         # momentum covers parameter elements only, not this rank's padding

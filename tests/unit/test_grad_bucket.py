@@ -14,6 +14,7 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.host_grads import HostGradient, HostStaging
+from accelerate_zero.engine.kept_grads import ArenaSlot, GradArena
 from accelerate_zero.engine.shard_plan import plan_group
 
 
@@ -21,7 +22,7 @@ DP = DataParallelGroup(group=None, rank=0, world_size=1)
 SHAPES = [(3,), (2, 2)]
 
 
-def _bucket(mode: ReduceMode, storage: torch.Tensor | None = None) -> GradBucket:
+def _bucket(mode: ReduceMode, storage: ArenaSlot | None = None) -> GradBucket:
     (plan,) = plan_group(SHAPES, 100, 1).buckets
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in SHAPES]
     return GradBucket(plan, mode, 0, torch.float32, torch.float32, torch.device("cpu"), storage, params)
@@ -57,20 +58,23 @@ def test_stage_2_accumulates_micro_steps_and_reads_unwritten_slots_as_zero() -> 
 
 
 @pytest.mark.parametrize("mode", [ReduceMode.ALL_REDUCE, ReduceMode.SCATTER_IN_PLACE])
-def test_kept_storage_is_not_zeroed_but_reads_zero_where_no_gradient_came(mode: ReduceMode) -> None:
-    storage = torch.zeros(plan_group(SHAPES, 100, 1).buckets[0].numel)
-    bucket = _bucket(mode, storage)
+def test_a_cycle_allocates_its_buffer_and_reads_zero_where_no_gradient_came(mode: ReduceMode) -> None:
+    """Stages 0/1 with `contiguous_gradients`: the full-size buffer is cut from an arena by the first gradient of a
+    cycle and released after the step ([Note: gradients live from the first backward to the optimizer step])."""
+    arena = GradArena(plan_group(SHAPES, 100, 1).buckets[0].numel, torch.float32, torch.device("cpu"))
+    bucket = _bucket(mode, ArenaSlot(arena, 0))
+    assert not arena.allocated  # nothing before the first backward
     bucket.add_grad(_slot(bucket, 0), torch.ones(3))
     bucket.add_grad(_slot(bucket, 1), torch.ones(2, 2))
     _reduce(bucket)
-    assert _grads(bucket)[1].eq(1).all()
+    assert arena.allocated and _grads(bucket)[1].eq(1).all()
     bucket.zero()
-    assert storage[3:7].eq(1).all(), "zero() no longer writes the buffer: the next first gradient overwrites it"
+    assert not arena.allocated and bucket.gradient_tensors() == []  # nothing between steps
     bucket.add_grad(_slot(bucket, 0), torch.full((3,), 2.0))
     bucket.add_grad(_slot(bucket, 0), torch.full((3,), 3.0))  # the second gradient of a slot is added
     _reduce(bucket)
     grads = _grads(bucket)
-    assert grads[0].eq(5).all() and not grads[1].any()
+    assert grads[0].eq(5).all() and not grads[1].any()  # the slot no gradient came to reads zero
 
 
 def test_a_late_gradient_is_reduced_again_and_added() -> None:

@@ -1,5 +1,5 @@
-"""Shard gradients live from the first reduction of a step to the step ([Note: gradient shards live from the first
-reduction to the optimizer step] in engine/kept_grads.py), cut from one arena under `contiguous_gradients`; and a
+"""Shard gradients live from the first reduction of a step to the step ([Note: gradients live from the first backward
+to the optimizer step] in engine/kept_grads.py), cut from one arena under `contiguous_gradients`; and a
 bucket that is one whole parameter reduces autograd's gradient itself ([Note: a single-tensor bucket reduces
 autograd's gradient itself] in engine/buckets.py). One rank: the reduction is a copy, so values are plain sums."""
 
@@ -11,7 +11,7 @@ import torch
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.engine.kept_grads import ArenaSlot, ShardGradArena
+from accelerate_zero.engine.kept_grads import ArenaSlot, GradArena
 from accelerate_zero.engine.shard_plan import plan_group
 
 
@@ -31,7 +31,7 @@ def _reduce(bucket: GradBucket) -> None:
 
 
 def test_the_arena_is_allocated_while_a_slot_is_held_and_freed_with_the_last() -> None:
-    arena = ShardGradArena(10, torch.float32, CPU)
+    arena = GradArena(10, torch.float32, CPU)
     assert not arena.allocated
     first, second = arena.take(0, 4), arena.take(4, 6)
     assert arena.allocated and second.data_ptr() == first.data_ptr() + 4 * 4  # one buffer, cut in two
@@ -46,7 +46,7 @@ def test_the_arena_is_allocated_while_a_slot_is_held_and_freed_with_the_last() -
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_the_shard_gradient_is_released_after_the_step_and_reads_right_again(contiguous: bool) -> None:
     shapes = [(8,), (6,)]
-    arena = ShardGradArena(2 * 16, torch.float32, CPU) if contiguous else None
+    arena = GradArena(2 * 16, torch.float32, CPU) if contiguous else None
     buckets = [_bucket(shapes, ArenaSlot(arena, 16 * i) if arena else None) for i in range(2)]
     for step in range(2):
         grads = [torch.randn(8), torch.randn(6)]

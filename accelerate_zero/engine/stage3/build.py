@@ -12,7 +12,7 @@ from torch import nn
 
 from accelerate_zero.engine.buckets import GradBucket, KeptFor, ReduceMode
 from accelerate_zero.engine.flat_buffer import GroupShard, build_group_shard, group_slices
-from accelerate_zero.engine.kept_grads import ArenaSlot, ShardGradArena
+from accelerate_zero.engine.kept_grads import ArenaSlot, GradArena
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import ParamSlot, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
@@ -251,9 +251,9 @@ def _build_units(
     flats = [(flat_of(spec.trainable), flat_of(spec.frozen)) for spec in layout.units]
     arena, offset = None, 0
     if contiguous_gradients:
-        # [Note: gradient shards live from the first reduction to the optimizer step] in engine/kept_grads.py
+        # [Note: gradients live from the first backward to the optimizer step] in engine/kept_grads.py
         total = sum(train.plan.shard_numel for train, _ in flats if train is not None)
-        arena = ShardGradArena(total, dtypes.grad, device)
+        arena = GradArena(total, dtypes.grad, device)
     units = []
     for index, (spec, (train_flat, frozen_flat)) in enumerate(zip(layout.units, flats, strict=True)):
         bucket = None
