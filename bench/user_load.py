@@ -120,6 +120,17 @@ def save_model(folder: Path) -> dict:
     return sizes
 
 
+def write_readings(out: str, result: dict) -> None:
+    """Every rank's readings, in rank order, into `out` (rank 0 writes); then the process group ends."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
 def ds3_worker(args: argparse.Namespace) -> None:
     """DeepSpeed's own way, in its virtualenv: `HfDeepSpeedConfig` alive before `from_pretrained`, so transformers
     builds and loads the model under `zero.Init` (each rank keeps its partition), then `deepspeed.initialize`."""
@@ -132,7 +143,7 @@ def ds3_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     config = dict(ZERO3, optimizer={"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}})
     config["zero_optimization"] = dict(ZERO3["zero_optimization"])
     for key in ("stage3_max_reuse_distance", "stage3_max_live_parameters"):  # DeepSpeed takes integers
@@ -153,12 +164,7 @@ def ds3_worker(args: argparse.Namespace) -> None:
         engine.backward(loss)
         peaks.phase(f"optimizer{index}")
         engine.step()
-    result = {"rank": rank, "baseline": baseline, **peaks.stop()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    write_readings(args.out, {"rank": rank, "baseline": baseline, **peaks.stop()})
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -173,7 +179,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     # Imported before the baseline, so that no phase counts the modules of the entry point (the Trainer: ~100 MB).
     import datasets  # noqa: F401
 
@@ -261,12 +267,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         for index in range(2):
             step(index)
-    result = {"rank": rank, "baseline": baseline, **peaks.stop()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    write_readings(args.out, {"rank": rank, "baseline": baseline, **peaks.stop()})
 
 
 def main() -> None:
