@@ -50,9 +50,12 @@ JSON output (`--json`), schema_version 1:
           "nvme_per_rank": {same keys as host_per_rank},
           "cpu_ram_per_node": int,        # host_per_rank.total * num_gpus
           "nvme_per_node": int,           # nvme_per_rank.total * num_gpus
-          "fits": bool | null             # device.total <= usable_gpu_memory (and the node's CPU RAM /
+          "fits": bool | null,            # device.total <= usable_gpu_memory (and the node's CPU RAM /
                                           # NVMe within --cpu_memory / --nvme_space when given); null
                                           # without --gpu_memory
+          "phases": {"init": int, "forward": int, "backward": int, "optimizer_step": int,
+                     "between_steps": int}  # bytes per GPU at the peak of each phase
+                                          # ([Note: the peak of each phase] in debug/phases.py)
         }
       ],
       "recommendation": {"stage": int, "offload": str, "deepspeed_config": {"zero_optimization": {...}}} | null,
@@ -67,12 +70,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from typing import Any
 
 from accelerate_zero.cli.estimate_render import render
 from accelerate_zero.debug import estimate as est
+from accelerate_zero.debug.phases import phase_peaks
 
 
 INVALID_INPUT_EXIT_CODE = 2
@@ -225,6 +230,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         estimate = est.estimate_stage(shapes, setup, stage, offload)
         verdicts[(stage, offload)] = est.fits(estimate, activations or 0, budget)
         rows.append(_row(estimate, activations or 0, num_gpus, verdicts[(stage, offload)]))
+        rows[-1]["phases"] = phase_peaks(estimate, activations or 0, _largest_gradient(shapes, setup, stage))
     choice = est.recommend(verdicts)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -339,6 +345,12 @@ def _activations(shapes: est.ModelShapes, setup: est.TrainingSetup, args: argpar
         gradient_checkpointing=args.gradient_checkpointing,
         eager_attention=args.eager_attention,
     )
+
+
+def _largest_gradient(shapes: est.ModelShapes, setup: est.TrainingSetup, stage: int) -> int:
+    """Bytes of the largest full gradient a backward holds beside the rest: a unit's at stage 3, else a parameter's."""
+    groups = shapes.units if stage == 3 and shapes.units else tuple((shape,) for shape in shapes.shapes)
+    return max((sum(math.prod(shape) for shape in group) for group in groups), default=0) * setup.grad_bytes
 
 
 def _row(estimate: est.MemoryEstimate, activations: int, num_gpus: int, fits: bool | None) -> dict[str, Any]:

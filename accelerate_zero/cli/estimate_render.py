@@ -38,14 +38,32 @@ def render(report: dict[str, Any]) -> str:
         values = [format_bytes(row["device"][kind]) for _, kind in _COLUMNS]
         node = [format_bytes(row["cpu_ram_per_node"]), format_bytes(row["nvme_per_node"])]
         lines.append([str(row["stage"]), row["offload"], *values, fits, *node])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    table = [
+    table = _aligned(lines)
+    return "\n".join([*_summary(report), "", *table, "", *_phase_table(report), "", *_closing(report)])
+
+
+_PHASE_TITLES = {"init": "init", "forward": "forward", "backward": "backward", "optimizer_step": "step"}
+_PHASE_TITLES["between_steps"] = "between steps"
+
+
+def _phase_table(report: dict[str, Any]) -> list[str]:
+    """The peak per GPU of each phase, per (stage, offload) ([Note: the peak of each phase] in debug/phases.py)."""
+    phases = list(report["estimates"][0]["phases"]) if report["estimates"] else []
+    lines = [["stage", "offload", *(_PHASE_TITLES.get(p, p) for p in phases)]]
+    for row in report["estimates"]:
+        lines.append([str(row["stage"]), row["offload"], *(format_bytes(row["phases"][p]) for p in phases)])
+    return ["peak per GPU in each phase (the columns above that coexist then):", *_aligned(lines)]
+
+
+def _aligned(lines: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell: the first two (stage, offload) left-aligned, the numbers right."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return [
         "  ".join(
             cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
         )
         for line in lines
     ]
-    return "\n".join([*_summary(report), "", *table, "", *_closing(report)])
 
 
 def _summary(report: dict[str, Any]) -> list[str]:

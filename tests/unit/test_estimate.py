@@ -337,7 +337,9 @@ def test_json_has_the_documented_schema(capsys: pytest.CaptureFixture[str], tmp_
     device_kinds = {*est.DEVICE_KINDS, "activations", "total"}
     for row in report["estimates"]:
         keys = {"stage", "offload", "device", "model_states", "host_per_rank", "nvme_per_rank", "fits"}
-        assert set(row) == keys | {"cpu_ram_per_node", "nvme_per_node"}
+        assert set(row) == keys | {"cpu_ram_per_node", "nvme_per_node", "phases"}
+        assert list(row["phases"]) == ["init", "forward", "backward", "optimizer_step", "between_steps"]
+        assert all(isinstance(v, int) for v in row["phases"].values())
         assert set(row["device"]) == device_kinds and all(isinstance(v, int) for v in row["device"].values())
         assert row["device"]["total"] == sum(v for k, v in row["device"].items() if k != "total")
         assert set(row["host_per_rank"]) == set(row["nvme_per_rank"]) == {*est.MODEL_STATE_KINDS, "total"}
@@ -351,7 +353,9 @@ def test_human_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert "stage  offload" in out and "GPU total" in out and "CPU/node" in out
     assert "recommendation: ZeRO stage 3 without offload" in out and "GiB" in out  # stage 2 holds 78 GB
-    assert len([line for line in out.splitlines() if line[:1].isdigit()]) == 9  # every applicable combination
+    rows = [line for line in out.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 2 * 9  # every applicable combination, in the kinds table and in the per-phase table
+    assert "peak per GPU in each phase" in out and "between steps" in out
 
 
 def test_estimate_is_a_pure_function_of_shapes() -> None:
