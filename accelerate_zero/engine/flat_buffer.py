@@ -50,6 +50,13 @@ def flatten_params(
     params: list[nn.Parameter], plan: GroupPlan, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """Copies `params` into a new flat buffer laid out by `plan` and makes each parameter a view into it."""
+    for param in params:
+        if param.device.type == "meta":
+            raise ValueError(
+                f"a parameter of shape {tuple(param.shape)} is on the meta device: at stages 0-2 every rank holds "
+                "the whole model, so every rank must load real weights; only stage 3 builds from rank 0's weights "
+                "while the other ranks hold the model on the meta device"
+            )
     buffer = torch.zeros(plan.numel, dtype=dtype, device=device)
     for bucket in plan.buckets:
         for slot in bucket.slots:

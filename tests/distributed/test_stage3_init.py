@@ -161,3 +161,13 @@ def _meta_on_rank_0(rank: int, world_size: int) -> str:
 def test_rank_0_on_the_meta_device_is_refused_by_name() -> None:
     for message in run_distributed(_meta_on_rank_0, 2):
         assert "meta device on rank 0" in message, message
+
+
+def test_below_stage_3_a_meta_parameter_is_refused_by_name() -> None:
+    from accelerate_zero.engine.flat_buffer import flatten_params
+    from accelerate_zero.engine.shard_plan import plan_group
+
+    with torch.device("meta"):
+        params = [torch.nn.Parameter(torch.empty(3, 5))]
+    with pytest.raises(ValueError, match=r"shape \(3, 5\) is on the meta device.*only stage 3"):
+        flatten_params(params, plan_group([(3, 5)], 100, 2), torch.float32, torch.device("cpu"))
