@@ -88,10 +88,27 @@ def _uncounted(spans: list[tuple[int, int]], start: int, end: int) -> int:
     return sum(b - a for a, b in pieces)
 
 
+def device_tensors(engine: EngineState) -> dict[str, list[torch.Tensor]]:
+    """The engine's tensors on its compute device, by kind (what the offload policy keeps in host memory left out):
+    what `memory_breakdown` counts, and what `offload_states` moves (engine/sleep.py)."""
+    unit_shards = [flat.shard for unit in engine.units for flat in unit.flats]
+    kept = engine.sharded_optimizer.held_tensors()
+    return {
+        "parameters": [
+            *(shard.param_buffer for shard in engine.groups),
+            *(flat.full for unit in engine.units for flat in unit.flats),
+            *([] if engine.offload.params else unit_shards),
+            *engine.module.parameters(),
+        ],
+        "gradients": engine.reducer.gradient_tensors(),
+        "master_weights": [] if engine.offload.optimizer else kept["master_weights"],
+        "optimizer_states": [] if engine.offload.optimizer else kept["optimizer_states"],
+        "communication_buffers": engine.reducer.transient_tensors(),
+    }
+
+
 def engine_memory(engine: EngineState) -> dict[str, int]:
     """Implements `ZeroEngine.memory_breakdown` (see there): the engine's tensors by kind, device and host apart."""
-    flat = [shard.param_buffer for shard in engine.groups]
-    unit_full = [flat.full for unit in engine.units for flat in unit.flats]
     unit_shards = [flat.shard for unit in engine.units for flat in unit.flats]
     kept = engine.sharded_optimizer.held_tensors()
     host_grads = [t for b in engine.reducer.buckets if b.kept.in_host for t in b.kept.tensors()]
@@ -105,19 +122,7 @@ def engine_memory(engine: EngineState) -> dict[str, int]:
         "host_master_weights": kept["master_weights"] if engine.offload.optimizer else [],
         "host_optimizer_states": kept["optimizer_states"] if engine.offload.optimizer else [],
     }
-    device = {
-        "parameters": [
-            *flat,
-            *unit_full,
-            *([] if engine.offload.params else unit_shards),
-            *engine.module.parameters(),
-        ],
-        "gradients": engine.reducer.gradient_tensors(),
-        "master_weights": [] if engine.offload.optimizer else kept["master_weights"],
-        "optimizer_states": [] if engine.offload.optimizer else kept["optimizer_states"],
-        "communication_buffers": engine.reducer.transient_tensors(),
-    }
-    out = bytes_by_kind(device)
+    out = bytes_by_kind(device_tensors(engine))
     host_bytes = bytes_by_kind(host, engine.host_memory.chunks)
     host_bytes["host_total"] = host_bytes.pop("total")
     out.update(host_bytes)

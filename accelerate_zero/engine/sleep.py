@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from accelerate_zero.debug.memory import EngineState
+from accelerate_zero.debug.memory import EngineState, device_tensors
 
 
 class OffloadStateTypeEnum(str, enum.Enum):
@@ -53,23 +53,16 @@ class OffloadDeviceEnum(str, enum.Enum):
 
 
 def training_state(engine: EngineState) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
-    """The engine's tensors of each kind that live on its device (what the offload policy keeps in host memory is
-    left out, as `memory_breakdown` reports it apart)."""
-    kept = engine.sharded_optimizer.held_tensors()
-    unit_shards = [flat.shard for unit in engine.units for flat in unit.flats]
-    on_host = engine.offload.optimizer
-    grads = engine.reducer.gradient_tensors()
+    """The engine's tensors of each kind on its device, as `memory_breakdown` counts them (`device_tensors`)."""
+    device = device_tensors(engine)
+    # every master, the views of the parameter shards (fp32 training) too: those move only with lp_params
+    masters = [] if engine.offload.optimizer else [s.master for s in engine.sharded_optimizer.slices]
     return {
-        OffloadStateTypeEnum.lp_params: [
-            *(shard.param_buffer for shard in engine.groups),
-            *([] if engine.offload.params else unit_shards),
-            *engine.module.parameters(),
-        ],
-        # every master, the views of the parameter shards (fp32 training) too: those move only with lp_params
-        OffloadStateTypeEnum.hp_params: [] if on_host else [s.master for s in engine.sharded_optimizer.slices],
-        OffloadStateTypeEnum.optim_states: [] if on_host else kept["optimizer_states"],
-        OffloadStateTypeEnum.lp_grads: grads,
-        OffloadStateTypeEnum.contiguous_grad_buffer: grads,
+        OffloadStateTypeEnum.lp_params: device["parameters"],
+        OffloadStateTypeEnum.hp_params: masters,
+        OffloadStateTypeEnum.optim_states: device["optimizer_states"],
+        OffloadStateTypeEnum.lp_grads: device["gradients"],
+        OffloadStateTypeEnum.contiguous_grad_buffer: device["gradients"],
     }
 
 
