@@ -29,7 +29,14 @@ from safetensors.torch import save_file
 
 from accelerate_zero.checkpoint import rank_parts
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
-from accelerate_zero.checkpoint.io import FragmentReader, check_tag, fresh_partial_dir, publish_dir, resolve_tag
+from accelerate_zero.checkpoint.io import (
+    FragmentReader,
+    check_shared_folder,
+    check_tag,
+    fresh_partial_dir,
+    publish_dir,
+    resolve_tag,
+)
 from accelerate_zero.checkpoint.meta import FORMAT, check_file_set, file_digest, read_meta, verify_digests, write_meta
 from accelerate_zero.checkpoint.rank_parts import DIGEST_SUFFIX, RankPartWriter
 from accelerate_zero.engine import collectives
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
     from accelerate_zero.config import ZeroConfig
     from accelerate_zero.engine.collectives import CommStats
     from accelerate_zero.engine.groups import DataParallelGroup
+    from accelerate_zero.engine.layout import ShardingLayout
 
 
 class ZeroEngine(Protocol):
@@ -49,6 +57,8 @@ class ZeroEngine(Protocol):
 
     config: ZeroConfig
     dp: DataParallelGroup
+    """The ranks one copy of the state is partitioned over: one rank file each."""
+    layout: ShardingLayout
     device: torch.device
     comm_stats_counter: CommStats
     stage: int
@@ -163,13 +173,21 @@ def save_engine(
     save_dir = Path(save_dir)
     tag = check_tag(tag or f"global_step{engine.checkpoint_state().counters.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
-    rank, is_main = engine.dp.rank, engine.dp.rank == 0
+    rank, is_main = engine.dp.rank, engine.layout.world.rank == 0
     state = engine.checkpoint_state()
     excluded = _frozen_fingerprints(engine) if exclude_frozen_parameters and _frozen_names(state) else {}
     work = fresh_partial_dir(save_dir, tag) if is_main else save_dir / f".{tag}.partial"
-    _barrier(engine)
-    # At stage 0 every rank holds the same full state: rank 0's file is enough.
-    if engine.stage > 0 or is_main:
+    world = engine.layout.world
+    check_shared_folder(
+        work,
+        is_main,
+        lambda: _barrier(engine),
+        lambda obj: collectives.all_gather_object(obj, world),
+        engine.layout.plan.nodes.node_of,
+    )
+    # At stage 0 every rank holds the same full state: rank 0's file is enough; with replicas of the shards
+    # (engine/layout.py) the first replica's files are.
+    if (engine.stage > 0 and engine.layout.writes_shards) or is_main:
         # [Note: a save streams its rank file in parts] in checkpoint/rank_parts.py
         writer = RankPartWriter(work, rank, lambda tensors, path: save_file(tensors, path), rank_parts.SAVE_PART_BYTES)
         for key, tensor in _rank_tensors(state, is_main, set(excluded)):
@@ -326,7 +344,7 @@ def _verify_what_this_rank_reads(
     whole = [whole_key(n, "full") for n, p in state.module.named_parameters() if id(p) not in covered]
     whole += [whole_key(n, "buffer") for n, _ in state.module.named_buffers()]
     problems = verify_digests(folder, meta, reader.files_for(wanted, whole))
-    found = collectives.all_gather_object(problems, engine.dp)
+    found = collectives.all_gather_object(problems, engine.layout.world)
     first = next((problem for rank_problems in found for problem in rank_problems), None)
     if first is not None:
         raise ValueError(first)
@@ -452,9 +470,9 @@ def _load_frozen(state: CheckpointState, reader: FragmentReader, names: dict[int
 def _validate_tag(engine: ZeroEngine, tag: str) -> None:
     """DeepSpeed's `checkpoint.tag_validation`: every rank must save under the same tag."""
     mode = engine.config.checkpoint.tag_validation
-    if mode == "IGNORE" or engine.dp.world_size == 1:
+    if mode == "IGNORE" or engine.layout.world.world_size == 1:
         return
-    tags = collectives.all_gather_object(tag, engine.dp)
+    tags = collectives.all_gather_object(tag, engine.layout.world)
     if len(set(tags)) > 1:
         message = f"checkpoint tags differ across ranks: {tags}; pass the same tag on every rank"
         if mode == "FAIL":
@@ -463,4 +481,4 @@ def _validate_tag(engine: ZeroEngine, tag: str) -> None:
 
 
 def _barrier(engine: ZeroEngine) -> None:
-    collectives.barrier(engine.dp)
+    collectives.barrier(engine.layout.world)

@@ -6,12 +6,21 @@ rewrites `latest` (written aside, then renamed over). A save killed at any point
 checkpoint: when `<tag>` already exists (re-saving a fixed tag), a hard-linked copy `.<tag>.old` of it is made
 first and `latest` names that copy while `<tag>` is swapped. The next successful save removes leftovers of killed
 saves. Ranks must share the file system holding `save_dir`.
+
+[Note: a checkpoint folder only some ranks see]
+On several nodes a `save_dir` on a node-local disk exists on every node under the same name, but what rank 0
+creates there only its own node sees: the other nodes' ranks would write into folders nobody publishes, or fail
+alone while the others wait at the next barrier until the process-group timeout. So before any shard is written
+rank 0 leaves a random token in the partial folder, every rank reads it back, and the answers are exchanged: a
+rank that read nothing or another token (a stale folder of its own disk) makes every rank raise, naming the ranks
+and nodes and the folder, with nothing written.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,6 +45,43 @@ def fresh_partial_dir(save_dir: Path, tag: str) -> Path:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     return work
+
+
+SHARED_MARKER = ".shared_by_every_rank"
+
+
+def check_shared_folder(
+    work: Path,
+    is_main: bool,
+    barrier: Callable[[], None],
+    exchange: Callable[[object], list],
+    node_of: Callable[[int], int],
+) -> None:
+    """[Note: a checkpoint folder only some ranks see]; every rank must call it after `fresh_partial_dir`.
+    `exchange`: every rank's object, in rank order (an all-gather); `node_of`: a rank's node.
+
+    Raises:
+        OSError: some ranks do not see rank 0's partial folder (on every rank).
+    """
+    marker = work / SHARED_MARKER
+    token = secrets.token_hex(8) if is_main else None
+    if is_main:
+        marker.write_text(token)
+    barrier()
+    seen = marker.read_text() if marker.is_file() else None
+    answers = exchange((token, seen))
+    expected = answers[0][0]
+    blind = [rank for rank, (_, saw) in enumerate(answers) if saw != expected]
+    barrier()  # every rank has read the marker
+    if is_main:
+        marker.unlink()
+    if blind:
+        nodes = sorted({node_of(rank) for rank in blind})
+        raise OSError(
+            f"checkpoint folder {work.parent} is not shared by every rank: ranks {blind} (node(s) {nodes}) do not see "
+            f"what rank 0 wrote in {work.name}; it is on a node-local disk. Save to a file system every node mounts "
+            "(nothing was written)"
+        )
 
 
 def publish_dir(save_dir: Path, tag: str, barrier: Callable[[], None], is_main: bool) -> Path:

@@ -59,6 +59,13 @@ JSON output (`--json`), schema_version 1:
         }
       ],
       "recommendation": {"stage": int, "offload": str, "deepspeed_config": {"zero_optimization": {...}}} | null,
+      "layouts": {                        # stage 3 on --num_nodes > 1 ([Note: the layout formulas] in
+        "per": "node and micro-step",     # debug/layouts.py); null on one node
+        "rows": [{"layout": "flat" | "hpZ" | "MiCS" | "ZeRO++", "zero_optimization": {...},
+                  "between_nodes_per_micro_step": int, "inside_node_per_micro_step": int,
+                  "model_states": int, "secondary_copy": int, "exact": bool}],
+        "recommended": str                # the exact layout with the fewest bytes between nodes that fits
+      } | null,
       "notes": [str]
     }
 
@@ -77,6 +84,7 @@ from typing import Any
 
 from accelerate_zero.cli.estimate_render import render
 from accelerate_zero.debug import estimate as est
+from accelerate_zero.debug.layouts import layout_rows, recommend_layout
 from accelerate_zero.debug.phases import phase_peaks
 
 
@@ -232,6 +240,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(_row(estimate, activations or 0, num_gpus, verdicts[(stage, offload)]))
         rows[-1]["phases"] = phase_peaks(estimate, activations or 0, _largest_gradient(shapes, setup, stage))
     choice = est.recommend(verdicts)
+    layouts = _layouts(shapes, setup, rows, num_gpus, args.num_nodes, usable)
     return {
         "schema_version": SCHEMA_VERSION,
         "model": _model_section(shapes, loaded, args),
@@ -239,8 +248,29 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         "activations": activations,
         "estimates": rows,
         "recommendation": None if choice is None else _recommendation(*choice),
+        "layouts": layouts,
         "notes": [*zero_notes, *_notes(shapes, activations, gpu_memory, choice, args)],
     }
+
+
+def _layouts(
+    shapes: est.ModelShapes,
+    setup: est.TrainingSetup,
+    rows: list[dict[str, Any]],
+    num_gpus: int,
+    num_nodes: int,
+    usable: int | None,
+) -> dict[str, Any] | None:
+    """Stage 3's layouts on several nodes ([Note: the layout formulas] in debug/layouts.py); None on one node."""
+    flat = next((row for row in rows if (row["stage"], row["offload"]) == (3, "none")), None)
+    if num_nodes == 1 or flat is None:
+        return None
+    table = layout_rows(
+        shapes.numel, shapes.numel, setup.compute_bytes, setup.comm_bytes, num_nodes, num_gpus, flat["model_states"]
+    )
+    room = None if usable is None else usable - flat["device"]["total"]
+    chosen = recommend_layout(table, room, num_nodes)
+    return {"per": "node and micro-step", "rows": [row.as_dict() for row in table], "recommended": chosen.name}
 
 
 def _check_flags(args: argparse.Namespace) -> None:

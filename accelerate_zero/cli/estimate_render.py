@@ -39,7 +39,20 @@ def render(report: dict[str, Any]) -> str:
         node = [format_bytes(row["cpu_ram_per_node"]), format_bytes(row["nvme_per_node"])]
         lines.append([str(row["stage"]), row["offload"], *values, fits, *node])
     table = _aligned(lines)
-    return "\n".join([*_summary(report), "", *table, "", *_phase_table(report), "", *_closing(report)])
+    layouts = _layout_table(report)
+    return "\n".join(
+        [
+            *_summary(report),
+            "",
+            *table,
+            "",
+            *_phase_table(report),
+            "",
+            *layouts,
+            *([""] if layouts else []),
+            *_closing(report),
+        ]
+    )
 
 
 _PHASE_TITLES = {"init": "init", "forward": "forward", "backward": "backward", "optimizer_step": "step"}
@@ -53,6 +66,33 @@ def _phase_table(report: dict[str, Any]) -> list[str]:
     for row in report["estimates"]:
         lines.append([str(row["stage"]), row["offload"], *(format_bytes(row["phases"][p]) for p in phases)])
     return ["peak per GPU in each phase (the columns above that coexist then):", *_aligned(lines)]
+
+
+def _layout_table(report: dict[str, Any]) -> list[str]:
+    """Stage 3's layouts on several nodes: bytes per node and micro-step, memory per GPU."""
+    layouts = report.get("layouts")
+    if not layouts:
+        return []
+    lines = [["layout", "", "between nodes", "inside node", "model states", "hpZ copy", "exact"]]
+    for row in layouts["rows"]:
+        lines.append(
+            [
+                row["layout"],
+                "",
+                format_bytes(row["between_nodes_per_micro_step"]),
+                format_bytes(row["inside_node_per_micro_step"]),
+                format_bytes(row["model_states"]),
+                format_bytes(row["secondary_copy"]),
+                "yes" if row["exact"] else "no (quantized)",
+            ]
+        )
+    chosen = next(row for row in layouts["rows"] if row["layout"] == layouts["recommended"])
+    return [
+        "stage 3 layouts, bytes per node and micro-step (units released after forward) and per GPU:",
+        *_aligned(lines),
+        f"layout recommendation: {chosen['layout']} {json.dumps(chosen['zero_optimization'])}: the exact layout "
+        "that fits and sends the fewest bytes between nodes",
+    ]
 
 
 def _aligned(lines: list[list[str]]) -> list[str]:

@@ -230,19 +230,23 @@ class ZeroOptimizationConfig(Block):
     round_robin_gradients: bool = False
     """Stages 1/2 with CPU offload: interleave gradient ownership across ranks."""
     zero_hpz_partition_size: int = _f(1, ge=0)
-    """ZeRO++ hpZ; values > 1 are refused."""
+    """ZeRO++ hpZ, stage 3: a secondary copy of the parameters partitioned over this many ranks (usually the ranks
+    per node), which backward gathers from; 0 and 1: none ([Note: the three hierarchical layouts])."""
     zero_quantized_weights: bool = False
-    """ZeRO++ qwZ; refused."""
+    """ZeRO++ qwZ, stage 3: the parameter all-gathers of forward and backward move int8 blocks
+    ([Note: qwZ, the quantized weight all-gather] in engine/quantized_comm.py)."""
     zero_quantized_nontrainable_weights: bool = False
     """Quantized frozen weights; refused."""
     zero_quantized_gradients: bool = False
-    """ZeRO++ qgZ; refused."""
+    """ZeRO++ qgZ, stage 3: gradients reduce-scattered in int4 blocks, inside each node and then across nodes
+    ([Note: qgZ, the quantized two-level reduce-scatter] in engine/quantized_comm.py)."""
     zeropp_loco_param: dict[str, Any] | None = None
     """LoCo-ZeRO++; refused."""
     mics_shard_size: int = -1
-    """MiCS shard group size; values > 0 are refused."""
+    """MiCS, stage 3: partition the state over groups of this many consecutive ranks and replicate it across the
+    groups (FSDP2's HSDP); -1: over all ranks ([Note: the three hierarchical layouts])."""
     mics_hierarchical_params_gather: bool = False
-    """MiCS; refused."""
+    """MiCS's two-level gather for shard groups spanning nodes; `true` is refused."""
     memory_efficient_linear: bool = True
     """DeepSpeed's stage 3 linear autograd function; `false` is refused."""
     pipeline_loading_checkpoint: bool = False

@@ -64,6 +64,7 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig
         *_check_param_offload_stage(resolved),
         *_check_partial_offload(resolved),
         *_check_nvme_paths(resolved),
+        *_check_hierarchical(resolved, world_size),
     ]
     if problems:
         raise ZeroConfigError(problems)
@@ -185,4 +186,50 @@ def _check_nvme_paths(config: ZeroConfig) -> list[str]:
                 f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set: "
                 "set it to a folder on a fast local disk"
             )
+    return problems
+
+
+def _check_hierarchical(config: ZeroConfig, world_size: int) -> list[str]:
+    """hpZ and MiCS ([Note: the three hierarchical layouts] in engine/layout.py): stage 3, a divisor of the
+    world size, not both."""
+    zero = config.zero_optimization
+    # Off as in DeepSpeed: hpZ at a partition size of 0 or 1, MiCS at a shard size <= 0.
+    asked = [
+        (key, value)
+        for key, value, first_on in (
+            ("zero_hpz_partition_size", zero.zero_hpz_partition_size, 2),
+            ("mics_shard_size", zero.mics_shard_size, 1),
+        )
+        if not is_auto(value) and value >= first_on
+    ]
+    problems = []
+    for key, value in asked:
+        if not is_auto(zero.stage) and zero.stage != 3:
+            problems.append(
+                f"zero_optimization.{key}={value} needs zero_optimization.stage=3 (got {zero.stage}): it shards "
+                "parameters; set stage to 3 or remove the key"
+            )
+        elif world_size % value:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            problems.append(
+                f"zero_optimization.{key}={value} does not divide the {world_size} data-parallel ranks: use one of "
+                f"{divisors} (usually the ranks per node)"
+            )
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, key) is True and not is_auto(zero.stage) and zero.stage != 3:
+            problems.append(
+                f"zero_optimization.{key}=true needs zero_optimization.stage=3 (got {zero.stage}): ZeRO++ quantizes "
+                "the collectives of partitioned parameters; set stage to 3 or remove the key"
+            )
+    if zero.zero_quantized_gradients is True and not is_auto(zero.mics_shard_size) and zero.mics_shard_size > 0:
+        problems.append(
+            "zero_optimization.zero_quantized_gradients=true with mics_shard_size: the two-level quantized "
+            "reduce-scatter needs the gradients sharded over every rank; use zero_hpz_partition_size instead of "
+            "mics_shard_size, or remove zero_quantized_gradients"
+        )
+    if len(asked) == 2:
+        problems.append(
+            "zero_optimization.zero_hpz_partition_size and zero_optimization.mics_shard_size are both set: hpZ and "
+            "MiCS are two different layouts (as in DeepSpeed); keep one"
+        )
     return problems

@@ -202,21 +202,15 @@ _NO_PATCH = "accelerate_zero never patches nn.Module"
 
 REFUSED_FEATURES: dict[str, RefusedFeature] = {
     "zero_optimization.legacy_stage1": RefusedFeature(False, "DeepSpeed removed the legacy stage 1; use stage 1"),
-    "zero_optimization.zero_hpz_partition_size": RefusedFeature(
-        1, f"ZeRO++ hierarchical partitioning (hpZ) {_NOT_IMPLEMENTED}", lambda v: v <= 1
-    ),
-    "zero_optimization.zero_quantized_weights": RefusedFeature(
-        False, f"ZeRO++ quantized weights (qwZ) {_NOT_IMPLEMENTED}"
-    ),
     "zero_optimization.zero_quantized_nontrainable_weights": RefusedFeature(
         False, f"quantized storage of frozen weights {_NOT_IMPLEMENTED}"
     ),
-    "zero_optimization.zero_quantized_gradients": RefusedFeature(
-        False, f"ZeRO++ quantized gradients (qgZ) {_NOT_IMPLEMENTED}"
-    ),
     "zero_optimization.zeropp_loco_param": RefusedFeature(None, f"LoCo-ZeRO++ {_NOT_IMPLEMENTED}"),
-    "zero_optimization.mics_shard_size": RefusedFeature(-1, f"MiCS {_NOT_IMPLEMENTED}", lambda v: v <= 0),
-    "zero_optimization.mics_hierarchical_params_gather": RefusedFeature(False, f"MiCS {_NOT_IMPLEMENTED}"),
+    "zero_optimization.mics_hierarchical_params_gather": RefusedFeature(
+        False,
+        "MiCS's two-level gather for shard groups that span nodes is not implemented (mics_shard_size is: keep a "
+        "shard group within a node, where the gather is one collective)",
+    ),
     "zero_optimization.zenflow": RefusedFeature(None, f"ZenFlow {_NOT_IMPLEMENTED}"),
     "zero_optimization.elastic_checkpoint": RefusedFeature(
         False, "DeepSpeed's legacy elastic checkpoints are not implemented (use universal checkpoints)"

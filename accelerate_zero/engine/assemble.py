@@ -27,11 +27,12 @@ from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
 from accelerate_zero.engine.grad_reduce import GradReducer
-from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.host_grads import HostGradient, HostStaging
 from accelerate_zero.engine.kept_grads import KeptGradient
+from accelerate_zero.engine.layout import ShardingLayout
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
+from accelerate_zero.engine.quantized_comm import BlockQuantization, QuantizedReduceScatter
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.setup import build_optimizer_for, dtype_from_name, trainable_param_groups
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
@@ -85,7 +86,7 @@ def assemble(
     optimizer: torch.optim.Optimizer | None,
     config: ResolvedZeroConfig,
     *,
-    dp: DataParallelGroup,
+    layout: ShardingLayout,
     device: torch.device,
     stats: CommStats,
     progress: Callable[[], int],
@@ -93,7 +94,7 @@ def assemble(
 ) -> EngineParts:
     """Places `module` on `device` (stage 3: sharded unit by unit), builds or adopts the optimizer and builds the
     stage's buckets, units, stores and sharded optimizer. `progress`: the engine's micro-step counter."""
-    return _Assembly(module, config, dp, device, stats, unit_classes).build(optimizer, progress)
+    return _Assembly(module, config, layout, device, stats, unit_classes).build(optimizer, progress)
 
 
 class _Assembly:
@@ -103,12 +104,15 @@ class _Assembly:
         self,
         module: nn.Module,
         config: ResolvedZeroConfig,
-        dp: DataParallelGroup,
+        layout: ShardingLayout,
         device: torch.device,
         stats: CommStats,
         unit_classes: list[type[nn.Module] | str] | None,
     ) -> None:
-        self.module, self.config, self.dp, self.device, self.stats = module, config, dp, device, stats
+        self.module, self.config, self.device, self.stats = module, config, device, stats
+        self.layout, self.dp, self.world = layout, layout.shard, layout.world
+        """`dp`: the ranks the state is partitioned over; `world`: every rank ([Note: the three hierarchical
+        layouts] in engine/layout.py)."""
         self.unit_classes = unit_classes
         self.stage = config.zero_optimization.stage
         self.offload = offload_policy(config)
@@ -123,7 +127,7 @@ class _Assembly:
             params = config.zero_optimization.offload_param
             self.shard_store = NvmeParamStore(
                 params.nvme_path,
-                dp.rank,
+                self.world.rank,  # replicas of a shard on one node must not share a folder
                 buffer_count=params.buffer_count,
                 buffer_size=params.buffer_size,
                 max_in_cpu=params.max_in_cpu,
@@ -212,7 +216,7 @@ class _Assembly:
             buffer.data = buffer.data.to(self.device)
         # Every rank starts from rank 0's weights and buffers, as DDP and DeepSpeed do.
         for tensor in [*(shard.param_buffer for shard in self.groups), *others, *self.module.buffers()]:
-            collectives.broadcast(tensor.data, 0, self.dp, self.stats)
+            collectives.broadcast(tensor.data, 0, self.world, self.stats)
 
     def _build_flat_groups(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
         num_shards = 1 if self.stage == 0 else self.dp.world_size
@@ -257,11 +261,15 @@ class _Assembly:
             numel_of=preloaded_numel(self.module),
         )
 
+        world, shard_of = self.world, self.layout.shard_index_of
+
         def from_rank_0(tensor: torch.Tensor) -> None:
-            collectives.broadcast(tensor, 0, self.dp, self.stats)
+            collectives.broadcast(tensor, 0, world, self.stats)
 
         def cut_on_rank_0(output: torch.Tensor, shards: list[torch.Tensor] | None) -> None:
-            collectives.scatter(output, shards, self.dp, self.stats)
+            # Every replica of shard j gets rank 0's shard j: views, no copy ([Note: rank 0's weights, cut on rank 0]).
+            per_rank = None if shards is None else [shards[shard_of(r)] for r in range(world.world_size)]
+            collectives.scatter(output, per_rank, world, self.stats)
 
         parts = build_stage3(
             self.module,
@@ -269,6 +277,7 @@ class _Assembly:
             trainable,
             rank=self.dp.rank,
             world_size=self.dp.world_size,
+            cuts=self.world.rank == 0,
             dtypes=dtypes,
             device=self.device,
             reduce_bucket_numel=zero.reduce_bucket_size,
@@ -290,6 +299,8 @@ class _Assembly:
             parts.root,
             self.dp,
             self.stats,
+            secondary=self.layout.secondary,
+            weight_quantization=BlockQuantization(8) if zero.zero_quantized_weights else None,
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
@@ -356,11 +367,11 @@ class _Assembly:
         assert self.grad_store is not None
         folder = check_nvme_path(
             self.offload.nvme_path,
-            self.dp.rank,
+            self.world.rank,  # replicas of a shard on one node must not share a folder
             sum(s.end - s.start for group in slices for s in group),
             self.grad_store.numel,
-            world_size=self.dp.world_size,
-            barrier=lambda: collectives.barrier(self.dp),
+            world_size=self.world.world_size,
+            barrier=lambda: collectives.barrier(self.world),
         )
         swapper = NvmeSwapper(folder, slices, zero.sub_group_size, self.offload.buffer_count, self._slice_values)
         self.grad_store.open(folder / "gradients.bin")
@@ -371,8 +382,8 @@ class _Assembly:
         config, zero = self.config, self.config.zero_optimization
         comm_dtypes = {bucket.comm_dtype for bucket in buckets} or {torch.float32}
         assert len(comm_dtypes) == 1, f"buckets of one engine reduce in one dtype, got {comm_dtypes}"
-        scaling = GradScaling(
-            self.dp.world_size, config.prescale_gradients, config.gradient_predivide_factor, comm_dtypes.pop()
+        scaling = GradScaling(  # averaged over every rank: replicas included
+            self.world.world_size, config.prescale_gradients, config.gradient_predivide_factor, comm_dtypes.pop()
         )
         # Two reductions in flight overlap backward as well as more would, and bound the full-size buffers (stages 2
         # and 3) and the temporaries of a reduction (casts, [Note: reduce-scatter on gloo]) at every stage.
@@ -383,6 +394,8 @@ class _Assembly:
             self.dp,
             self.stats,
             scaling,
+            replicate=self.layout.replicate,
+            quantized=self._quantized_reduce_scatter(),
             use_reduce_scatter=zero.reduce_scatter,
             max_in_flight=in_flight,
             ignore_unused_parameters=zero.ignore_unused_parameters,
@@ -390,6 +403,12 @@ class _Assembly:
             on_bucket_complete=on_complete,
             scratch=self.scratch,
         )
+
+    def _quantized_reduce_scatter(self) -> QuantizedReduceScatter | None:
+        """qgZ (`zero_quantized_gradients`): the layout built its node and across-node groups."""
+        if self.layout.two_level is None:
+            return None
+        return QuantizedReduceScatter(self.layout.two_level, BlockQuantization(4))
 
     def _build_sharded_optimizer(
         self,

@@ -8,6 +8,13 @@
   averaged owned slice is added to a shard-sized gradient that accumulates over micro-steps, then the full buffer
   is released. This is what makes stage 2 hold 1/W of the gradients.
 
+[Note: reducing over replicas]
+Under replicate x shard (engine/layout.py) a shard group's reduce-scatter sums the gradients of its own ranks only;
+the ranks holding the same shard in the other groups each have the sum of theirs. Summing those partial sums over
+the replicas (an all-reduce of the 1/s shard, between nodes when a shard group is a node) gives every replica the
+sum over all W ranks; the scaling divides by W. It runs at each reduction, as FSDP2's HSDP does, so that gradient
+accumulation and a shard kept in host memory or on NVMe see one finished sum, as with one group.
+
 [Note: a gradient that arrives after its bucket was reduced]
 Reentrant activation checkpointing or a second backward can deliver a gradient to a bucket that was already
 reduced in this step. Reduction is linear, so the late part is reduced again and added: stage 2 simply fills a
@@ -33,6 +40,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.kept_grads import ArenaSlot, DeviceShardGradient, KeptGradient, ReducedInPlace
+from accelerate_zero.engine.quantized_comm import QuantizedReduceScatter
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
 
@@ -138,6 +146,8 @@ class GradBucket:
         self._adopted = False  # `grad` is autograd's ([Note: a single-tensor bucket reduces autograd's gradient ...])
         self._comm_buffer: torch.Tensor | None = None
         self._scaling: GradScaling | None = None
+        self._replicate: DataParallelGroup | None = None
+        self._stats: CommStats | None = None
 
     # ----------------------------------------------------------------- accumulation
     def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
@@ -215,9 +225,18 @@ class GradBucket:
 
     # -------------------------------------------------------------------- reduction
     def start_reduce(
-        self, dp: DataParallelGroup, stats: CommStats, scaling: GradScaling, use_reduce_scatter: bool, async_op: bool
+        self,
+        dp: DataParallelGroup,
+        stats: CommStats,
+        scaling: GradScaling,
+        use_reduce_scatter: bool,
+        async_op: bool,
+        replicate: DataParallelGroup | None = None,
+        quantized: QuantizedReduceScatter | None = None,
     ) -> None:
-        """Issues this bucket's collective; an EMPTY bucket takes part with zeros (other ranks may have data)."""
+        """Issues this bucket's collective; an EMPTY bucket takes part with zeros (other ranks may have data).
+        `replicate`: the ranks holding the same shard ([Note: reducing over replicas]). `quantized`: qgZ, the
+        shard's reduce-scatter in int4 blocks (engine/quantized_comm.py; synchronous)."""
         if self._pending is not None:
             raise RuntimeError(f"bucket {self.plan.index} already has a reduction in flight")
         if self.state not in (BucketState.EMPTY, BucketState.ACCUMULATING):
@@ -226,7 +245,10 @@ class GradBucket:
         comm = full if self.comm_dtype == full.dtype else self.scratch.take(full.numel(), self.comm_dtype).copy_(full)
         if scaling.pre != 1.0:
             comm.mul_(scaling.pre)
-        if self.mode is ReduceMode.ALL_REDUCE or not use_reduce_scatter:
+        if quantized is not None and self.mode is ReduceMode.SCATTER_TO_SHARD:
+            quantized(self._owned(comm), comm, stats)
+            self._pending = Pending(None)
+        elif self.mode is ReduceMode.ALL_REDUCE or not use_reduce_scatter:
             self._pending = collectives.all_reduce(comm, dp, stats, async_op=async_op)
         else:
             self._pending = collectives.reduce_scatter(
@@ -234,6 +256,8 @@ class GradBucket:
             )
         self._comm_buffer = comm
         self._scaling = scaling
+        self._replicate, self._stats = replicate, stats
+        assert replicate is None or self.mode is ReduceMode.SCATTER_TO_SHARD, "replicas exist at stage 3 only"
         self.state = BucketState.REDUCING
 
     def finish_reduce(self) -> None:
@@ -250,6 +274,9 @@ class GradBucket:
             self._store_scattered_in_place(comm, post)
             self._keep_reduced_in_place()
         else:
+            if self._replicate is not None:
+                # [Note: reducing over replicas]
+                collectives.all_reduce(self._owned(comm), self._replicate, self._stats, kind="all_reduce_replicas")
             self.kept.add(self._owned(comm), post, fresh=not self._has_reduced)
             self._has_reduced = True
             self._give_back(comm)

@@ -19,6 +19,18 @@ block per call (page faults in host memory) and a second pass over the result. W
 rank r's slice sent from rank r straight into slice r of the output on every rank: nothing temporary, and each rank
 sends its slice to the W-1 others, N*(W-1)/W bytes as in a ring. bench/gloo_collectives.py at W = 2 on 41 MB: 92 ms
 for the all-gather, 31 ms for the broadcasts. They are issued together; `wait()` waits for all of them.
+
+[Note: bytes between nodes]
+What crosses node boundaries is counted by the volume a node-aware algorithm moves (NCCL's rings and trees are
+ordered by node), from the node of each member of the group (`DataParallelGroup.member_nodes`): a piece of data
+enters a node once and is shared inside it. For a group of g ranks with m_i of them on node i, and N bytes:
+- all-gather (N gathered) and reduce-scatter (N reduced): node i receives (or sends) the (g - m_i)/g of N held
+  elsewhere: sum_i N (g - m_i)/g in all, (k - 1) N over k equal nodes; an all-reduce is both, twice that;
+- broadcast of N: every other node receives it once, (k - 1) N;
+- scatter of N in all from the source: N (g - m_src)/g;
+- all-to-all of N per rank: each rank's N/g for every member on another node, sum_r N/g (g - m_node(r)).
+Each rank records 1/g of its collective's total, so summing `between_nodes_bytes` over the ranks gives the bytes
+that crossed nodes (bench/README.md and tests/distributed/test_layouts.py compare them with formulas).
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ class CollectiveCount:
     """Size of the full buffer each call worked on (the input of a reduce, the output of a gather)."""
     bytes_per_rank: float = 0.0
     """Bytes each rank sends, by the ring algorithm's volume."""
+    between_nodes_bytes: float = 0.0
+    """This rank's share of the bytes that crossed node boundaries ([Note: bytes between nodes])."""
 
 
 @dataclass
@@ -54,11 +68,12 @@ class CommStats:
 
     by_kind: dict[str, CollectiveCount] = field(default_factory=dict)
 
-    def record(self, kind: str, payload_bytes: int, ring_factor: float) -> None:
+    def record(self, kind: str, payload_bytes: int, ring_factor: float, between_nodes: float = 0.0) -> None:
         count = self.by_kind.setdefault(kind, CollectiveCount())
         count.calls += 1
         count.payload_bytes += payload_bytes
         count.bytes_per_rank += payload_bytes * ring_factor
+        count.between_nodes_bytes += between_nodes
 
     def reset(self) -> None:
         self.by_kind.clear()
@@ -69,8 +84,31 @@ class CommStats:
             "calls": sum(c.calls for c in self.by_kind.values()),
             "payload_bytes": sum(c.payload_bytes for c in self.by_kind.values()),
             "bytes_per_rank": sum(c.bytes_per_rank for c in self.by_kind.values()),
+            "between_nodes_bytes": sum(c.between_nodes_bytes for c in self.by_kind.values()),
         }
         return out
+
+
+def between_nodes(dp: DataParallelGroup, pattern: str, nbytes: float, src: int = 0) -> float:
+    """This rank's share of what a collective on `dp` sends between nodes ([Note: bytes between nodes]).
+    `pattern`: "gather" (all-gather, reduce-scatter), "all_reduce", "broadcast", "scatter" or "all_to_all";
+    `src`: the source's group rank (broadcast, scatter)."""
+    nodes = dp.member_nodes
+    if nodes is None or len(set(nodes)) < 2:
+        return 0.0
+    g = len(nodes)
+    members = {node: nodes.count(node) for node in set(nodes)}
+    if pattern in ("gather", "all_reduce"):
+        total = sum(nbytes * (g - m) / g for m in members.values()) * (2 if pattern == "all_reduce" else 1)
+    elif pattern == "broadcast":
+        total = nbytes * (len(members) - 1)
+    elif pattern == "scatter":
+        total = nbytes * (g - members[nodes[src]]) / g
+    elif pattern == "all_to_all":
+        total = sum(nbytes / g * (g - members[node]) for node in nodes)
+    else:
+        raise ValueError(f"unknown collective pattern {pattern!r}")
+    return total / g
 
 
 class Pending(NamedTuple):
@@ -105,7 +143,8 @@ def all_reduce(
     """Sums `tensor` over the group, in place."""
     if dp.world_size == 1:
         return Pending(None)
-    stats.record(kind, _nbytes(tensor), 2 * (dp.world_size - 1) / dp.world_size)
+    nbytes = _nbytes(tensor)
+    stats.record(kind, nbytes, 2 * (dp.world_size - 1) / dp.world_size, between_nodes(dp, "all_reduce", nbytes))
     return Pending(dist.all_reduce(tensor, group=dp.group, async_op=async_op))
 
 
@@ -113,7 +152,10 @@ def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats
     """Takes the element-wise maximum over the group, in place (synchronous)."""
     if dp.world_size == 1:
         return
-    stats.record("all_reduce", _nbytes(tensor), 2 * (dp.world_size - 1) / dp.world_size)
+    nbytes = _nbytes(tensor)
+    stats.record(
+        "all_reduce", nbytes, 2 * (dp.world_size - 1) / dp.world_size, between_nodes(dp, "all_reduce", nbytes)
+    )
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dp.group)
 
 
@@ -136,11 +178,11 @@ def reduce_scatter(
             output.copy_(input)
         return Pending(None)
     own_slice = input.data_ptr() + dp.rank * output.numel() * output.element_size()
+    nbytes = _nbytes(input)
+    stats.record("reduce_scatter", nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "gather", nbytes))
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
-        stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
         pending = _all_to_all_reduce_scatter(output, input, dp, scratch or ScratchBuffers(input.device, reuse=False))
         return _done_unless_async(pending, async_op)
-    stats.record("reduce_scatter", _nbytes(input), (dp.world_size - 1) / dp.world_size)
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
 
 
@@ -193,14 +235,21 @@ def _all_to_all_reduce_scatter(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    dp: DataParallelGroup,
+    stats: CommStats,
+    *,
+    async_op: bool = False,
+    kind: str = "all_gather",
 ) -> Pending:
     """Concatenates every rank's `input` into `output`; `input` may be this rank's slice of `output`."""
     if dp.world_size == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Pending(None)
-    stats.record("all_gather", _nbytes(output), (dp.world_size - 1) / dp.world_size)
+    nbytes = _nbytes(output)
+    stats.record(kind, nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "gather", nbytes))
     if dp.backend == "gloo":
         return _done_unless_async(_broadcast_all_gather(output, input, dp), async_op)
     return Pending(_all_gather_single(output, input, group=dp.group, async_op=async_op))
@@ -226,13 +275,27 @@ def _broadcast_all_gather(output: torch.Tensor, input: torch.Tensor, dp: DataPar
     return Pending(None, finish)
 
 
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, kind: str = "all_to_all"
+) -> None:
+    """Row i of `input` (its first dimension is the group size) to group rank i; row j of `output` from group rank
+    j (synchronous)."""
+    if dp.world_size == 1:
+        output.copy_(input)
+        return
+    nbytes = _nbytes(input)
+    stats.record(kind, nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "all_to_all", nbytes))
+    dist.all_to_all_single(output, input, group=dp.group)
+
+
 def broadcast(
     tensor: torch.Tensor, src_rank: int, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
 ) -> Pending:
     """Copies `tensor` from group rank `src_rank` to every rank, in place."""
     if dp.world_size == 1:
         return Pending(None)
-    stats.record("broadcast", _nbytes(tensor), 1.0)
+    nbytes = _nbytes(tensor)
+    stats.record("broadcast", nbytes, 1.0, between_nodes(dp, "broadcast", nbytes, src_rank))
     src = src_rank if dp.group is None else dist.get_global_rank(dp.group, src_rank)
     return Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op))
 
@@ -244,7 +307,8 @@ def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataPar
         if output.data_ptr() != inputs[0].data_ptr():
             output.copy_(inputs[0])
         return
-    stats.record("scatter", _nbytes(output) * dp.world_size, (dp.world_size - 1) / dp.world_size)
+    nbytes = _nbytes(output) * dp.world_size
+    stats.record("scatter", nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "scatter", nbytes))
     src = 0 if dp.group is None else dist.get_global_rank(dp.group, 0)
     dist.scatter(output, inputs if dp.rank == 0 else None, src=src, group=dp.group)
 

@@ -22,9 +22,11 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.assemble import assemble
 from accelerate_zero.engine.checkpoint_state import CheckpointState, StepCounters
 from accelerate_zero.engine.collectives import CommStats
-from accelerate_zero.engine.full_weights import named_full_parameters
-from accelerate_zero.engine.gathered import GatheredParameters, register_engine_params, unregister_engine_params
+from accelerate_zero.engine.full_weights import full_state_dict, named_full_parameters
+from accelerate_zero.engine.gathered import register_engine_params, unregister_engine_params
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
+from accelerate_zero.engine.layout import ShardingLayout, build_sharding_layout, flat_layout, plan_from_config
+from accelerate_zero.engine.nodes import node_layout_from_env
 from accelerate_zero.engine.progress import BackwardPositionCheck
 from accelerate_zero.engine.setup import (
     build_lr_scheduler_for,
@@ -80,10 +82,21 @@ def initialize(
         NotImplementedError: the config asks for a feature this version does not have (the key is named).
     """
     device = resolve_device(device)
-    dp = init_data_parallel_group(device, process_group)
-    resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=dp.world_size)
+    world = init_data_parallel_group(device, process_group)
+    resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=world.world_size)
     check_implemented(resolved)
-    return ZeroEngine(model, optimizer, resolved, lr_scheduler, dp=dp, device=device, unit_classes=unit_classes)
+    plan = plan_from_config(resolved.zero_optimization, node_layout_from_env(world.world_size))
+    layout = build_sharding_layout(world, plan)
+    return ZeroEngine(
+        model,
+        optimizer,
+        resolved,
+        lr_scheduler,
+        dp=layout.shard,
+        layout=layout,
+        device=device,
+        unit_classes=unit_classes,
+    )
 
 
 class ZeroEngine:
@@ -108,6 +121,7 @@ class ZeroEngine:
         dp: DataParallelGroup,
         device: torch.device,
         unit_classes: list[type[nn.Module] | str] | None = None,
+        layout: ShardingLayout | None = None,
     ) -> None:
         if not isinstance(config, ResolvedZeroConfig):
             raise TypeError(
@@ -115,6 +129,9 @@ class ZeroEngine:
                 "accelerate_zero.initialize, or pass resolve_config(config, world_size=...)"
             )
         self.module, self.config, self.dp, self.device = module, config, dp, device
+        self.layout = layout if layout is not None else flat_layout(dp)
+        """The groups of every kind ([Note: the three hierarchical layouts] in engine/layout.py); `dp` is its
+        `shard` group, the ranks one copy of the state is partitioned over."""
         self.stage = config.zero_optimization.stage
         self.compute_dtype = config.compute_dtype
         self.comm_stats_counter = CommStats()
@@ -127,7 +144,7 @@ class ZeroEngine:
             module,
             optimizer,
             config,
-            dp=dp,
+            layout=self.layout,
             device=device,
             stats=self.comm_stats_counter,
             progress=lambda: self.micro_steps,
@@ -286,34 +303,7 @@ class ZeroEngine:
             only: keep just these keys (e.g. a PEFT model's adapter): units holding none of them are not gathered
                 and rank 0 never holds the rest.
         """
-
-        def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
-            cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            return tensor.detach().to(device="cpu", dtype=cast, copy=True)
-
-        gathered: dict[str, torch.Tensor] = {}
-        names: dict[int, list[str]] = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        wanted = set(only) if only is not None else None
-        for unit in self.units:
-            params = [p for flat in unit.flats for p in flat.params]
-            if wanted is not None:
-                params = [p for p in params if wanted.intersection(names[id(p)])]
-                if not params:
-                    continue
-            with GatheredParameters(params):
-                if self.dp.rank == 0:
-                    gathered.update({name: to_cpu(p) for p in params for name in names[id(p)]})
-        if self.dp.rank != 0:
-            return {}
-        with self._state_dict_guard.disabled() if self._state_dict_guard else contextlib.nullcontext():
-            full = self.module.state_dict()
-        return {
-            name: gathered[name] if name in gathered else to_cpu(t)
-            for name, t in full.items()
-            if wanted is None or name in wanted
-        }
+        return full_state_dict(self, self._state_dict_guard, dtype, only)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """Writes the gathered 16-bit weights as one safetensors file on rank 0; every rank must call it.
@@ -338,14 +328,13 @@ class ZeroEngine:
         kept = {name for name, _ in self.module.named_parameters()}
         aliases = {name for name, _ in self.module.named_parameters(remove_duplicate=False)} - kept
         state = {k: v for k, v in state.items() if k not in aliases}
-        if self.dp.rank == 0:
+        if self.layout.world.rank == 0:
             folder = Path(save_dir)
             folder.mkdir(parents=True, exist_ok=True)
             partial = folder / f".{save_filename}.partial"
             save_file({k: v.contiguous() for k, v in state.items()}, str(partial), metadata={"format": "pt"})
             partial.replace(folder / save_filename)  # never a half-written weights file
-        if self.dp.world_size > 1:
-            collectives.barrier(self.dp)
+        collectives.barrier(self.layout.world)
         return True
 
     def save_checkpoint(
@@ -389,6 +378,8 @@ class ZeroEngine:
         # The load writes host shards and masters in place: no copy in flight may still read them
         # ([Note: asynchronous host copies], rule 3).
         self.host_copies.drain()
+        if self.scheduler is not None:
+            self.scheduler.release_all()  # gathered copies (and hpZ's secondary ones) of the values replaced
         client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         return str(resolve_tag(Path(load_dir), tag)), client_state
 

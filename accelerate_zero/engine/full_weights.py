@@ -16,15 +16,17 @@ own tensors left out), which is what a generator built from the base checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from accelerate_zero.engine.gathered import GatheredParameters
-from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.layout import ShardingLayout
+from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 
 
@@ -33,7 +35,7 @@ class StreamedEngine(Protocol):
     imports this module, is not imported back)."""
 
     module: nn.Module
-    dp: DataParallelGroup
+    layout: ShardingLayout
     units: list[ParamUnit]
 
 
@@ -53,7 +55,7 @@ def named_full_parameters(
     for name, param in module.named_parameters():
         names.setdefault(id(param), name)
     lora_of = _lora_layers(module) if merge_lora else {}
-    emit = not rank0_only or engine.dp.rank == 0
+    emit = not rank0_only or engine.layout.world.rank == 0
     done: set[int] = set()
     for batch in _unit_batches(engine, max_bytes):
         with torch.no_grad(), GatheredParameters(batch):
@@ -126,3 +128,42 @@ def _named(
     if dtype is not None and dtype != value.dtype:
         value, owned = value.to(dtype), False
     yield name, value.clone() if owned else value
+
+
+def full_state_dict(
+    engine: StreamedEngine,
+    guard: PlaceholderStateDictGuard | None,
+    dtype: torch.dtype | None = None,
+    only: Collection[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Implements `ZeroEngine.full_state_dict`: units gathered one at a time, copied to the CPU on rank 0 of the
+    world. `guard`: the stage-3 state-dict guard, lifted while the rest of the state dict is read."""
+
+    def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        return tensor.detach().to(device="cpu", dtype=cast, copy=True)
+
+    main = engine.layout.world.rank == 0
+    gathered: dict[str, torch.Tensor] = {}
+    names: dict[int, list[str]] = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    wanted = set(only) if only is not None else None
+    for unit in engine.units:
+        params = [p for flat in unit.flats for p in flat.params]
+        if wanted is not None:
+            params = [p for p in params if wanted.intersection(names[id(p)])]
+            if not params:
+                continue
+        with GatheredParameters(params):
+            if main:
+                gathered.update({name: to_cpu(p) for p in params for name in names[id(p)]})
+    if not main:
+        return {}
+    with guard.disabled() if guard is not None else contextlib.nullcontext():
+        full = engine.module.state_dict()
+    return {
+        name: gathered[name] if name in gathered else to_cpu(t)
+        for name, t in full.items()
+        if wanted is None or name in wanted
+    }

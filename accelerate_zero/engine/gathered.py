@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
+from accelerate_zero.engine.layout import ShardingLayout
 from accelerate_zero.engine.stage3.external import attach, find_unit, remember_registration
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
@@ -28,6 +29,7 @@ class ZeroEngine(Protocol):
     module: nn.Module
     units: list[ParamUnit]
     dp: DataParallelGroup
+    layout: ShardingLayout
     comm_stats_counter: collectives.CommStats
     host_copies: HostCopies
     sharded_optimizer: Any
@@ -116,12 +118,12 @@ def _publish_writes(engine: ZeroEngine, units: list[ParamUnit], src: int, params
     with torch.no_grad():
         for unit in units:
             for flat in unit.flats:
-                collectives.broadcast(flat.full, src, engine.dp, engine.comm_stats_counter)
+                collectives.broadcast(flat.full, src, engine.layout.world, engine.comm_stats_counter)
             unit.refresh_shards_from_full()
         in_units = {id(p) for unit in units for flat in unit.flats for p in flat.params}
         for param in params:
             if id(param) not in in_units and _ENGINE_OF_PARAM.get(param) is engine:
-                collectives.broadcast(param.data, src, engine.dp, engine.comm_stats_counter)
+                collectives.broadcast(param.data, src, engine.layout.world, engine.comm_stats_counter)
         engine.sharded_optimizer.refresh_masters()
 
 

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from accelerate_zero.engine.buckets import BucketState, GradBucket, GradScaling
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.quantized_comm import QuantizedReduceScatter
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import ParamSlot
 
@@ -59,6 +60,8 @@ class GradReducer:
         *,
         use_reduce_scatter: bool,
         max_in_flight: int,
+        replicate: DataParallelGroup | None = None,
+        quantized: QuantizedReduceScatter | None = None,
         ignore_unused_parameters: bool = True,
         param_names: dict[nn.Parameter, str] | None = None,
         on_bucket_complete: Callable[[int], None] | None = None,
@@ -69,6 +72,9 @@ class GradReducer:
             buckets: every bucket of every param group, in launch order.
             locations: for each trainable parameter, (index into `buckets`, its slot).
             max_in_flight: reductions allowed in flight at once; 0 waits for each one right away (no overlap).
+            replicate: the ranks holding the same shards (replicate x shard, engine/layout.py): each reduced
+                shard is summed over them too; None: no replicas.
+            quantized: qgZ's reduce-scatter for the stage 2/3 buckets (engine/quantized_comm.py).
             ignore_unused_parameters: False makes a reducing backward that left a parameter without gradient
                 raise (DeepSpeed's `zero_optimization.ignore_unused_parameters`).
             param_names: names for error messages.
@@ -77,7 +83,8 @@ class GradReducer:
             scratch: the temporaries the buckets share (for memory accounting; each bucket holds it too).
         """
         self.buckets, self.locations = list(buckets), locations
-        self.dp, self.stats, self.scaling = dp, stats, scaling
+        self.dp, self.stats, self.scaling, self.replicate = dp, stats, scaling, replicate
+        self.quantized = quantized
         self.use_reduce_scatter, self.max_in_flight = use_reduce_scatter, max_in_flight
         self.ignore_unused_parameters, self.param_names = ignore_unused_parameters, param_names or {}
         self.on_bucket_complete = on_bucket_complete
@@ -172,7 +179,15 @@ class GradReducer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        bucket.start_reduce(self.dp, self.stats, self.scaling, self.use_reduce_scatter, async_op=True)
+        bucket.start_reduce(
+            self.dp,
+            self.stats,
+            self.scaling,
+            self.use_reduce_scatter,
+            async_op=True,
+            replicate=self.replicate,
+            quantized=self.quantized,
+        )
         if self._session is not None:
             self._session.launched.add(index)
         self._in_flight.append(bucket)

@@ -26,6 +26,9 @@ class DataParallelGroup:
     """None means torch's default group."""
     rank: int
     world_size: int
+    member_nodes: tuple[int, ...] | None = None
+    """The node each member runs on, by group rank (engine/layout.py): what a collective sends between
+    nodes is counted from it. None: all on one node."""
 
     @functools.cached_property
     def backend(self) -> str:

@@ -8,8 +8,10 @@ in a table row). Each must match one of the short forms below, else the first te
   (`bash scripts/demo.sh`, the same command as the SFT launch) runs once and the other commands reuse its output
   (GRPO starts from it, `consolidate` merges its checkpoint);
 * the GPU smoke test (`tests/gpu/smoke.py`) runs on 2 CPU processes;
-* launches of a placeholder script (`train.py`) are checked as `accelerate-zero launch` checks them before starting
-  anything (flags, config, batch rule), without starting processes;
+* launches of a placeholder script (`train.py`), and launches on several machines (`--num_machines 2`: the other
+  machine is not here), are checked as `accelerate-zero launch` checks them before starting anything (flags,
+  config, batch rule), without starting processes;
+* `NAME=value` words before a command are set in its environment (`ACCELERATE_ZERO_SIMULATED_NODES=2 ...`);
 * `pip install` lines are not run (they install packages; this environment was installed by scripts/install.sh).
 """
 
@@ -68,9 +70,18 @@ def readme_commands() -> list[str]:
     return list(seen)
 
 
+def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The `NAME=value` words before a command, and the command."""
+    env: dict[str, str] = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, value = words[0].split("=", 1)
+        env[name], words = value, words[1:]
+    return env, words
+
+
 def kind_of(command: str) -> str:
     """The short form a documented command runs as (see the module docstring); "" when there is none."""
-    words = shlex.split(command.replace("[", "").replace("]", ""))
+    _, words = split_env(shlex.split(command.replace("[", "").replace("]", "")))
     if words[:2] == ["pip", "install"]:
         return "not_run"
     if command in ("bash scripts/demo.sh", DEMO):
@@ -85,7 +96,8 @@ def kind_of(command: str) -> str:
         script = next((w for w in words[2:] if w.endswith(".py")), "")
         if script == "tests/gpu/smoke.py":
             return "gpu_smoke"
-        return "recipe" if (REPO / script).is_file() else "launch_checks"
+        machines = words[words.index("--num_machines") + 1] if "--num_machines" in words else "1"
+        return "recipe" if (REPO / script).is_file() and machines == "1" else "launch_checks"
     if words[:2] == ["accelerate-zero", "consolidate"]:
         return "consolidate"
     if words[0] == "accelerate-zero" and words[1] in ("validate", "estimate", "doctor"):
@@ -161,12 +173,12 @@ def test_demo_shards_and_prints_what_each_rank_holds(demo: dict[str, Any]) -> No
 
 @pytest.mark.parametrize("command", [c for c in readme_commands() if kind_of(c) not in ("demo", "not_run")])
 def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) -> None:
-    words = shlex.split(command.replace("[", "").replace("]", ""))
+    env, words = split_env(shlex.split(command.replace("[", "").replace("]", "")))
     match kind_of(command):
         case "as_written":
             run([w if w != "ds_config.json" else "accelerate_configs/ds_config.json" for w in words])
         case "recipe":
-            _run_recipe(words, demo, tmp_path)
+            _run_recipe(words, demo, tmp_path, env)
         case "launch_checks":
             _check_launch(words, tmp_path)
         case "gpu_smoke":  # on this machine's CPU, with 2 processes whatever N the document shows
@@ -204,7 +216,7 @@ def _drop(words: list[str], *flags: str) -> list[str]:
     return kept
 
 
-def _run_recipe(words: list[str], demo: dict[str, Any], tmp_path: Path) -> None:
+def _run_recipe(words: list[str], demo: dict[str, Any], tmp_path: Path, env: dict[str, str]) -> None:
     script = Path(next(w for w in words if w.endswith(".py"))).name
     if script == "qlora.py" and importlib.util.find_spec("bitsandbytes") is None:
         pytest.skip("the qlora recipe needs the qlora extra (bitsandbytes)")
@@ -213,7 +225,7 @@ def _run_recipe(words: list[str], demo: dict[str, Any], tmp_path: Path) -> None:
         flags += ["--output_dir", str(tmp_path / "out")]
     if script == "grpo.py":  # it starts from the SFT demo's output, as documented
         flags += ["--model_name_or_path", str(demo["out"])]
-    output = run(_launch_port(words) + flags)
+    output = run(_launch_port(words) + flags, {**_env(), **env})
     assert not [noise for noise in NOISE if noise in output], output[-3000:]
 
 

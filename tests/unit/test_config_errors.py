@@ -71,12 +71,8 @@ def test_non_mapping_blocks_and_sources_are_errors() -> None:
 
 REFUSED_SAMPLES = {
     "zero_optimization.legacy_stage1": True,
-    "zero_optimization.zero_hpz_partition_size": 8,
-    "zero_optimization.zero_quantized_weights": True,
     "zero_optimization.zero_quantized_nontrainable_weights": True,
-    "zero_optimization.zero_quantized_gradients": True,
     "zero_optimization.zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
-    "zero_optimization.mics_shard_size": 4,
     "zero_optimization.mics_hierarchical_params_gather": True,
     "zero_optimization.zenflow": {"topk_ratio": 0.1},
     "zero_optimization.elastic_checkpoint": True,

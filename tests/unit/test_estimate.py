@@ -323,7 +323,16 @@ def test_activation_estimate_follows_the_formula() -> None:
 def test_json_has_the_documented_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     folder = write_config(tmp_path / "tiny", TINY_LLAMA)
     report = estimate_json(capsys, "--config_json", str(folder), "--num_gpus", "2", "--gpu_memory", "1GB")
-    assert set(report) == {"schema_version", "model", "setup", "activations", "estimates", "recommendation", "notes"}
+    assert set(report) == {
+        "schema_version",
+        "model",
+        "setup",
+        "activations",
+        "estimates",
+        "recommendation",
+        "layouts",
+        "notes",
+    }
     assert report["schema_version"] == 1 and isinstance(report["activations"], int)
     model_types = {"source": str, "name": str, "num_parameters": int, "stage3_units": int}
     model_types.update(persistent_parameters=int, exact_layout=bool, architecture=dict)

@@ -64,6 +64,7 @@ def build_stage3(
     *,
     rank: int,
     world_size: int,
+    cuts: bool,
     dtypes: DtypePlan,
     device: torch.device,
     reduce_bucket_numel: int,
@@ -78,9 +79,11 @@ def build_stage3(
 ) -> Stage3Parts:
     """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
     shards every unit, and plans the persistent parameters per optimizer param group. Every gradient bucket takes
-    its temporaries from `scratch`. `fp32_masters` False: no fp32 masters on the device (optimizer offload)."""
+    its temporaries from `scratch`. `fp32_masters` False: no fp32 masters on the device (optimizer offload).
+    `rank`/`world_size`: this rank's shard and the number of shards; `cuts`: this rank is the one whose weights
+    every rank starts from (rank 0 of the world: with replicas, not every shard group's first rank)."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
-    _refuse_meta_on_rank_0(module, rank, device, broadcast)
+    _refuse_meta_on_rank_0(module, cuts, device, broadcast)
     for param in layout.persistent:
         set_data(param, _on_device(param.data, device, dtypes.compute))
         broadcast(param.data)
@@ -89,6 +92,7 @@ def build_stage3(
         layout,
         rank,
         world_size,
+        cuts,
         dtypes,
         device,
         contiguous_gradients,
@@ -175,11 +179,11 @@ def _settle_shards(
 
 
 def _refuse_meta_on_rank_0(
-    module: nn.Module, rank: int, device: torch.device, broadcast: Callable[[torch.Tensor], None]
+    module: nn.Module, cuts: bool, device: torch.device, broadcast: Callable[[torch.Tensor], None]
 ) -> None:
     """Every rank raises when rank 0 holds a parameter on the meta device (rank 0's weights are what every rank
     starts from), before any rank waits for rank 0 in a collective."""
-    names = [name for name, p in module.named_parameters() if p.device.type == "meta"] if rank == 0 else []
+    names = [name for name, p in module.named_parameters() if p.device.type == "meta"] if cuts else []
     flag = torch.tensor([len(names)], dtype=torch.int64, device=device)
     broadcast(flag)
     if flag.item():
@@ -224,6 +228,7 @@ def _build_units(
     layout: UnitLayout,
     rank: int,
     world_size: int,
+    cuts: bool,
     dtypes: DtypePlan,
     device: torch.device,
     contiguous_gradients: bool,
@@ -241,7 +246,7 @@ def _build_units(
             return None
         flat = adopt(module, params, world_size, rank)
         if flat is None:
-            flat = build_flat(params, rank, world_size, dtypes.compute, device, scatter=scatter)
+            flat = build_flat(params, rank, world_size, dtypes.compute, device, scatter=scatter, cuts=cuts)
         if host_memory is not None and flat.shard.device.type != "cpu":
             # offload_param: the shard lives in host memory, copied in before each gather. A private copy for now:
             # [Note: where an offloaded shard settles] (pinned chunks only take the shards that stay).

@@ -65,13 +65,15 @@ def build_flat(
     dtype: torch.dtype,
     device: torch.device,
     scatter: Scatter | None = None,
+    cuts: bool | None = None,
 ) -> FlatUnitBuffer:
     """Flattens `params` into one padded bucket and keeps this rank's slice, the full buffer freed. `scatter`:
-    the slices are rank 0's ([Note: rank 0's weights, cut on rank 0]); None: every rank cuts its own."""
+    the slices are rank 0's ([Note: rank 0's weights, cut on rank 0]); None: every rank cuts its own. `cuts`: this
+    rank is the one that cuts and scatters (default: shard 0; with replicas, rank 0 of the world only)."""
     plan = plan_group([tuple(p.shape) for p in params], sys.maxsize, num_shards)
     (bucket,) = plan.buckets
     lo, hi = bucket.shard_range(rank)
-    if scatter is None or rank == 0:
+    if scatter is None or (cuts if cuts is not None else rank == 0):
         shards = _shards_of(params, bucket, num_shards, dtype, device)
         shard = shards[rank].clone()
         if scatter is not None:

@@ -27,6 +27,8 @@ from accelerate_zero.checkpoint.fragments import range_fragments
 from accelerate_zero.checkpoint.hf_files import SafetensorsFolder
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.groups import init_data_parallel_group, resolve_device
+from accelerate_zero.engine.layout import plan_from_config
+from accelerate_zero.engine.nodes import node_layout_from_env
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
@@ -79,6 +81,9 @@ def from_pretrained(
         return model_class.from_pretrained(path, **model_kwargs)
     device = resolve_device(device)
     dp = init_data_parallel_group(device, process_group)
+    # Under replicate x shard (mics_shard_size) a rank loads the shard its group partitions (engine/layout.py).
+    sharding = plan_from_config(zero.zero_optimization, node_layout_from_env(dp.world_size))
+    num_shards, shard_rank = sharding.shard_size, sharding.shard_index_of(dp.rank)
     dtype = zero.compute_dtype
     model = _empty_model(model_class, path, model_kwargs)
     files = SafetensorsFolder(path)
@@ -98,7 +103,7 @@ def from_pretrained(
     # Every flat buffer in unit order (trainable, then frozen), the order the engine's units list them in.
     meta_members = [ps for spec in layout.units for ps in (spec.trainable, spec.frozen) if ps]
     members = [[real[id(p)] for p in ps] for ps in meta_members]
-    plans = [plan_group([shapes[id(p)] for p in ps], sys.maxsize, dp.world_size).buckets[0] for ps in meta_members]
+    plans = [plan_group([shapes[id(p)] for p in ps], sys.maxsize, num_shards).buckets[0] for ps in meta_members]
     spill = _spill_plan(zero, [plan.shard_numel for plan in plans], dp.rank)
     # Under parameter offload the shards live in host memory: they are read there, never staged on the device.
     offloaded = zero_opt.offload_param is not None and zero_opt.offload_param.device in ("cpu", "nvme")
@@ -107,7 +112,7 @@ def from_pretrained(
     for index, (params, plan) in enumerate(zip(members, plans, strict=True)):
         # A reader per unit: its files are unmapped after the unit, so the pages this rank read do not stay
         # resident until the whole model is loaded (they would double the loading peak).
-        flat = _load_flat(params, plan, names, SafetensorsFolder(path), dp.rank, dtype, device, shard_device)
+        flat = _load_flat(params, plan, names, SafetensorsFolder(path), shard_rank, dtype, device, shard_device)
         flats[tuple(id(p) for p in params)] = flat
         if spill is not None and spill.flags[index]:
             # [Note: partitioned loading under NVMe parameter offload] A shard the engine will keep in a file goes
@@ -123,7 +128,7 @@ def from_pretrained(
     _load_buffers(model, files, device)
     if spill is not None:  # the engine moves the files out; what it did not adopt goes with the model
         weakref.finalize(model, shutil.rmtree, spill.folder, True)
-    setattr(model, PRELOADED_ATTR, Preloaded(dp.world_size, dp.rank, dtype, flats, spilled))
+    setattr(model, PRELOADED_ATTR, Preloaded(num_shards, shard_rank, dtype, flats, spilled))
     return model
 
 

@@ -8,6 +8,15 @@ inside `accelerate_zero.GatheredParameters(...)`. Gathering resizes the same sto
 and points the parameters at their views again. Keeping the storage object (not allocating a new one) matters:
 tensors autograd saved in forward as views of a weight (e.g. its transpose) see the re-gathered values in
 backward. Only this rank's shard stays in memory permanently.
+
+[Note: hpZ's secondary copy]
+Under hpZ (engine/layout.py) a unit released after a forward that backward will follow keeps this rank's slice of
+the full buffer as cut over the secondary group (a node): `secondary`, 1/n of the unit. A later gather while it is
+kept (backward's, a recomputation's) all-gathers those slices inside the group instead of the primary shards over
+every rank; the values are the same, as the parameters only change at the optimizer step. A unit kept gathered
+from forward to backward needs no copy. The copy is dropped
+when the unit's backward is done and at the end of every backward, at the step and when the shards are rewritten,
+so it never outlives the values it copies.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.collectives import CommStats, Pending
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import CopyDone, HostCopies
+from accelerate_zero.engine.quantized_comm import BlockQuantization, quantized_all_gather
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore
@@ -71,6 +81,8 @@ class ParamUnit:
         self.external: list[ParamUnit] = []
         """Units whose parameters this unit's forward uses (gathered with it; see stage3/external.py)."""
         self._pending: list[Pending] = []
+        self.secondary: list[torch.Tensor] | None = None
+        """hpZ: this rank's slice of each flat over the secondary group ([Note: hpZ's secondary copy])."""
         self._host_read: CopyDone | None = None
         """The last copy from a host shard (offload_param), maybe in flight: waited before a shard is written (copies
         run in order on one stream, so the last one done means all are)."""
@@ -80,16 +92,30 @@ class ParamUnit:
         return f"ParamUnit({self.index}, {self.name or '<root>'!r}, numel={self.numel}, {self.state.value})"
 
     def unshard(
-        self, dp: DataParallelGroup, stats: CommStats, use_all_reduce: bool = False, copies: HostCopies | None = None
+        self,
+        dp: DataParallelGroup,
+        stats: CommStats,
+        use_all_reduce: bool = False,
+        copies: HostCopies | None = None,
+        secondary: DataParallelGroup | None = None,
+        quantize: BlockQuantization | None = None,
     ) -> None:
         """Starts gathering the full parameters (asynchronously); nothing to do unless sharded.
 
         `use_all_reduce` fetches with an all-reduce of a zero buffer holding only this rank's slice
         (DeepSpeed's `stage3_use_all_reduce_for_fetch_params`): twice the traffic, for networks where
         all-reduce is faster than all-gather. `copies` brings a shard kept in host memory (offload_param) to the
-        device without stopping Python ([Note: asynchronous host copies] in engine/host_copies.py).
+        device without stopping Python ([Note: asynchronous host copies] in engine/host_copies.py). `secondary`:
+        hpZ's group, gathered from when this unit keeps a secondary copy ([Note: hpZ's secondary copy]).
+        `quantize`: qwZ, the primary shards travel as int8 blocks (engine/quantized_comm.py).
         """
         if self.state is not UnitState.SHARDED:
+            return
+        if secondary is not None and self.secondary is not None:
+            for flat, part in zip(self.flats, self.secondary, strict=True):
+                flat.allocate()
+                self._pending.append(collectives.all_gather(flat.full, part, secondary, stats, async_op=True))
+            self.state = UnitState.GATHERING
             return
         for flat in self.flats:
             if flat.shard.numel() and not flat.shard.untyped_storage().nbytes():
@@ -110,6 +136,8 @@ class ParamUnit:
                 flat.full.zero_()
                 flat.full[slice(*flat.plan.shard_range(flat.rank))].copy_(shard)
                 pending = collectives.all_reduce(flat.full, dp, stats, async_op=True, kind="all_reduce_fetch")
+            elif quantize is not None:
+                pending = quantized_all_gather(flat.full, shard, dp, stats, quantize)
             else:
                 pending = collectives.all_gather(flat.full, shard, dp, stats, async_op=True)
             if swapped:
@@ -140,14 +168,22 @@ class ParamUnit:
                 flat.expose()
             self.state = UnitState.GATHERED
 
-    def reshard(self, force: bool = False) -> None:
-        """Frees the full parameters (kept while a `GatheredParameters` context holds them, unless `force`)."""
+    def reshard(self, force: bool = False, keep_secondary: DataParallelGroup | None = None) -> None:
+        """Frees the full parameters (kept while a `GatheredParameters` context holds them, unless `force`).
+        `keep_secondary`: hpZ's group, this rank's slice over it is kept ([Note: hpZ's secondary copy])."""
         if self.state is UnitState.SHARDED or (self.holds and not force):
             return
         self.wait_for_unshard()
+        if keep_secondary is not None and self.secondary is None:
+            width = keep_secondary.world_size
+            self.secondary = [flat.full.view(width, -1)[keep_secondary.rank].clone() for flat in self.flats]
         for flat in self.flats:
             flat.free()
         self.state = UnitState.SHARDED
+
+    def drop_secondary(self) -> None:
+        """Frees hpZ's secondary copy ([Note: hpZ's secondary copy]); the next gather reads the primary shards."""
+        self.secondary = None
 
     def wait_for_host_reads(self) -> None:
         """Waits for the copies reading this unit's host shards (before they are written or their buffer reused)."""
@@ -159,12 +195,13 @@ class ParamUnit:
         """After the full parameters were written (GatheredParameters with a modifier rank): keep our slice."""
         self._assert_in("refresh its shards from the full parameters", UnitState.GATHERED)
         self.wait_for_host_reads()
+        self.drop_secondary()  # a copy of the old values
         for flat in self.flats:
             lo, hi = flat.plan.shard_range(flat.rank)
             self.store.overwrite(flat, flat.full[lo:hi])
 
     def resident_tensors(self) -> list[torch.Tensor]:
-        return [t for flat in self.flats for t in (flat.shard, flat.full)]
+        return [t for flat in self.flats for t in (flat.shard, flat.full)] + list(self.secondary or [])
 
 
 def unit_slices(

@@ -58,6 +58,7 @@ import torch
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
+from accelerate_zero.engine.quantized_comm import BlockQuantization
 from accelerate_zero.engine.stage3.external import ExternalUseDetector, param_index
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore
@@ -98,6 +99,8 @@ class UnitScheduler:
         dp: DataParallelGroup,
         stats: CommStats,
         *,
+        secondary: DataParallelGroup | None = None,
+        weight_quantization: BlockQuantization | None = None,
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
@@ -109,6 +112,8 @@ class UnitScheduler:
         shards kept in host memory reach the device (engine/host_copies.py). `shard_store`: where the units' shards
         live (engine/stores.py): the shards of the units gathered next are read ahead from it."""
         self.units, self.root, self.dp, self.stats, self.copies = list(units), root, dp, stats, copies
+        self.secondary, self.weight_quantization = secondary, weight_quantization
+        """hpZ's group ([Note: hpZ's secondary copy] in stage3/param_unit.py); None: no secondary copies."""
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.max_reuse_distance, self.use_all_reduce = max_reuse_distance, use_all_reduce
         self.trace: list[int] | None = None
@@ -234,9 +239,11 @@ class UnitScheduler:
 
     def _release_after_forward(self, unit: ParamUnit) -> None:
         in_use = self._held_ids()
+        # hpZ: a unit released before its backward keeps its secondary copy ([Note: hpZ's secondary copy]).
+        keep_secondary = self.secondary if torch.is_grad_enabled() else None
         for done in (unit, *unit.external):
             if id(done) not in in_use and not self._keep_after_forward(done):
-                done.reshard()
+                done.reshard(keep_secondary=keep_secondary)
 
     def _begin_forward(self, key: int) -> None:
         # FORWARD too: a forward that raised never ended.
@@ -324,6 +331,7 @@ class UnitScheduler:
             if unit.bucket is not None and unit.index not in self._grads_done:
                 return
         unit.reshard()
+        unit.drop_secondary()
 
     def end_backward(self) -> None:
         """The engine's backward returned (or its step came): nothing of the backward is kept."""
@@ -336,6 +344,7 @@ class UnitScheduler:
     def release_all(self) -> None:
         for unit in self.units:
             unit.reshard()
+            unit.drop_secondary()
 
     # ------------------------------------------------------------------ helpers
     def live_numel(self) -> int:
@@ -345,10 +354,13 @@ class UnitScheduler:
         if unit.state is UnitState.SHARDED and unit.numel > 0:
             self.gathers_on_demand += 1
         start = time.perf_counter()
-        unit.unshard(self.dp, self.stats, self.use_all_reduce, self.copies)
+        self._unshard(unit)
         unit.wait_for_unshard()
         self.blocked_seconds += time.perf_counter() - start
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel())
+
+    def _unshard(self, unit: ParamUnit) -> None:
+        unit.unshard(self.dp, self.stats, self.use_all_reduce, self.copies, self.secondary, self.weight_quantization)
 
     def _prefetch(self, upcoming: Iterable[int]) -> None:
         budget, live = self.prefetch_numel, self.live_numel()
@@ -367,7 +379,7 @@ class UnitScheduler:
             fits = unit.numel <= budget or (ahead == 0 and self.prefetch_numel > 0)
             if not fits or live + unit.numel > self.max_live_numel:
                 break
-            unit.unshard(self.dp, self.stats, self.use_all_reduce, self.copies)
+            self._unshard(unit)
             self.gathers_prefetched += 1
             budget -= unit.numel
             live += unit.numel

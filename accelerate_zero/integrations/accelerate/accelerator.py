@@ -43,6 +43,7 @@ from accelerate_zero.integrations.accelerate.accelerate_setup import (
     with_process_group_setup,
 )
 from accelerate_zero.integrations.accelerate.engine_config import check_objects, config_with_precision, engine_config
+from accelerate_zero.integrations.accelerate.parallelism import with_zero_keys, zero_keys_from_parallelism
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import (
     PreparedModel,
@@ -88,6 +89,9 @@ class ZeroAccelerator(Accelerator):
     """
 
     def __init__(self, zero_plugin: ZeroPlugin | None = None, **accelerate_kwargs: Any) -> None:
+        # accelerate's dp_replicate_size x dp_shard_size is the engine's replicate x shard (parallelism.py)
+        parallelism = accelerate_kwargs.pop("parallelism_config", None)
+        self._layout_keys = zero_keys_from_parallelism(parallelism, int(os.environ.get("WORLD_SIZE", "1")))
         refuse_other_backends(accelerate_kwargs)
         mixed_precision = accelerate_kwargs.pop("mixed_precision", None)
         if mixed_precision is None:
@@ -111,7 +115,8 @@ class ZeroAccelerator(Accelerator):
             ZeroConfigError: the config with this accelerator's mixed precision is invalid.
         """
         self.zero_plugin = zero_plugin
-        self._base_config = config_with_precision(zero_plugin, self._zero_mixed_precision)
+        config = config_with_precision(zero_plugin, self._zero_mixed_precision)
+        self._base_config = with_zero_keys(config, self._layout_keys, "ParallelismConfig")
 
     # ------------------------------------------------------------------ state
     @property

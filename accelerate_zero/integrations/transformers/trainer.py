@@ -105,6 +105,8 @@ class ZeroTrainerMixin:
         args["mixed_precision"] = "no"
         args.pop("deepspeed_plugin", None)
         self._zero_accelerator_kwargs = {k: v for k, v in args.items() if k != "mixed_precision"}
+        # `parallelism_config` is the ZeroAccelerator's (the engine's layout); accelerate's own would build FSDP2's
+        args.pop("parallelism_config", None)
         return args
 
     @property

@@ -1,0 +1,34 @@
+"""accelerate's ParallelismConfig mapped onto the engine's layout (integrations/accelerate/parallelism.py)."""
+
+from __future__ import annotations
+
+import pytest
+from accelerate import ParallelismConfig
+
+from accelerate_zero.config import ZeroConfig
+from accelerate_zero.integrations.accelerate.parallelism import with_zero_keys, zero_keys_from_parallelism
+
+
+def test_replicate_x_shard_is_mics_and_plain_sharding_is_flat() -> None:
+    assert zero_keys_from_parallelism(ParallelismConfig(dp_replicate_size=2, dp_shard_size=4), 8) == {
+        "mics_shard_size": 4
+    }
+    assert zero_keys_from_parallelism(ParallelismConfig(dp_shard_size=8), 8) == {}
+    assert zero_keys_from_parallelism(None, 8) == {}
+
+
+def test_other_dimensions_and_wrong_products_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(tp_size=2\)"):
+        zero_keys_from_parallelism(ParallelismConfig(dp_shard_size=4, tp_size=2), 8)
+    with pytest.raises(ValueError, match=r"2 x 3 != the 8 processes"):
+        zero_keys_from_parallelism(ParallelismConfig(dp_replicate_size=2, dp_shard_size=3), 8)
+
+
+def test_the_keys_join_the_config_unless_it_says_otherwise() -> None:
+    config = ZeroConfig.from_any({"zero_optimization": {"stage": 3}})
+    assert with_zero_keys(config, {"mics_shard_size": 4}, "ParallelismConfig").zero_optimization.mics_shard_size == 4
+    same = ZeroConfig.from_any({"zero_optimization": {"stage": 3, "mics_shard_size": 4}})
+    assert with_zero_keys(same, {"mics_shard_size": 4}, "ParallelismConfig").zero_optimization.mics_shard_size == 4
+    other = ZeroConfig.from_any({"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
+    with pytest.raises(ValueError, match=r"zero_optimization.mics_shard_size=2 vs ParallelismConfig 4"):
+        with_zero_keys(other, {"mics_shard_size": 4}, "ParallelismConfig")
