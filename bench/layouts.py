@@ -9,7 +9,7 @@ Usage:
 Each world size runs under `torchrun` with ACCELERATE_ZERO_SIMULATED_NODES=2 (engine/nodes.py). A Llama (vocabulary
 2048, `--hidden`, `--layers`, untied), fp32, AdamW lr 1e-3, clip 1.0, every tensor partitioned and units released
 after forward (`stage3_max_reuse_distance: 0`: the formulas' setting), gradient accumulation 2, one sequence of
-64 tokens per rank and micro-step, `--steps` steps per layout. Bytes between nodes are the engine's own count
+64 tokens per rank and micro-step, `--steps` steps per layout. Bytes between nodes (of parameters and gradients; the few bytes of the gradient norm and step checks are printed apart) are the engine's own count
 ([Note: bytes between nodes] in engine/collectives.py), summed over ranks and averaged over steps; the formula is
 `layout_rows` per node and micro-step times nodes times micro-steps, with the engine's padded sizes. On gloo
 processes sharing a CPU the times say little about a network: the bytes are the result.
@@ -42,8 +42,18 @@ def _layouts(per_node: int) -> dict[str, dict]:
     }
 
 
-def _between(stats: dict) -> float:
-    return sum(v["between_nodes_bytes"] for k, v in stats.items() if k != "total")
+DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce_replicas")
+DATA_PREFIXES = ("all_gather_", "all_to_all_")
+
+
+def _between(stats: dict, data: bool) -> float:
+    """Bytes between nodes of the parameters and gradients (`data`), or of everything else: the gradient norm, the
+    step-position checks ([Note: ranks out of step] in engine/progress.py)."""
+    return sum(
+        v["between_nodes_bytes"]
+        for k, v in stats.items()
+        if k != "total" and (k in DATA_KINDS or k.startswith(DATA_PREFIXES)) == data
+    )
 
 
 def _run_layout(args: argparse.Namespace, extra: dict, rank: int, world: int) -> dict:
@@ -64,6 +74,7 @@ def _run_layout(args: argparse.Namespace, extra: dict, rank: int, world: int) ->
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
+    numel = sum(p.numel() for p in model.parameters())
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, **extra}
     engine = accelerate_zero.initialize(
         model,
@@ -72,7 +83,7 @@ def _run_layout(args: argparse.Namespace, extra: dict, rank: int, world: int) ->
     )
     gen = torch.Generator().manual_seed(7)
     data = [torch.randint(0, VOCAB, (world, SEQ), generator=gen) for _ in range(args.steps * GRAD_ACCUM)]
-    between, losses, seconds = [], [], []
+    between, control, losses, seconds = [], [], [], []
     for step in range(args.steps):
         engine.reset_comm_stats()
         start = time.perf_counter()
@@ -83,21 +94,24 @@ def _run_layout(args: argparse.Namespace, extra: dict, rank: int, world: int) ->
             engine.step()
             losses.append(loss.item())
         seconds.append(time.perf_counter() - start)
-        between.append(_between(engine.comm_stats()))
+        between.append(_between(engine.comm_stats(), data=True))
+        control.append(_between(engine.comm_stats(), data=False))
     flats = [f.plan for u in engine.units for f in u.flats]
     buckets = [b.plan for b in engine.reducer.buckets]
     sizes = {
         "P": sum(plan.numel * 4 for plan in flats),
         "G": sum(plan.numel * 4 for plan in buckets),
-        # ZeRO++ on the wire: each rank's shard in whole blocks of 256, int8 (int4) codes and a 4-byte scale each
+        # ZeRO++ on the wire: each rank's shard in whole blocks of 256 int8 codes (64 int4 codes for gradients),
+        # and a 4-byte scale per block
         "P8": sum(world * -(-plan.shard_numel // 256) * 260 for plan in flats),
-        "G4": sum(world * -(-plan.shard_numel // 256) * 132 for plan in buckets),
-        "numel": sum(p.numel() for p in model.parameters()),
+        "G4": sum(world * -(-plan.shard_numel // 64) * 36 for plan in buckets),
+        "numel": numel,
     }
     memory = engine.memory_breakdown()
     engine.destroy()
     return {
         "between": between,
+        "control": control,
         "losses": losses,
         "seconds": seconds,
         "sizes": sizes,
@@ -150,6 +164,7 @@ def _summarise(world: int, results: dict) -> list[dict]:
                 "held_MB_rank0": first["held"] / 1e6,
                 "max_loss_gap": max(abs(a - b) / b for a, b in zip(first["losses"], flat_losses, strict=True)),
                 "final_loss": first["losses"][-1],
+                "control_bytes_per_step": sum(sum(r["control"]) for r in ranks) / len(first["control"]),
                 "parameters": sizes["numel"],
             }
         )
@@ -241,6 +256,8 @@ def main() -> None:
             f"{r['max_loss_gap']:.2e} |"
         )
     print(f"parameters: {rows[0]['parameters']:,}")
+    control = max(r["control_bytes_per_step"] for r in rows)
+    print(f"other bytes between nodes (gradient norm, step checks): at most {control:.0f} per step")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -17,8 +17,8 @@ Per layout:
   over the k replicas: 2G (k - 1)/k. Memory: every partitioned state is 1/n instead of 1/W, k times flat's.
 - ZeRO++ (hpZ + `zero_quantized_weights` + `zero_quantized_gradients`): the forward all-gather moves int8 codes
   and a 4-byte scale per 256 (P8 = parameters x 1.016 bytes), backward gathers inside the node, gradients in int4
-  (G4 = trainable parameters x 0.516 bytes) in two all-to-alls, of which only the second, 1/n of each rank's,
-  crosses nodes: (P8 + G4)(k - 1)/k. Lossy: the bounds of engine/quantized_comm.py.
+  with a scale per 64 (G4 = trainable parameters x 0.5625 bytes) in two all-to-alls, of which only the second,
+  1/n of each rank's, crosses nodes: (P8 + G4)(k - 1)/k. Lossy: the bounds of engine/quantized_comm.py.
 tests/distributed/test_layouts.py checks these against the bytes the engine moved, on 2 simulated nodes.
 """
 
@@ -27,8 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
-QUANT_BLOCK = 256  # BlockQuantization's default block
+from accelerate_zero.engine.quantized_comm import GRADIENTS, WEIGHTS, BlockQuantization
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,8 @@ def layout_rows(
     k, n = num_nodes, per_node
     world = k * n
     P, G = numel * compute_bytes, trainable * comm_bytes
-    p8 = numel * (1 + 4 / QUANT_BLOCK)
-    g4 = trainable * (0.5 + 4 / QUANT_BLOCK)
+    p8 = numel * _wire_bytes(WEIGHTS)
+    g4 = trainable * _wire_bytes(GRADIENTS)
     flat = gather(P, world, n) * 2 + gather(G, world, n)
     hpz = gather(P, world, n) + gather(P, n, n) + gather(G, world, n)
     mics = gather(P, n, n) * 2 + gather(G, n, n) + gather(G / n, k, 1) * (2 * n)
@@ -107,6 +106,11 @@ def layout_rows(
             False,
         ),
     ]
+
+
+def _wire_bytes(q: BlockQuantization) -> float:
+    """Bytes per element of a quantized collective: the code and a share of its block's fp32 scale."""
+    return q.bits / 8 + 4 / q.block
 
 
 def recommend_layout(rows: list[LayoutRow], room: int | None, num_nodes: int) -> LayoutRow:

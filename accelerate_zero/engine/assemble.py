@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from accelerate_zero.config import ResolvedZeroConfig
 from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
-from accelerate_zero.engine import collectives
+from accelerate_zero.engine import collectives, quantized_comm
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
@@ -32,7 +32,7 @@ from accelerate_zero.engine.host_grads import HostGradient, HostStaging
 from accelerate_zero.engine.kept_grads import KeptGradient
 from accelerate_zero.engine.layout import ShardingLayout
 from accelerate_zero.engine.loss_scaler import build_loss_scaler
-from accelerate_zero.engine.quantized_comm import BlockQuantization, QuantizedReduceScatter
+from accelerate_zero.engine.quantized_comm import QuantizedReduceScatter
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.setup import build_optimizer_for, dtype_from_name, trainable_param_groups
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
@@ -300,7 +300,7 @@ class _Assembly:
             self.dp,
             self.stats,
             secondary=self.layout.secondary,
-            weight_quantization=BlockQuantization(8) if zero.zero_quantized_weights else None,
+            weight_quantization=quantized_comm.WEIGHTS if zero.zero_quantized_weights else None,
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
@@ -408,7 +408,7 @@ class _Assembly:
         """qgZ (`zero_quantized_gradients`): the layout built its node and across-node groups."""
         if self.layout.two_level is None:
             return None
-        return QuantizedReduceScatter(self.layout.two_level, BlockQuantization(4))
+        return QuantizedReduceScatter(self.layout.two_level, quantized_comm.GRADIENTS)
 
     def _build_sharded_optimizer(
         self,

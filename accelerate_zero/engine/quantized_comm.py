@@ -63,6 +63,14 @@ class BlockQuantization:
         return self.padded(numel) // self.block
 
 
+WEIGHTS = BlockQuantization(8, block=256)
+"""qwZ's quantization: int8 keeps an element within 1/254 of its block's largest."""
+GRADIENTS = BlockQuantization(4, block=64)
+"""qgZ's: int4 is coarse (within 1/14 of the block's largest), so its blocks are small. With blocks of 256 small
+gradients round to 0 beside a block's largest and the SFT recipe's loss curve fell behind flat stage 3's by up to
+0.31 (more than another data seed moves it, 0.26); with 64, 0.06 (bench/README.md, "Bytes between nodes")."""
+
+
 def quantize(values: torch.Tensor, q: BlockQuantization) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D `values` -> (uint8 codes, fp32 scales per block)."""
     levels = _LEVELS[q.bits]

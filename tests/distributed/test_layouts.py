@@ -39,7 +39,7 @@ GRAD_KINDS = (
     "all_to_all_int4_across",
     "all_to_all_scales_across",
 )
-BLOCK = 256  # BlockQuantization's default
+WEIGHT_BLOCK, GRADIENT_BLOCK = 256, 64  # engine/quantized_comm.py WEIGHTS and GRADIENTS
 LOSS_BOUND = 0.01
 
 
@@ -135,20 +135,20 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def _sizes(engine: Any) -> dict[str, int]:
     """P and G of the formulas: the bytes of every gathered unit and of every reduced gradient bucket (padded);
-    P8 and G4 the same quantized: int8 and int4 codes of each rank's shard padded to whole blocks, and 4 bytes of
-    scale per block."""
+    P8 and G4 the same quantized: int8 (int4) codes of each rank's shard padded to whole blocks of 256 (64), and 4
+    bytes of scale per block."""
     world = engine.layout.world.world_size
 
-    def blocks(numel: int) -> int:
-        return -(-numel // BLOCK)
+    def blocks(numel: int, block: int) -> int:
+        return -(-numel // block)
 
     flats = [flat.plan for unit in engine.units for flat in unit.flats]
     buckets = [bucket.plan for bucket in engine.reducer.buckets]
     return {
         "P": sum(plan.numel * 4 for plan in flats),
         "G": sum(plan.numel * 4 for plan in buckets),
-        "P8": sum(world * blocks(plan.shard_numel) * (BLOCK + 4) for plan in flats),
-        "G4": sum(world * blocks(plan.shard_numel) * (BLOCK // 2 + 4) for plan in buckets),
+        "P8": sum(world * blocks(plan.shard_numel, WEIGHT_BLOCK) * (WEIGHT_BLOCK + 4) for plan in flats),
+        "G4": sum(world * blocks(plan.shard_numel, GRADIENT_BLOCK) * (GRADIENT_BLOCK // 2 + 4) for plan in buckets),
     }
 
 
@@ -352,3 +352,29 @@ def test_hierarchical_layouts_on_two_nodes(world_size: int, tmp_path) -> None:
     assert first["loaded"] <= 1e-6, first["loaded"]
     for case, diff in first["resume"].items():
         assert diff <= 1e-6, (case, diff)
+
+
+def _backward_gathers_untied(rank: int, world_size: int) -> dict[str, int]:
+    """Gathers per backward with an untied LM head, whose final norm (in the root unit) finishes its gradients
+    early: each unit once, none fetched again after its backward is over."""
+    import accelerate_zero
+
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False))
+    engine = accelerate_zero.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), config={"zero_optimization": BASE}
+    )
+    tokens = torch.randint(0, VOCAB, (1, SEQ))
+    for _ in range(2):  # the second step follows the recorded trace (prefetching)
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.reset_comm_stats()
+        engine.backward(loss)
+        engine.step()
+    return {"gathers": engine.comm_stats()["all_gather"]["calls"], "units": sum(1 for u in engine.units if u.numel)}
+
+
+def test_backward_gathers_each_unit_once() -> None:
+    for result in run_distributed(_backward_gathers_untied, 2):
+        assert result["gathers"] == result["units"], result

@@ -29,7 +29,8 @@ def test_the_formulas_of_each_layout_on_two_nodes() -> None:
     assert rows["flat"].traffic.between == pytest.approx((2 * P + G) / 2)
     assert rows["hpZ"].traffic.between == pytest.approx((P + G) / 2)
     assert rows["MiCS"].traffic.between == pytest.approx(2 * G / 2)
-    assert rows["ZeRO++"].traffic.between == pytest.approx((1000 * (1 + 4 / 256) + 1000 * (0.5 + 4 / 256)) / 2)
+    # int8 weights with a 4-byte scale per 256, int4 gradients with one per 64
+    assert rows["ZeRO++"].traffic.between == pytest.approx((1000 * (1 + 4 / 256) + 1000 * (0.5 + 4 / 64)) / 2)
     assert rows["MiCS"].model_states == 2 * 16_000 and rows["hpZ"].secondary_copy == P // 8
     assert not rows["ZeRO++"].exact
 

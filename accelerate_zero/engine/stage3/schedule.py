@@ -301,7 +301,9 @@ class UnitScheduler:
             self._gather_now(needed)
         if self.trace is not None and unit.index in self.trace:
             last = len(self.trace) - 1 - self.trace[::-1].index(unit.index)
-            self._prefetch(reversed(self.trace[:last]))
+            # Units whose backward is over are not fetched again (the root unit runs first in forward but its
+            # gradients can complete early, an untied LM head's final norm).
+            self._prefetch(index for index in reversed(self.trace[:last]) if index not in self._grads_done)
 
     def expects_input_grads(self, unit: ParamUnit, count: int) -> bool:
         """Whether the `count` inputs needing a gradient of a forward call of `unit` must report when backward
