@@ -60,7 +60,8 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig
     _resolve_stage3_autos(resolved)
     problems = [
         *_resolve_autos(resolved),
-        *_resolve_batch_sizes(resolved, world_size),
+        *_check_sequence_parallel(resolved, world_size),
+        *_resolve_batch_sizes(resolved, world_size // _sequence_size(resolved, world_size)),
         *_check_param_offload_stage(resolved),
         *_check_partial_offload(resolved),
         *_check_nvme_paths(resolved),
@@ -187,6 +188,21 @@ def _check_nvme_paths(config: ZeroConfig) -> list[str]:
                 "set it to a folder on a fast local disk"
             )
     return problems
+
+
+def _sequence_size(config: ZeroConfig, world_size: int) -> int:
+    size = config.sequence_parallel_size
+    return size if not is_auto(size) and world_size % size == 0 else 1
+
+
+def _check_sequence_parallel(config: ZeroConfig, world_size: int) -> list[str]:
+    """Ranks sharing a sequence (accelerate_zero/sequence) are not data-parallel ranks: DeepSpeed's batch rule
+    counts world size / sequence_parallel_size."""
+    size = config.sequence_parallel_size
+    if is_auto(size) or world_size % size == 0:
+        return []
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return [f"sequence_parallel_size={size} does not divide the {world_size} ranks: use one of {divisors}"]
 
 
 def _check_hierarchical(config: ZeroConfig, world_size: int) -> list[str]:

@@ -119,6 +119,9 @@ class ZeroConfig(Block):
     """The LR scheduler to build; None means none or the caller's."""
     zero_optimization: ZeroOptimizationConfig = _f(factory=ZeroOptimizationConfig)
     """ZeRO stage, buckets and offload."""
+    sequence_parallel_size: int = _f(1, ge=1)
+    """Ulysses sequence parallelism (DeepSpeed's key): groups of this many consecutive ranks share each sequence
+    (accelerate_zero/sequence); the batch rule counts world size / this many data-parallel ranks."""
     steps_per_print: int | None = _f(None, ge=1, inf_is_none=True)
     """Log every this many steps; None (or inf, as accelerate writes) never."""
     wall_clock_breakdown: bool = False

@@ -85,7 +85,7 @@ def initialize(
     world = init_data_parallel_group(device, process_group)
     resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=world.world_size)
     check_implemented(resolved)
-    plan = plan_from_config(resolved.zero_optimization, node_layout_from_env(world.world_size))
+    plan = plan_from_config(resolved, node_layout_from_env(world.world_size))
     layout = build_sharding_layout(world, plan)
     return ZeroEngine(
         model,

@@ -38,10 +38,17 @@ class LayoutPlan:
     """hpZ: ranks a secondary copy of the parameters is partitioned over (1: no secondary copy)."""
     two_level: bool = False
     """qgZ: the node and across-node groups of the two-level reduce-scatter (engine/quantized_comm.py)."""
+    sequence_size: int = 1
+    """Ulysses: ranks sharing each sequence, consecutive (accelerate_zero/sequence); 1: none."""
 
     def __post_init__(self) -> None:
         world = self.nodes.world_size
-        for key, size in (("shard size", self.shard_size), ("secondary partition size", self.secondary_size)):
+        sizes = (
+            ("shard size", self.shard_size),
+            ("secondary partition size", self.secondary_size),
+            ("sequence-parallel size", self.sequence_size),
+        )
+        for key, size in sizes:
             if size < 1 or world % size:
                 raise ValueError(f"{key} {size} does not divide the {world} ranks")
         if self.secondary_size > 1 and self.shard_size != world:
@@ -76,6 +83,9 @@ class LayoutPlan:
 
     def secondary_groups(self) -> list[tuple[int, ...]]:
         return _blocks(self.world_size, self.secondary_size)
+
+    def sequence_groups(self) -> list[tuple[int, ...]]:
+        return _blocks(self.world_size, self.sequence_size)
 
     def node_groups(self) -> list[tuple[int, ...]]:
         return [self.nodes.ranks_of_node(node) for node in range(self.nodes.num_nodes)]
@@ -113,6 +123,9 @@ class ShardingLayout:
     """hpZ: the ranks this rank's secondary copy is partitioned over (None: no secondary copy)."""
     two_level: TwoLevelGroups | None = None
     """qgZ: this rank's node and across-node groups (None: gradients are reduced over `shard` in one level)."""
+    sequence: DataParallelGroup | None = None
+    """Ulysses: the ranks sharing this rank's sequences (None: sequences are not cut). ZeRO partitions over all of
+    `world` all the same, as DeepSpeed does ([Note: the loss over a sequence-parallel group])."""
 
     def shard_index_of(self, rank: int) -> int:
         return self.plan.shard_index_of(rank)
@@ -132,7 +145,7 @@ def flat_layout(world: DataParallelGroup, nodes: NodeLayout | None = None) -> Sh
 
 def build_sharding_layout(world: DataParallelGroup, plan: LayoutPlan) -> ShardingLayout:
     """Creates the plan's groups (every rank must call it, in the same order) and picks this rank's."""
-    if plan.kind == "flat" and not plan.two_level:
+    if plan.kind == "flat" and not plan.two_level and plan.sequence_size == 1:
         return flat_layout(world, plan.nodes)
     if world.group is not None:
         raise ValueError(
@@ -140,18 +153,19 @@ def build_sharding_layout(world: DataParallelGroup, plan: LayoutPlan) -> Shardin
             "groups itself)"
         )
     world = _with_nodes(world, plan.nodes)
+    sequence = _my_group(plan.sequence_groups(), world.rank, plan.nodes) if plan.sequence_size > 1 else None
     two_level = None
     if plan.two_level:
         node = _my_group(plan.node_groups(), world.rank, plan.nodes)
         two_level = TwoLevelGroups(node, _my_group(plan.across_node_groups(), world.rank, plan.nodes))
     if plan.kind == "flat":
-        return ShardingLayout(plan, world, world, None, None, two_level)
+        return ShardingLayout(plan, world, world, None, None, two_level, sequence)
     if plan.kind == "hpz":
         secondary = _my_group(plan.secondary_groups(), world.rank, plan.nodes)
-        return ShardingLayout(plan, world, world, None, secondary, two_level)
+        return ShardingLayout(plan, world, world, None, secondary, two_level, sequence)
     shard = _my_group(plan.shard_groups(), world.rank, plan.nodes)
     replicate = _my_group(plan.replicate_groups(), world.rank, plan.nodes)
-    return ShardingLayout(plan, world, shard, replicate, None)
+    return ShardingLayout(plan, world, shard, replicate, None, None, sequence)
 
 
 def _with_nodes(group: DataParallelGroup, nodes: NodeLayout) -> DataParallelGroup:
@@ -165,10 +179,12 @@ def _my_group(blocks: list[tuple[int, ...]], rank: int, nodes: NodeLayout) -> Da
     return DataParallelGroup(mine, block.index(rank), len(block), tuple(nodes.node_of(r) for r in block))
 
 
-def plan_from_config(zero: Any, nodes: NodeLayout) -> LayoutPlan:
-    """The layout `zero_optimization` asks for (`zero_hpz_partition_size`, `mics_shard_size`; validated by
-    config/resolve.py) on `nodes`."""
+def plan_from_config(config: Any, nodes: NodeLayout) -> LayoutPlan:
+    """The layout a config asks for (`zero_optimization.zero_hpz_partition_size`, `mics_shard_size`,
+    `zero_quantized_gradients`, `sequence_parallel_size`; validated by config/resolve.py) on `nodes`."""
+    zero = config.zero_optimization
     hpz = zero.zero_hpz_partition_size if zero.stage == 3 and zero.zero_hpz_partition_size > 1 else 1
     shard = zero.mics_shard_size if zero.stage == 3 and zero.mics_shard_size > 0 else nodes.world_size
     two_level = zero.stage == 3 and zero.zero_quantized_gradients
-    return LayoutPlan(nodes, shard_size=shard, secondary_size=hpz, two_level=two_level)
+    sequence = config.sequence_parallel_size
+    return LayoutPlan(nodes, shard_size=shard, secondary_size=hpz, two_level=two_level, sequence_size=sequence)

@@ -56,4 +56,14 @@ def test_off_values_select_the_flat_layout() -> None:
         ZeroConfig.from_any({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0, "mics_shard_size": 0}}),
         world_size=8,
     )
-    assert plan_from_config(config.zero_optimization, NodeLayout(8, 4)).kind == "flat"
+    assert plan_from_config(config, NodeLayout(8, 4)).kind == "flat"
+
+
+def test_sequence_parallel_size_divides_the_world_and_leaves_the_batch_rule_data_parallel_ranks() -> None:
+    with pytest.raises(ZeroConfigError, match=r"sequence_parallel_size=3 does not divide the 8 ranks"):
+        resolve_config(ZeroConfig.from_any({"sequence_parallel_size": 3}), world_size=8)
+    config = {"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    resolved = resolve_config(ZeroConfig.from_any(config), world_size=8)
+    assert resolved.train_batch_size == 2 * 1 * 4  # DeepSpeed: world size / sequence_parallel_size ranks of data
+    plan = plan_from_config(resolved, NodeLayout(8, 8))
+    assert plan.sequence_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]

@@ -11,7 +11,7 @@ from accelerate_zero.integrations.accelerate.parallelism import with_zero_keys, 
 
 def test_replicate_x_shard_is_mics_and_plain_sharding_is_flat() -> None:
     assert zero_keys_from_parallelism(ParallelismConfig(dp_replicate_size=2, dp_shard_size=4), 8) == {
-        "mics_shard_size": 4
+        "zero_optimization": {"mics_shard_size": 4}
     }
     assert zero_keys_from_parallelism(ParallelismConfig(dp_shard_size=8), 8) == {}
     assert zero_keys_from_parallelism(None, 8) == {}
@@ -20,15 +20,41 @@ def test_replicate_x_shard_is_mics_and_plain_sharding_is_flat() -> None:
 def test_other_dimensions_and_wrong_products_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"ParallelismConfig\(tp_size=2\)"):
         zero_keys_from_parallelism(ParallelismConfig(dp_shard_size=4, tp_size=2), 8)
-    with pytest.raises(ValueError, match=r"2 x 3 != the 8 processes"):
+    with pytest.raises(ValueError, match=r"2 x 3 x 1 != the 8 processes"):
         zero_keys_from_parallelism(ParallelismConfig(dp_replicate_size=2, dp_shard_size=3), 8)
 
 
 def test_the_keys_join_the_config_unless_it_says_otherwise() -> None:
     config = ZeroConfig.from_any({"zero_optimization": {"stage": 3}})
-    assert with_zero_keys(config, {"mics_shard_size": 4}, "ParallelismConfig").zero_optimization.mics_shard_size == 4
+    keys = {"zero_optimization": {"mics_shard_size": 4}}
+    assert with_zero_keys(config, keys, "ParallelismConfig").zero_optimization.mics_shard_size == 4
     same = ZeroConfig.from_any({"zero_optimization": {"stage": 3, "mics_shard_size": 4}})
-    assert with_zero_keys(same, {"mics_shard_size": 4}, "ParallelismConfig").zero_optimization.mics_shard_size == 4
+    assert with_zero_keys(same, keys, "ParallelismConfig").zero_optimization.mics_shard_size == 4
     other = ZeroConfig.from_any({"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
     with pytest.raises(ValueError, match=r"zero_optimization.mics_shard_size=2 vs ParallelismConfig 4"):
-        with_zero_keys(other, {"mics_shard_size": 4}, "ParallelismConfig")
+        with_zero_keys(other, keys, "ParallelismConfig")
+
+
+def test_sequence_parallel_size_from_accelerate() -> None:
+    sp = ParallelismConfig(dp_shard_size=2, sp_size=4, sp_backend="deepspeed")
+    assert zero_keys_from_parallelism(sp, 8) == {"sequence_parallel_size": 4}
+    hsdp = ParallelismConfig(dp_replicate_size=2, dp_shard_size=1, sp_size=2)
+    assert zero_keys_from_parallelism(hsdp, 4) == {
+        "sequence_parallel_size": 2,
+        "zero_optimization": {"mics_shard_size": 2},
+    }
+    config = with_zero_keys(ZeroConfig.from_any({}), {"sequence_parallel_size": 4}, "ParallelismConfig")
+    assert config.sequence_parallel_size == 4
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 vs ParallelismConfig 4"):
+        with_zero_keys(
+            ZeroConfig.from_any({"sequence_parallel_size": 2}), {"sequence_parallel_size": 4}, "ParallelismConfig"
+        )
+
+
+def test_zero_accelerator_refuses_sequence_parallelism_it_cannot_feed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate_zero import ZeroAccelerator
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is made
+
+    with pytest.raises(NotImplementedError, match=r"sequence_parallel_size=2 .*do not shard sequences yet"):
+        ZeroAccelerator(parallelism_config=ParallelismConfig(dp_shard_size=1, sp_size=2), cpu=True)

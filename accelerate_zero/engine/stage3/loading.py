@@ -82,7 +82,7 @@ def from_pretrained(
     device = resolve_device(device)
     dp = init_data_parallel_group(device, process_group)
     # Under replicate x shard (mics_shard_size) a rank loads the shard its group partitions (engine/layout.py).
-    sharding = plan_from_config(zero.zero_optimization, node_layout_from_env(dp.world_size))
+    sharding = plan_from_config(zero, node_layout_from_env(dp.world_size))
     num_shards, shard_rank = sharding.shard_size, sharding.shard_index_of(dp.rank)
     dtype = zero.compute_dtype
     model = _empty_model(model_class, path, model_kwargs)

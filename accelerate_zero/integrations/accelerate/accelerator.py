@@ -117,6 +117,13 @@ class ZeroAccelerator(Accelerator):
         self.zero_plugin = zero_plugin
         config = config_with_precision(zero_plugin, self._zero_mixed_precision)
         self._base_config = with_zero_keys(config, self._layout_keys, "ParallelismConfig")
+        if self._base_config.sequence_parallel_size != 1:
+            # accelerate's data loaders would give each rank of a sequence-parallel group other samples
+            raise NotImplementedError(
+                f"sequence_parallel_size={self._base_config.sequence_parallel_size} (or ParallelismConfig sp_size): "
+                "ZeroAccelerator and the Trainer do not shard sequences yet; train with accelerate_zero.initialize "
+                "and accelerate_zero.sequence (README.md, 'Long sequences')"
+            )
 
     # ------------------------------------------------------------------ state
     @property

@@ -2,9 +2,10 @@
 
 accelerate describes FSDP2's meshes with `dp_replicate_size` x `dp_shard_size`: `dp_shard_size` alone is fully
 sharded, both together are HSDP (shard inside a group, replicate across the groups). The engine's equivalents
-are flat stage 3 and replicate x shard, which DeepSpeed calls MiCS (`mics_shard_size`, engine/layout.py). Tensor,
-context and sequence parallelism are other dimensions that this engine does not provide: asked for, they are
-refused by name instead of being dropped.
+are flat stage 3 and replicate x shard, which DeepSpeed calls MiCS (`mics_shard_size`, engine/layout.py).
+`sp_size` with `sp_backend="deepspeed"` (ALST/Ulysses) is the engine's `sequence_parallel_size`
+(accelerate_zero/sequence). Tensor and context parallelism are other dimensions that this engine does not
+provide: asked for, they are refused by name instead of being dropped.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 
+SEQUENCE_BACKENDS = ("deepspeed", "accelerate_zero")
+
+
 def zero_keys_from_parallelism(parallelism: Any, world_size: int) -> dict[str, Any]:
-    """The `zero_optimization` keys a `ParallelismConfig` asks for ({} for plain data parallelism).
+    """The config keys a `ParallelismConfig` asks for ({} for plain data parallelism): `zero_optimization` keys,
+    and `sequence_parallel_size` at the top level.
 
     Raises:
         ValueError: a dimension other than data parallelism is asked for, or the sizes do not multiply to the
@@ -23,9 +28,13 @@ def zero_keys_from_parallelism(parallelism: Any, world_size: int) -> dict[str, A
         return {}
     others = {
         name: getattr(parallelism, name, None)
-        for name in ("tp_size", "cp_size", "sp_size")
+        for name in ("tp_size", "cp_size")
         if (getattr(parallelism, name, None) or 1) > 1
     }
+    sequence = getattr(parallelism, "sp_size", None) or 1
+    backend = getattr(parallelism, "sp_backend", None) or "deepspeed"
+    if sequence > 1 and backend not in SEQUENCE_BACKENDS:
+        others["sp_backend"] = backend
     if others:
         sizes = ", ".join(f"{name}={value}" for name, value in others.items())
         raise ValueError(
@@ -33,19 +42,23 @@ def zero_keys_from_parallelism(parallelism: Any, world_size: int) -> dict[str, A
             "dp_shard_size); remove these sizes, or train them under accelerate's own FSDP2"
         )
     replicate = parallelism.dp_replicate_size or 1
-    shard = parallelism.dp_shard_size or (world_size // replicate)
-    if replicate * shard != world_size:
+    shard = parallelism.dp_shard_size or (world_size // (replicate * sequence))
+    if replicate * shard * sequence != world_size:
         raise ValueError(
             f"ParallelismConfig(dp_replicate_size={parallelism.dp_replicate_size}, dp_shard_size="
-            f"{parallelism.dp_shard_size}): {replicate} x {shard} != the {world_size} processes; make the product "
-            "the number of processes"
+            f"{parallelism.dp_shard_size}, sp_size={sequence}): {replicate} x {shard} x {sequence} != the "
+            f"{world_size} processes; make the product the number of processes"
         )
-    return {"mics_shard_size": shard} if replicate > 1 else {}
+    keys: dict[str, Any] = {"sequence_parallel_size": sequence} if sequence > 1 else {}
+    if replicate > 1:
+        # ZeRO shards over the sequence-parallel ranks too (as DeepSpeed's ALST does): a group is dp_shard x sp
+        keys["zero_optimization"] = {"mics_shard_size": shard * sequence}
+    return keys
 
 
 def with_zero_keys(config: Any, keys: dict[str, Any], source: str) -> Any:
-    """`config` (a `ZeroConfig`) with `keys` written into its `zero_optimization`; a different value already there is
-    an error naming both.
+    """`config` (a `ZeroConfig`) with `keys` (from `zero_keys_from_parallelism`) written into it; a different value
+    already there is an error naming both.
 
     Raises:
         ValueError: the config sets one of `keys` to another value.
@@ -53,14 +66,21 @@ def with_zero_keys(config: Any, keys: dict[str, Any], source: str) -> Any:
     if not keys:
         return config
     raw = config.to_dict()
-    zero = raw.setdefault("zero_optimization", {})
-    # mics_shard_size <= 0 is DeepSpeed's "off": not a value the config chose
+    # Values that mean "off" (mics_shard_size <= 0, sequence_parallel_size 1) are not values the config chose.
+    written = {
+        f"zero_optimization.{k}": (raw["zero_optimization"].get(k), v)
+        for k, v in keys.get("zero_optimization", {}).items()
+    }
+    if "sequence_parallel_size" in keys:
+        written["sequence_parallel_size"] = (raw.get("sequence_parallel_size"), keys["sequence_parallel_size"])
     clashes = [
-        f"zero_optimization.{key}={zero[key]!r} vs {source} {value!r}"
-        for key, value in keys.items()
-        if zero.get(key) not in (None, -1, 0) and zero[key] != value
+        f"{key}={ours!r} vs {source} {theirs!r}"
+        for key, (ours, theirs) in written.items()
+        if ours not in (None, -1, 0, 1) and ours != theirs
     ]
     if clashes:
         raise ValueError(f"the ZeRO config and {source} disagree: {'; '.join(clashes)}: keep one of them")
-    zero.update(keys)
+    raw["zero_optimization"].update(keys.get("zero_optimization", {}))
+    if "sequence_parallel_size" in keys:
+        raw["sequence_parallel_size"] = keys["sequence_parallel_size"]
     return type(config).from_any(raw)

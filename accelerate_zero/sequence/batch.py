@@ -1,0 +1,83 @@
+"""A batch cut along the sequence for Ulysses ([Note: Ulysses attention] in sequence/ulysses.py), and the loss of
+the whole sequence from every rank's slice.
+
+[Note: the loss over a sequence-parallel group]
+Labels are shifted on the whole sequence before it is cut (`shift_labels`: the token each position predicts, so
+the last token of a slice predicts the first of the next), padded with -100 to a multiple of the group size. Each rank computes the sum of its tokens' losses divided by the group's count of
+valid tokens (`num_items_in_batch`, the Trainer's own argument), and the group adds the parts with an all-reduce
+whose backward is an all-reduce too: every rank holds the whole sequence's loss, and each rank's backward reaches
+every rank's part, so the group's gradient is p times the sequence's. The engine averages gradients over all of
+its ranks, the p of each group included, which divides that back: the result is the data-parallel mean of the
+sequences' losses, as DeepSpeed's ALST and transformers' `deepspeed_sp_compute_loss` give.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from accelerate_zero.engine import collectives
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.groups import DataParallelGroup
+
+
+IGNORE_INDEX = -100
+
+
+def shard_sequence(
+    input_ids: torch.Tensor, labels: torch.Tensor, group: DataParallelGroup, pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """This rank's slice of `[batch, sequence]` tokens: `input_ids`, `position_ids` (the whole sequence's) and
+    `shift_labels`, the sequence padded at its end to a multiple of the group size."""
+    p, rank = group.world_size, group.rank
+    length = input_ids.shape[1]
+    shift = torch.full_like(labels, IGNORE_INDEX)
+    shift[:, :-1] = labels[:, 1:]
+    padded = -(-length // p) * p
+    if padded != length:
+        input_ids = torch.nn.functional.pad(input_ids, (0, padded - length), value=pad_token_id)
+        shift = torch.nn.functional.pad(shift, (0, padded - length), value=IGNORE_INDEX)
+    piece = slice(rank * padded // p, (rank + 1) * padded // p)
+    positions = torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1)
+    return {"input_ids": input_ids[:, piece], "position_ids": positions[:, piece], "shift_labels": shift[:, piece]}
+
+
+def valid_tokens(shift_labels: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
+    """The group's count of tokens with a label (a tensor, for `num_items_in_batch`)."""
+    count = (shift_labels != IGNORE_INDEX).sum().reshape(1).to(torch.float64)
+    collectives.all_reduce(count, group, stats, kind="all_reduce_sequence")
+    return count[0]
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
+        ctx.group, ctx.stats = group, stats
+        total = part.detach().clone()
+        collectives.all_reduce(total, group, stats, kind="all_reduce_sequence")
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.clone()
+        collectives.all_reduce(grad, ctx.group, ctx.stats, kind="all_reduce_sequence")
+        return grad, None, None
+
+
+def sequence_parallel_loss(
+    model: torch.nn.Module, shard: dict[str, torch.Tensor], group: DataParallelGroup, stats: CommStats | None = None
+) -> torch.Tensor:
+    """The whole sequence's mean token loss, on every rank of `group`, from this rank's `shard_sequence` slice
+    ([Note: the loss over a sequence-parallel group])."""
+    stats = stats if stats is not None else CommStats()
+    count = valid_tokens(shard["shift_labels"], group, stats)
+    labels = shard["shift_labels"]
+    out = model(
+        input_ids=shard["input_ids"],
+        position_ids=shard["position_ids"],
+        labels=labels,
+        shift_labels=labels,
+        num_items_in_batch=count,
+    )
+    return _SumOverGroup.apply(out.loss, group, stats)

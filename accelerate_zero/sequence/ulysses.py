@@ -1,0 +1,139 @@
+"""Ulysses sequence parallelism: attention over the whole sequence while each rank holds a slice of it.
+
+[Note: Ulysses attention]
+The ranks of a sequence-parallel group of size p each hold a consecutive slice of every sequence (s/p tokens) and
+run the model on it; only attention needs the other tokens. Before attention one all-to-all trades sequence for
+heads: each rank sends head group j (h/p consecutive heads) of its slice to rank j and receives that head group
+for every slice, so it holds h/p heads over the whole sequence (slices in rank order, which is sequence order). It
+attends (causal over the whole sequence) and a second all-to-all trades back. In backward the two exchanges run in
+reverse. Key/value heads: with k heads divisible by p each rank gets its query heads' own k/p key/value heads (head
+group j of the queries uses key/value group j); with fewer (GQA, k < p) they are repeated to the h query heads
+first. RoPE is applied before attention from each rank's own position ids (`shard_sequence` gives them), so the
+rotation is the whole sequence's.
+
+The attention function is registered with transformers' `AttentionInterface` under a name bound to one group
+(`register_ulysses_attention`), and a model uses it by `model.set_attn_implementation(name)`: nothing of
+transformers is patched. No mask function is registered for that name, so transformers builds no mask; the
+sequence is taken as one causal sequence (padding only at its end, which attends to nothing before it that
+matters: its labels are -100). Masks, sliding windows and soft-capping are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from accelerate_zero.engine import collectives
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.groups import DataParallelGroup
+
+
+def _exchange(x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
+    """Row i of `x` (first dimension p) to rank i of `group`; row j of the result from rank j."""
+    x = x.contiguous()  # before `empty_like`, which would copy a permuted view's strides
+    received = torch.empty_like(x)
+    collectives.all_to_all(received, x, group, stats, kind="all_to_all_sequence")
+    return received
+
+
+def _seq_to_heads(x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
+    """[b, h, s/p, d] on each rank -> [b, h/p, s, d]."""
+    p = group.world_size
+    b, h, s, d = x.shape
+    rows = x.reshape(b, p, h // p, s, d).permute(1, 0, 2, 3, 4)  # row j: head group j
+    received = _exchange(rows, group, stats)  # row i: rank i's slice of my head group
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
+    """[b, h/p, s, d] on each rank -> [b, h, s/p, d] (the inverse of `_seq_to_heads`)."""
+    p = group.world_size
+    b, heads, s, d = x.shape
+    rows = x.reshape(b, heads, p, s // p, d).permute(2, 0, 1, 3, 4)  # row j: slice j of my head group
+    received = _exchange(rows, group, stats)  # row i: head group i of my slice
+    return received.permute(1, 0, 2, 3, 4).reshape(b, p * heads, s // p, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
+        ctx.group, ctx.stats = group, stats
+        return _seq_to_heads(x, group, stats)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _heads_to_seq(grad, ctx.group, ctx.stats), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
+        ctx.group, ctx.stats = group, stats
+        return _heads_to_seq(x, group, stats)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _seq_to_heads(grad, ctx.group, ctx.stats), None, None
+
+
+def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
+    """[b, k, s, d] -> [b, k * times, s, d], each head repeated in place (transformers' `repeat_kv` order)."""
+    if times == 1:
+        return x
+    b, k, s, d = x.shape
+    return x[:, :, None].expand(b, k, times, s, d).reshape(b, k * times, s, d)
+
+
+def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
+    """An attention function with transformers' `AttentionInterface` signature, over `group`
+    ([Note: Ulysses attention])."""
+
+    def ulysses_attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        unsupported = {k: v for k, v in kwargs.items() if k in ("sliding_window", "softcap") and v is not None}
+        if attention_mask is not None or unsupported:
+            what = dict(unsupported, **({"attention_mask": "a tensor"} if attention_mask is not None else {}))
+            raise ValueError(
+                f"Ulysses sequence parallelism runs causal attention over one whole sequence; got {what}: pack "
+                "sequences without padding masks, and use a model without sliding windows or soft-capping"
+            )
+        p, heads, kv_heads = group.world_size, query.shape[1], key.shape[1]
+        if heads % p:
+            raise ValueError(f"{heads} attention heads cannot be split over {p} sequence-parallel ranks")
+        if kv_heads % p:  # fewer key/value heads than ranks: every query head gets its own copy
+            key, value = _repeat_heads(key, heads // kv_heads), _repeat_heads(value, heads // kv_heads)
+        query = _SeqToHeads.apply(query, group, stats)
+        key = _SeqToHeads.apply(key, group, stats)
+        value = _SeqToHeads.apply(value, group, stats)
+        groups = query.shape[1] // key.shape[1]
+        key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=getattr(module, "is_causal", True),
+        )
+        return _HeadsToSeq.apply(out, group, stats).transpose(1, 2).contiguous(), None
+
+    return ulysses_attention
+
+
+def register_ulysses_attention(group: DataParallelGroup, stats: CommStats | None = None) -> str:
+    """Registers Ulysses attention over `group` with transformers; returns the name to pass to
+    `model.set_attn_implementation(name)`. The name is the group's: registering again replaces the function."""
+    from transformers import AttentionInterface
+
+    name = f"accelerate_zero_ulysses_{group.world_size}_{id(group.group)}"
+    AttentionInterface.register(name, ulysses_attention_for(group, stats if stats is not None else CommStats()))
+    return name
