@@ -27,6 +27,7 @@ JSON output (`--json`), schema_version 1:
         "num_gpus": int, "num_nodes": int, "world_size": int,
         "mixed_precision": "no" | "fp16" | "bf16", "optimizer": str,
         "micro_batch": int, "seq_len": int, "gradient_checkpointing": bool, "eager_attention": bool,
+        "sequence_parallel": int, "tile_tokens": int | null,   # activations per rank with Ulysses / tiling
         "gpu_memory": int | null,         # bytes per GPU as given
         "headroom": float,                # fraction of gpu_memory kept free
         "usable_gpu_memory": int | null,  # gpu_memory * (1 - headroom): what "fits" compares with
@@ -171,6 +172,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--eager_attention", action="store_true", help="count the attention score matrices (not SDPA/flash)"
+    )
+    parser.add_argument(
+        "--sequence_parallel", type=int, default=1, metavar="P", help="Ulysses: ranks sharing a sequence (default 1)"
+    )
+    parser.add_argument(
+        "--tile_tokens", type=int, default=None, metavar="T", help="tiled MLP and logits + loss of T positions"
     )
     parser.add_argument(
         "--deepspeed_config",
@@ -374,6 +381,8 @@ def _activations(shapes: est.ModelShapes, setup: est.TrainingSetup, args: argpar
         compute_bytes=setup.compute_bytes,
         gradient_checkpointing=args.gradient_checkpointing,
         eager_attention=args.eager_attention,
+        sequence_parallel=args.sequence_parallel,
+        tile_tokens=args.tile_tokens,
     )
 
 
@@ -433,6 +442,8 @@ def _setup_section(
         "seq_len": args.seq_len,
         "gradient_checkpointing": args.gradient_checkpointing,
         "eager_attention": args.eager_attention,
+        "sequence_parallel": args.sequence_parallel,
+        "tile_tokens": args.tile_tokens,
         "gpu_memory": gpu_memory,
         "headroom": args.headroom,
         "usable_gpu_memory": usable,

@@ -443,16 +443,22 @@ def activation_bytes(
     compute_bytes: int,
     gradient_checkpointing: bool = False,
     eager_attention: bool = False,
+    sequence_parallel: int = 1,
+    tile_tokens: int | None = None,
 ) -> int:
-    """Rough activation bytes of one rank's forward + backward ([Note: activations])."""
-    s, b = seq_len, micro_batch
-    h, a = architecture.hidden_size, architecture.num_heads
-    per_layer = 34 * s * b * h + (5 * a * s * s * b if eager_attention else 0)
+    """Rough activation bytes of one rank's forward + backward ([Note: activations]). `sequence_parallel`: the
+    rank holds 1/p of each sequence and the scores of 1/p of the heads over all of it; `tile_tokens`: the MLP's
+    intermediates (15 of the 34 s b h) and the logits exist for one tile at a time (accelerate_zero/sequence)."""
+    b, h = micro_batch, architecture.hidden_size
+    s, a = -(-seq_len // sequence_parallel), architecture.num_heads / sequence_parallel
+    per_layer = (34 - (15 if tile_tokens else 0)) * s * b * h + (
+        5 * a * seq_len * seq_len * b if eager_attention else 0
+    )
     if gradient_checkpointing:
         layers = architecture.num_layers * 2 * s * b * h + per_layer
     else:
         layers = architecture.num_layers * per_layer
-    logits = s * b * architecture.vocab_size * (compute_bytes + 8)
+    logits = min(s, tile_tokens or s) * b * architecture.vocab_size * (compute_bytes + 8)
     return int(layers * compute_bytes / 2) + logits
 
 

@@ -20,6 +20,7 @@ import torch
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.sequence.tiling import tiled_causal_lm_loss
 
 
 IGNORE_INDEX = -100
@@ -66,18 +67,35 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 def sequence_parallel_loss(
-    model: torch.nn.Module, shard: dict[str, torch.Tensor], group: DataParallelGroup, stats: CommStats | None = None
+    model: torch.nn.Module,
+    shard: dict[str, torch.Tensor],
+    group: DataParallelGroup,
+    stats: CommStats | None = None,
+    tile_tokens: int | None = None,
+    activations_on_host: bool = False,
 ) -> torch.Tensor:
     """The whole sequence's mean token loss, on every rank of `group`, from this rank's `shard_sequence` slice
-    ([Note: the loss over a sequence-parallel group])."""
+    ([Note: the loss over a sequence-parallel group]). `tile_tokens`: the LM head and the loss run in tiles of
+    this many positions ([Note: tiling along the sequence] in sequence/tiling.py); None: the model's own loss.
+    `activations_on_host`: what autograd keeps for backward (with gradient checkpointing, each layer's input) waits
+    in host memory (torch's `save_on_cpu`, page-locked beside a GPU) and comes back for backward."""
+    if activations_on_host:
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return sequence_parallel_loss(model, shard, group, stats, tile_tokens)
     stats = stats if stats is not None else CommStats()
     count = valid_tokens(shard["shift_labels"], group, stats)
     labels = shard["shift_labels"]
-    out = model(
-        input_ids=shard["input_ids"],
-        position_ids=shard["position_ids"],
-        labels=labels,
-        shift_labels=labels,
-        num_items_in_batch=count,
-    )
-    return _SumOverGroup.apply(out.loss, group, stats)
+    if tile_tokens is not None:
+        part = tiled_causal_lm_loss(
+            model, shard["input_ids"], labels, count, tile_tokens, position_ids=shard["position_ids"]
+        )
+    else:
+        out = model(
+            input_ids=shard["input_ids"],
+            position_ids=shard["position_ids"],
+            labels=labels,
+            shift_labels=labels,
+            num_items_in_batch=count,
+        )
+        part = out.loss
+    return _SumOverGroup.apply(part, group, stats)

@@ -4,7 +4,8 @@ partitioning every parameter over all ranks.
 Tiny Llama (4 heads, 2 key/value heads: GQA) and Qwen2 models, sequence lengths that are not multiples of the
 sequence-parallel size, sp = 2 and 4 (at 4 the 2 key/value heads are fewer than the ranks), and sp 2 x dp 2. One
 SGD step (lr 1, no clipping): the loss every rank reports equals the reference's, and the weights after the step
-differ from the reference's by the gradient error alone.
+differ from the reference's by the gradient error alone. Some cases also tile the MLP and the logits + loss
+(sequence/tiling.py), recomputed in backward while ZeRO-3 gathers the units.
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ def _reference(kind: str, dp: int, length: int) -> dict[str, Any]:
     return {"loss": loss.item(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _sequence_parallel(rank: int, world_size: int, cases: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[dict[str, Any]]:
     import accelerate_zero
-    from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss, shard_sequence
+    from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss, shard_sequence, tile_mlp
 
     out = []
-    for kind, sp, length in cases:
+    for kind, sp, length, tile in cases:
         model = _model(kind)
         config = {
             "sequence_parallel_size": sp,
@@ -71,10 +72,15 @@ def _sequence_parallel(rank: int, world_size: int, cases: list[tuple[str, int, i
         engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config=config)
         group = engine.layout.sequence
         model.set_attn_implementation(register_ulysses_attention(group, engine.comm_stats_counter))
+        if tile is not None:
+            tile_mlp(model, tile)
         dp_rank = rank // sp
         mine = _tokens(world_size // sp, length)[dp_rank : dp_rank + 1]
         shard = shard_sequence(mine, mine, group)
-        loss = sequence_parallel_loss(model, shard, group, engine.comm_stats_counter)
+        # the tiled cases also keep what backward needs in host memory (save_on_cpu): composed, it changes nothing
+        loss = sequence_parallel_loss(
+            model, shard, group, engine.comm_stats_counter, tile_tokens=tile, activations_on_host=tile is not None
+        )
         engine.backward(loss)
         engine.step()
         losses = torch.tensor([loss.item()])
@@ -85,16 +91,17 @@ def _sequence_parallel(rank: int, world_size: int, cases: list[tuple[str, int, i
     return out
 
 
-CASES = {
-    2: [("llama", 2, 13), ("qwen2", 2, 9)],
-    4: [("llama", 4, 13), ("qwen2", 4, 10), ("llama", 2, 11)],  # sp 4: 2 key/value heads < 4 ranks; sp 2 x dp 2
+CASES = {  # (model, sp, sequence length, tile of the tiled MLP, logits and loss: None untiled)
+    2: [("llama", 2, 13, None), ("qwen2", 2, 9, None), ("llama", 2, 13, 3)],
+    # sp 4: 2 key/value heads < 4 ranks; sp 2 x dp 2
+    4: [("llama", 4, 13, None), ("qwen2", 4, 10, 2), ("llama", 2, 11, None), ("qwen2", 2, 11, 4)],
 }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ulysses_matches_whole_sequences(world_size: int) -> None:
     results = run_distributed(_sequence_parallel, world_size, CASES[world_size])
-    for index, (kind, sp, length) in enumerate(CASES[world_size]):
+    for index, (kind, sp, length, _) in enumerate(CASES[world_size]):
         reference = _reference(kind, world_size // sp, length)
         first = results[0][index]
         assert first["local"] == -(-length // sp), (kind, sp, length)

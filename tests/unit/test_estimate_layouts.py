@@ -55,3 +55,18 @@ def test_the_cli_prints_the_layouts_on_several_nodes(capsys: pytest.CaptureFixtu
     code, out, _ = run_cli(capsys, "--params", "8e9", "--num_gpus", "8", "--num_nodes", "2", "--gpu_memory", "80GB")
     assert code == 0 and 'layout recommendation: hpZ {"zero_hpz_partition_size": 8}' in out
     assert estimate_json(capsys, "--params", "8e9", "--num_gpus", "8")["layouts"] is None
+
+
+def test_activations_per_rank_with_sequence_parallelism_and_tiling() -> None:
+    from accelerate_zero.debug.estimate import Architecture, activation_bytes
+
+    arch = Architecture(hidden_size=4096, num_layers=32, num_heads=32, vocab_size=128_256)
+    whole = activation_bytes(arch, micro_batch=1, seq_len=32768, compute_bytes=2)
+    split = activation_bytes(arch, micro_batch=1, seq_len=32768, compute_bytes=2, sequence_parallel=4)
+    tiled = activation_bytes(arch, micro_batch=1, seq_len=32768, compute_bytes=2, sequence_parallel=4, tile_tokens=512)
+    assert split == pytest.approx(whole / 4, rel=1e-9)  # every term per token, each rank 1/4 of the tokens
+    # the MLP's intermediates (15 of 34 s b h) and all but one tile of the logits go
+    layers = 32 * 34 * (32768 // 4) * 4096
+    logits = (32768 // 4) * 128_256 * 10
+    assert tiled == layers * 19 // 34 + 512 * 128_256 * 10
+    assert tiled * 2 < split and split == layers + logits

@@ -1,0 +1,96 @@
+"""Tiled MLP and tiled logits + loss: the sequence x intermediate and sequence x vocabulary tensors are never whole.
+
+[Note: tiling along the sequence]
+A decoder's MLP and its LM head are position-wise: token t's output depends on token t's input alone. So they can
+run on tiles of `tile_tokens` positions, each tile under activation checkpointing: forward keeps only each tile's
+input (already held by the layer anyway) and backward recomputes one tile at a time. The live intermediate then
+is tile x intermediate instead of sequence x intermediate (3.5x the hidden size in Llama), and the logits tile x
+vocabulary instead of sequence x vocabulary, plus their fp32 copy and softmax for the loss, which at 32K tokens
+and a 128K vocabulary is 16 GB per copy in fp32. The loss is summed tile by tile and divided by the count of valid
+tokens (`num_items`): the same value as the whole sequence's mean.
+
+`tile_mlp(model, tile_tokens)` gives each decoder layer's MLP a tiled forward of its own instance (the module, its
+parameters and their names are unchanged; nothing of transformers is patched); `tiled_causal_lm_loss` runs the
+base model, then the head and the loss in tiles. Under ZeRO-3 the recomputation in backward runs inside the layer's
+backward, where its unit is gathered; the LM head is a sub-module call, gathered by its entry hook
+([Note: sub-module calls] in engine/stage3/schedule.py).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+IGNORE_INDEX = -100
+
+
+def _tiles(length: int, tile_tokens: int) -> list[slice]:
+    return [slice(start, min(start + tile_tokens, length)) for start in range(0, length, tile_tokens)]
+
+
+def tile_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
+    """Makes every decoder layer's `mlp` run in tiles of `tile_tokens` positions ([Note: tiling along the
+    sequence]); returns how many MLPs were tiled.
+
+    Raises:
+        ValueError: `tile_tokens` < 1, or the model has no decoder layers with an `mlp`.
+    """
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens}: must be at least 1")
+    mlps = [layer.mlp for layer in _decoder_layers(model) if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
+    if not mlps:
+        raise ValueError(f"{type(model).__name__} has no decoder layers with an `mlp` to tile")
+    for mlp in mlps:
+        whole = type(mlp).forward.__get__(mlp)  # the class's forward, bound: a second call does not nest
+
+        def tiled_forward(
+            self: torch.nn.Module, hidden: torch.Tensor, *args: Any, _whole: Any = whole
+        ) -> torch.Tensor:
+            if hidden.dim() < 3 or hidden.shape[1] <= tile_tokens or not torch.is_grad_enabled():
+                return _whole(hidden, *args)
+            parts = [
+                checkpoint(_whole, hidden[:, piece], *args, use_reentrant=False)
+                for piece in _tiles(hidden.shape[1], tile_tokens)
+            ]
+            return torch.cat(parts, dim=1)
+
+        mlp.forward = types.MethodType(tiled_forward, mlp)
+    return len(mlps)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def _tile_loss(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def tiled_causal_lm_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    shift_labels: torch.Tensor,
+    num_items: torch.Tensor | int,
+    tile_tokens: int,
+    **model_kwargs: Any,
+) -> torch.Tensor:
+    """Sum over tiles of the token losses of `model` (a transformers causal LM) on `input_ids`, divided by
+    `num_items`, never holding the logits of more than `tile_tokens` positions ([Note: tiling along the sequence]).
+    `shift_labels`: the token each position predicts (-100: none), as `shard_sequence` gives."""
+    hidden = model.get_decoder()(input_ids=input_ids, **model_kwargs).last_hidden_state
+    head = model.get_output_embeddings()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for piece in _tiles(hidden.shape[1], tile_tokens):
+        # Every tile, labelled or not: under ZeRO-3 each call of the head is a collective, so every rank must make
+        # as many (the same local length on every rank, as the sequence-parallel slices have).
+        total = total + checkpoint(_tile_loss, head, hidden[:, piece], shift_labels[:, piece], use_reentrant=False)
+    return total / num_items
