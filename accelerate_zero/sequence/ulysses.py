@@ -55,26 +55,17 @@ def _heads_to_seq(x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -
     return received.permute(1, 0, 2, 3, 4).reshape(b, p * heads, s // p, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
-        ctx.group, ctx.stats = group, stats
-        return _seq_to_heads(x, group, stats)
+class _Trade(torch.autograd.Function):
+    """One exchange (`to_heads`: sequence for heads, else back); its backward is the other one."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _heads_to_seq(grad, ctx.group, ctx.stats), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
-        ctx.group, ctx.stats = group, stats
-        return _heads_to_seq(x, group, stats)
+    def forward(ctx: Any, x: torch.Tensor, group: DataParallelGroup, stats: CommStats, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.stats, ctx.to_heads = group, stats, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, stats)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _seq_to_heads(grad, ctx.group, ctx.stats), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group, ctx.stats), None, None, None
 
 
 def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
@@ -111,9 +102,7 @@ def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
             raise ValueError(f"{heads} attention heads cannot be split over {p} sequence-parallel ranks")
         if kv_heads % p:  # fewer key/value heads than ranks: every query head gets its own copy
             key, value = _repeat_heads(key, heads // kv_heads), _repeat_heads(value, heads // kv_heads)
-        query = _SeqToHeads.apply(query, group, stats)
-        key = _SeqToHeads.apply(key, group, stats)
-        value = _SeqToHeads.apply(value, group, stats)
+        query, key, value = (_Trade.apply(x, group, stats, True) for x in (query, key, value))
         groups = query.shape[1] // key.shape[1]
         key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -124,7 +113,7 @@ def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
             scale=scaling,
             is_causal=getattr(module, "is_causal", True),
         )
-        return _HeadsToSeq.apply(out, group, stats).transpose(1, 2).contiguous(), None
+        return _Trade.apply(out, group, stats, False).transpose(1, 2).contiguous(), None
 
     return ulysses_attention
 

@@ -16,30 +16,17 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import tiny_llama_config
+from tests.helpers.models import tiny_llama_config, tiny_qwen2_config
 
 
 VOCAB = 64
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    if kind == "llama":
-        return LlamaForCausalLM(tiny_llama_config())
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    )
-    return Qwen2ForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config()) if kind == "llama" else Qwen2ForCausalLM(tiny_qwen2_config())
 
 
 def _tokens(dp: int, length: int) -> torch.Tensor:

@@ -253,6 +253,14 @@ _DECODER = dict(
 )
 
 
+def tiny_qwen2_config(**overrides: object) -> object:
+    """A Qwen2Config of the zoo's decoder shape (4 heads, 2 key/value heads), no sliding window, untied."""
+    from transformers import Qwen2Config
+
+    values = dict(_DECODER, tie_word_embeddings=False, use_sliding_window=False)
+    return Qwen2Config(**{**values, **overrides})
+
+
 def _build(model_class: str, config_class: str, **values: object) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers
