@@ -186,3 +186,35 @@ def test_trainer_parallelism_config_is_replicate_x_shard(tmp_path) -> None:
     flat, hsdp = out["flat"]["state"], out["hsdp"]["state"]
     assert max((flat[k] - hsdp[k]).abs().max().item() for k in flat) <= 1e-6
     assert out["hsdp"]["losses"] == pytest.approx(out["flat"]["losses"], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------- activation checkpointing
+def _with_activation_checkpointing(rank: int, world_size: int) -> dict[str, float]:
+    """Recomputed forwards in backward gather from hpZ's secondary copy; MiCS's from its group. Also hpZ under
+    DeepSpeed's default reuse distance, where units stay gathered until their backward (no secondary copy)."""
+    import accelerate_zero
+
+    os.environ["ACCELERATE_ZERO_SIMULATED_NODES"] = str(NODES)
+    per_node, batches = world_size // NODES, _batches(world_size, steps=3)
+    layouts = {
+        **_layouts(per_node),
+        "hpz_kept": {"zero_hpz_partition_size": per_node, "stage3_max_reuse_distance": 10**9},
+    }
+    layouts.pop("zeropp")
+    weights = {}
+    for name, layout in layouts.items():
+        for reentrant in (True, False):
+            engine = _engine(layout)
+            engine.module.gradient_checkpointing_enable({"use_reentrant": reentrant})
+            _train(engine, batches, rank)
+            with accelerate_zero.GatheredParameters(list(engine.module.parameters())):
+                weights[name, reentrant] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {
+        f"{name} reentrant={reentrant}": max((w[k] - weights["flat", reentrant][k]).abs().max().item() for k in w)
+        for (name, reentrant), w in weights.items()
+    }
+
+
+def test_layouts_with_activation_checkpointing() -> None:
+    for case, diff in run_distributed(_with_activation_checkpointing, 4)[0].items():
+        assert diff <= 1e-6, (case, diff)
