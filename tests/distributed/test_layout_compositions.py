@@ -1,5 +1,5 @@
-"""hpZ, MiCS and ZeRO++ composed with bf16, CPU offload and NVMe offload, and resumed on another node count, on 2
-simulated nodes (engine/layout.py).
+"""hpZ, MiCS and ZeRO++ composed with bf16, CPU and NVMe offload, activation checkpointing and the Trainer, and
+resumed on another node count, on 2 simulated nodes (engine/layout.py).
 
 Each layout trains the same tiny Llama as flat stage 3 under the same config, with accumulation and clipping:
 - fp32 with optimizer and parameter shards on NVMe: hpZ and MiCS equal flat to 1e-6 (replicas of a shard on one
