@@ -15,7 +15,8 @@ The attention function is registered with transformers' `AttentionInterface` und
 (`register_ulysses_attention`), and a model uses it by `model.set_attn_implementation(name)`: nothing of
 transformers is patched. No mask function is registered for that name, so transformers builds no mask; the
 sequence is taken as one causal sequence (padding only at its end, which attends to nothing before it that
-matters: its labels are -100). Masks, sliding windows and soft-capping are refused by name.
+matters: its labels are -100). Masks, soft-capping and sliding windows shorter than the sequence are refused by
+name.
 """
 
 from __future__ import annotations
@@ -90,14 +91,21 @@ def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        unsupported = {k: v for k, v in kwargs.items() if k in ("sliding_window", "softcap") and v is not None}
-        if attention_mask is not None or unsupported:
-            what = dict(unsupported, **({"attention_mask": "a tensor"} if attention_mask is not None else {}))
-            raise ValueError(
-                f"Ulysses sequence parallelism runs causal attention over one whole sequence; got {what}: pack "
-                "sequences without padding masks, and use a model without sliding windows or soft-capping"
-            )
         p, heads, kv_heads = group.world_size, query.shape[1], key.shape[1]
+        length = query.shape[2] * p
+        # A sliding window at least as long as the sequence cuts nothing (Mistral's default of 4096 below 4096 tokens).
+        window = kwargs.get("sliding_window")
+        unsupported = {"sliding_window": window} if window is not None and window < length else {}
+        if kwargs.get("softcap") is not None:
+            unsupported["softcap"] = kwargs["softcap"]
+        if attention_mask is not None:
+            unsupported["attention_mask"] = "a tensor"
+        if unsupported:
+            raise ValueError(
+                f"Ulysses sequence parallelism runs causal attention over one whole sequence of {length} tokens; got "
+                f"{unsupported}: pack sequences without padding masks, and use no soft-capping and no sliding window "
+                "shorter than the sequence"
+            )
         if heads % p:
             raise ValueError(f"{heads} attention heads cannot be split over {p} sequence-parallel ranks")
         if kv_heads % p:  # fewer key/value heads than ranks: every query head gets its own copy

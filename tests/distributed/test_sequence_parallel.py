@@ -16,16 +16,18 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import tiny_llama_config, tiny_qwen2_config
+from tests.helpers.models import tiny_llama_config, tiny_mistral_config, tiny_qwen2_config
 
 
 VOCAB = 64
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(0)
+    if kind == "mistral":  # its default sliding window (4096) is longer than the sequence: it cuts nothing
+        return MistralForCausalLM(tiny_mistral_config())
     return LlamaForCausalLM(tiny_llama_config()) if kind == "llama" else Qwen2ForCausalLM(tiny_qwen2_config())
 
 
@@ -79,7 +81,7 @@ def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[d
 
 
 CASES = {  # (model, sp, sequence length, tile of the tiled MLP, logits and loss: None untiled)
-    2: [("llama", 2, 13, None), ("qwen2", 2, 9, None), ("llama", 2, 13, 3)],
+    2: [("llama", 2, 13, None), ("qwen2", 2, 9, None), ("llama", 2, 13, 3), ("mistral", 2, 12, None)],
     # sp 4: 2 key/value heads < 4 ranks; sp 2 x dp 2
     4: [("llama", 4, 13, None), ("qwen2", 4, 10, 2), ("llama", 2, 11, None), ("qwen2", 2, 11, 4)],
 }

@@ -261,6 +261,13 @@ def tiny_qwen2_config(**overrides: object) -> object:
     return Qwen2Config(**{**values, **overrides})
 
 
+def tiny_mistral_config(**overrides: object) -> object:
+    """A MistralConfig of the zoo's decoder shape, with Mistral's default sliding window (4096)."""
+    from transformers import MistralConfig
+
+    return MistralConfig(**{**_DECODER, **overrides})
+
+
 def _build(model_class: str, config_class: str, **values: object) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers
