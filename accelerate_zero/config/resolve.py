@@ -237,6 +237,11 @@ def _check_hierarchical(config: ZeroConfig, world_size: int) -> list[str]:
                 f"zero_optimization.{key}=true needs zero_optimization.stage=3 (got {zero.stage}): ZeRO++ quantizes "
                 "the collectives of partitioned parameters; set stage to 3 or remove the key"
             )
+    if zero.zero_quantized_weights is True and zero.stage3_use_all_reduce_for_fetch_params is True:
+        problems.append(
+            "zero_optimization.zero_quantized_weights=true with stage3_use_all_reduce_for_fetch_params=true: "
+            "int8 weights travel in an all-gather, not an all-reduce; set one of them to false"
+        )
     if zero.zero_quantized_gradients is True and not is_auto(zero.mics_shard_size) and zero.mics_shard_size > 0:
         problems.append(
             "zero_optimization.zero_quantized_gradients=true with mics_shard_size: the two-level quantized "

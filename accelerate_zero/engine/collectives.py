@@ -93,19 +93,19 @@ def between_nodes(dp: DataParallelGroup, pattern: str, nbytes: float, src: int =
     """This rank's share of what a collective on `dp` sends between nodes ([Note: bytes between nodes]).
     `pattern`: "gather" (all-gather, reduce-scatter), "all_reduce", "broadcast", "scatter" or "all_to_all";
     `src`: the source's group rank (broadcast, scatter)."""
-    nodes = dp.member_nodes
-    if nodes is None or len(set(nodes)) < 2:
+    members = dp.members_per_node
+    if not members:
         return 0.0
-    g = len(nodes)
-    members = {node: nodes.count(node) for node in set(nodes)}
+    g = dp.world_size
     if pattern in ("gather", "all_reduce"):
         total = sum(nbytes * (g - m) / g for m in members.values()) * (2 if pattern == "all_reduce" else 1)
     elif pattern == "broadcast":
         total = nbytes * (len(members) - 1)
     elif pattern == "scatter":
-        total = nbytes * (g - members[nodes[src]]) / g
-    elif pattern == "all_to_all":
-        total = sum(nbytes / g * (g - members[node]) for node in nodes)
+        assert dp.member_nodes is not None
+        total = nbytes * (g - members[dp.member_nodes[src]]) / g
+    elif pattern == "all_to_all":  # each of a node's m members sends N/g to each of the g - m members elsewhere
+        total = sum(nbytes / g * m * (g - m) for m in members.values())
     else:
         raise ValueError(f"unknown collective pattern {pattern!r}")
     return total / g

@@ -92,7 +92,6 @@ def initialize(
         optimizer,
         resolved,
         lr_scheduler,
-        dp=layout.shard,
         layout=layout,
         device=device,
         unit_classes=unit_classes,
@@ -118,26 +117,32 @@ class ZeroEngine:
         config: ResolvedZeroConfig,
         lr_scheduler: Any,
         *,
-        dp: DataParallelGroup,
+        dp: DataParallelGroup | None = None,
         device: torch.device,
         unit_classes: list[type[nn.Module] | str] | None = None,
         layout: ShardingLayout | None = None,
     ) -> None:
+        """`layout`: every group the engine uses (engine/layout.py); without one, `dp` alone, everything
+        partitioned over it."""
         if not isinstance(config, ResolvedZeroConfig):
             raise TypeError(
                 f"ZeroEngine needs a ResolvedZeroConfig, got {type(config).__name__}: build the engine with "
                 "accelerate_zero.initialize, or pass resolve_config(config, world_size=...)"
             )
-        self.module, self.config, self.dp, self.device = module, config, dp, device
-        self.layout = layout if layout is not None else flat_layout(dp)
-        """The groups of every kind ([Note: the three hierarchical layouts] in engine/layout.py); `dp` is its
-        `shard` group, the ranks one copy of the state is partitioned over."""
+        if layout is None:
+            assert dp is not None, "ZeroEngine needs a layout or a data-parallel group"
+            layout = flat_layout(dp)
+        self.module, self.config, self.device = module, config, device
+        self.layout = layout
+        """The groups of every kind ([Note: the three hierarchical layouts] in engine/layout.py)."""
+        self.dp = layout.shard
+        """The ranks one copy of the state is partitioned over (the layout's `shard` group)."""
         self.stage = config.zero_optimization.stage
         self.compute_dtype = config.compute_dtype
         self.comm_stats_counter = CommStats()
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._boundary_override: bool | None = None
-        self._position_check = BackwardPositionCheck(dp, self.comm_stats_counter, device)
+        self._position_check = BackwardPositionCheck(self.dp, self.comm_stats_counter, device)
         self._global_grad_norm: float | None = None
         self._sleep = SleepingState(device)
         parts = assemble(
@@ -157,13 +162,13 @@ class ZeroEngine:
         self.shard_store, self.grad_store, self.host_staging = parts.shard_store, parts.grad_store, parts.host_staging
         self._state_dict_guard, self._hooks = parts.state_dict_guard, parts.hooks
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
-        self.step_log = StepLog(config, rank=dp.rank, device=device)
+        self.step_log = StepLog(config, rank=self.layout.world.rank, device=device)
         register_engine_params(self)
         self.comm_stats_counter.reset()
         logger.info(
             "accelerate_zero: stage %d on %d ranks, %d buckets, compute dtype %s",
             self.stage,
-            dp.world_size,
+            self.layout.world.world_size,
             len(self.reducer.buckets),
             self.compute_dtype,
         )

@@ -31,6 +31,15 @@ class DataParallelGroup:
     nodes is counted from it. None: all on one node."""
 
     @functools.cached_property
+    def members_per_node(self) -> dict[int, int]:
+        """How many members each node holds (empty: all on one node, or unknown); computed once per group, read by
+        every collective's count of bytes between nodes."""
+        nodes = self.member_nodes
+        if nodes is None or len(set(nodes)) < 2:
+            return {}
+        return {node: nodes.count(node) for node in sorted(set(nodes))}
+
+    @functools.cached_property
     def backend(self) -> str:
         return dist.get_backend(self.group)
 

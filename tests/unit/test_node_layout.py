@@ -44,6 +44,10 @@ def test_groups_of_each_layout() -> None:
         ({"stage": 3, "mics_shard_size": 4, "zero_hpz_partition_size": 4}, "are both set"),
         ({"stage": 1, "zero_quantized_weights": True}, "zero_quantized_weights=true needs zero_optimization.stage=3"),
         ({"stage": 3, "mics_shard_size": 4, "zero_quantized_gradients": True}, "use zero_hpz_partition_size"),
+        (
+            {"stage": 3, "zero_quantized_weights": True, "stage3_use_all_reduce_for_fetch_params": True},
+            "int8 weights travel in an all-gather",
+        ),
     ],
 )
 def test_layout_keys_are_checked_before_training(zero: dict, message: str) -> None:
