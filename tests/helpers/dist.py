@@ -103,6 +103,12 @@ def timeout_scale() -> float:
         raise ValueError(f"{TIMEOUT_SCALE_ENV}={raw!r} is not a number; set it to e.g. 3 on a busy machine") from None
 
 
+def scaled_seconds(seconds: float) -> str:
+    """`seconds` scaled for a slow machine (ACCELERATE_ZERO_TEST_TIMEOUT_SCALE), as a process-group timeout value for
+    ACCELERATE_ZERO_PG_TIMEOUT: read it before a fixture clears the ACCELERATE_ZERO_* variables."""
+    return str(round(seconds * timeout_scale()))
+
+
 def plain_torchrun_environment() -> None:
     """Drops accelerate's variables (ACCELERATE_*, except the process-group timeout) from this rank's environment, so
     the code under test sees what plain `torchrun` gives it."""

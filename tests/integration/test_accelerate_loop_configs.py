@@ -21,6 +21,7 @@ import torch
 from accelerate_zero.cli.main import main
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.setup import cast_forward_inputs, forward_input_dtype
+from tests.helpers.dist import scaled_seconds
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,10 +104,11 @@ mixed_precision: bf16
 
 @pytest.fixture(autouse=True)
 def _launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    timeout = scaled_seconds(60)  # before the loop below clears ACCELERATE_ZERO_TEST_TIMEOUT_SCALE
     for name in list(os.environ):
         if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_USE_", "ACCELERATE_MIXED")):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", "60")
+    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", timeout)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     monkeypatch.chdir(REPO)
 

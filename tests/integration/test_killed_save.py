@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.dist import free_port
+from tests.helpers.dist import free_port, scaled_seconds
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +35,12 @@ JOB_SECONDS = 120  # a few seconds idle: a job that hangs fails this test, not t
 def _torchrun(out: Path, *args: str) -> subprocess.Popen:
     """A 2-process job of the script, its output in <out>/job.log (jobs run side by side: no pipe to fill)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ACCELERATE_ZERO_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "ACCELERATE_ZERO_PG_TIMEOUT": scaled_seconds(60),
+        "OMP_NUM_THREADS": "1",
+    }
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     with open(out / "job.log", "w") as log:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from accelerate_zero.cli.main import main
-from tests.helpers.dist import free_port
+from tests.helpers.dist import free_port, scaled_seconds
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,10 +28,11 @@ CONFIGS = REPO / "accelerate_configs"
 
 @pytest.fixture(autouse=True)
 def _launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    timeout = scaled_seconds(30)  # before the loop below clears ACCELERATE_ZERO_TEST_TIMEOUT_SCALE
     for name in list(os.environ):
         if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_USE_")):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", "30")
+    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", timeout)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     monkeypatch.chdir(REPO)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import run_distributed, scaled_seconds
 from tests.integration import migration_checks
 
 
@@ -109,7 +109,7 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 def _launch_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    return {**env, "PYTHONPATH": str(REPO), "ACCELERATE_ZERO_PG_TIMEOUT": "120"}
+    return {**env, "PYTHONPATH": str(REPO), "ACCELERATE_ZERO_PG_TIMEOUT": scaled_seconds(120)}
 
 
 def _check_trained_with_our_engine(out: Path, stage: int) -> None:

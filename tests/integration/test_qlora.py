@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import shared_parts
+from tests.helpers.dist import scaled_seconds, shared_parts
 from tests.integration import qlora_checks as checks
 
 
@@ -126,7 +126,7 @@ def test_recipe_runs_under_the_launcher(tmp_path: Path) -> None:
         "--output_dir",
         str(tmp_path / "out"),
     ]
-    env = {**os.environ, "ACCELERATE_ZERO_PG_TIMEOUT": "60"}
+    env = {**os.environ, "ACCELERATE_ZERO_PG_TIMEOUT": scaled_seconds(60)}
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=240, env=env, cwd=checks.REPO, check=False
     )

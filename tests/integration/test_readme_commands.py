@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helpers.dist import scaled_seconds
+
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "recipes/README.md")
@@ -119,7 +121,7 @@ def test_every_documented_command_has_a_short_form() -> None:
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO_", "ACCELERATE_USE_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["ACCELERATE_ZERO_PG_TIMEOUT"] = "60"
+    env["ACCELERATE_ZERO_PG_TIMEOUT"] = scaled_seconds(60)
     env["HF_HUB_OFFLINE"] = "1"
     return env
 

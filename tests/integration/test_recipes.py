@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from accelerate_zero.cli.main import main
+from tests.helpers.dist import scaled_seconds
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def _launch_env() -> Any:
     for name in list(os.environ):
         if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_USE_")):
             del os.environ[name]
-    os.environ["ACCELERATE_ZERO_PG_TIMEOUT"] = "60"
+    os.environ["ACCELERATE_ZERO_PG_TIMEOUT"] = scaled_seconds(60)
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     yield
     os.environ.clear()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import shared_parts
+from tests.helpers.dist import scaled_seconds, shared_parts
 from tests.integration import zero_accelerator_checks as checks
 
 
@@ -125,10 +125,11 @@ def test_bf16_is_the_engines_not_accelerates(ranks: Any) -> None:
 def test_recipe_runs_under_accelerate_zero_launch(monkeypatch: pytest.MonkeyPatch, capfd: Any) -> None:
     from accelerate_zero.cli.main import main
 
+    timeout = scaled_seconds(30)  # before the loop below clears ACCELERATE_ZERO_TEST_TIMEOUT_SCALE
     for name in list(os.environ):
         if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_USE_")):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", "30")
+    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", timeout)
     monkeypatch.chdir(REPO)
     config = str(REPO / "accelerate_configs" / "zero2.yaml")
     script = str(REPO / "recipes" / "accelerate_hello.py")
