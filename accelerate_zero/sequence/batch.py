@@ -48,7 +48,7 @@ def valid_tokens(shift_labels: torch.Tensor, group: DataParallelGroup, stats: Co
     """The group's count of tokens with a label (a tensor, for `num_items_in_batch`)."""
     count = (shift_labels != IGNORE_INDEX).sum().reshape(1).to(torch.float64)
     collectives.all_reduce(count, group, stats, kind="all_reduce_sequence")
-    return count[0]
+    return count[0].clamp(min=1)  # a batch with no label at all: a loss of 0, not 0 / 0
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -73,29 +73,38 @@ def sequence_parallel_loss(
     stats: CommStats | None = None,
     tile_tokens: int | None = None,
     activations_on_host: bool = False,
-) -> torch.Tensor:
-    """The whole sequence's mean token loss, on every rank of `group`, from this rank's `shard_sequence` slice
-    ([Note: the loss over a sequence-parallel group]). `tile_tokens`: the LM head and the loss run in tiles of
-    this many positions ([Note: tiling along the sequence] in sequence/tiling.py); None: the model's own loss.
-    `activations_on_host`: what autograd keeps for backward (with gradient checkpointing, each layer's input) waits
-    in host memory (torch's `save_on_cpu`, page-locked beside a GPU) and comes back for backward."""
+    return_outputs: bool = False,
+) -> Any:
+    """The whole sequence's mean token loss, on every rank of `group`, from this rank's slice (`shard_sequence`, or
+    a batch of `SequenceShardedLoader`: `shift_labels` and the model's inputs) ([Note: the loss over a
+    sequence-parallel group]). `tile_tokens`: the LM head and the loss run in tiles of this many positions ([Note:
+    tiling along the sequence] in sequence/tiling.py); None: the model's own loss. `activations_on_host`: what
+    autograd keeps for backward (with gradient checkpointing, each layer's input) waits in host memory (torch's
+    `save_on_cpu`, page-locked beside a GPU) and comes back for backward. `return_outputs`: (loss, the model's
+    outputs); the outputs are None when tiled."""
     if activations_on_host:
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            return sequence_parallel_loss(model, shard, group, stats, tile_tokens)
+            return sequence_parallel_loss(model, shard, group, stats, tile_tokens, return_outputs=return_outputs)
+    if not model.training:
+        raise RuntimeError(
+            "sequence_parallel_loss on a model that is not training: its Ulysses attention is off (whole sequences "
+            "per rank while evaluating); call model.train() first"
+        )
+    if "attention_mask" in shard:
+        raise ValueError(
+            "sequence_parallel_loss takes no attention_mask: each row is one causal sequence, padded at its end with "
+            "labels -100 (SequenceShardedLoader checks a mask and drops it)"
+        )
     stats = stats if stats is not None else CommStats()
-    count = valid_tokens(shard["shift_labels"], group, stats)
     labels = shard["shift_labels"]
+    inputs = {key: value for key, value in shard.items() if key not in ("shift_labels", "labels")}
+    count = valid_tokens(labels, group, stats)
+    outputs = None
     if tile_tokens is not None:
-        part = tiled_causal_lm_loss(
-            model, shard["input_ids"], labels, count, tile_tokens, position_ids=shard["position_ids"]
-        )
+        input_ids = inputs.pop("input_ids")
+        part = tiled_causal_lm_loss(model, input_ids, labels, count, tile_tokens, **inputs)
     else:
-        out = model(
-            input_ids=shard["input_ids"],
-            position_ids=shard["position_ids"],
-            labels=labels,
-            shift_labels=labels,
-            num_items_in_batch=count,
-        )
-        part = out.loss
-    return _SumOverGroup.apply(part, group, stats)
+        outputs = model(**inputs, labels=labels, shift_labels=labels, num_items_in_batch=count)
+        part = outputs.loss
+    loss = _SumOverGroup.apply(part, group, stats)
+    return (loss, outputs) if return_outputs else loss

@@ -13,10 +13,14 @@ rotation is the whole sequence's.
 
 The attention function is registered with transformers' `AttentionInterface` under a name bound to one group
 (`register_ulysses_attention`), and a model uses it by `model.set_attn_implementation(name)`: nothing of
-transformers is patched. No mask function is registered for that name, so transformers builds no mask; the
-sequence is taken as one causal sequence (padding only at its end, which attends to nothing before it that
-matters: its labels are -100). Masks, soft-capping and sliding windows shorter than the sequence are refused by
-name.
+transformers is patched. While the model trains, the sequence is taken as one causal sequence (padding only at its
+end, which attends to nothing before it that matters: its labels are -100). The mask transformers builds from a
+slice's own length means nothing then and is not read: padding masks never reach the model (the loader drops them
+after checking that padding is only at the end, and `sequence_parallel_loss` refuses them); soft-capping and sliding
+windows shorter than the sequence are refused by name. While it does not train (evaluation, generation) each rank holds
+whole sequences (sequence/loader.py passes them uncut) and the function is transformers' SDPA attention, with
+SDPA's mask function registered under the same name, as DeepSpeed's `disable_in_eval` does. Whatever cuts sequences
+(the loader, `sequence_parallel_loss`) checks that the model trains.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats
@@ -91,6 +96,8 @@ def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        if not module.training:  # whole sequences on every rank ([Note: Ulysses attention])
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         p, heads, kv_heads = group.world_size, query.shape[1], key.shape[1]
         length = query.shape[2] * p
         # A sliding window at least as long as the sequence cuts nothing (Mistral's default of 4096 below 4096 tokens).
@@ -98,8 +105,6 @@ def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
         unsupported = {"sliding_window": window} if window is not None and window < length else {}
         if kwargs.get("softcap") is not None:
             unsupported["softcap"] = kwargs["softcap"]
-        if attention_mask is not None:
-            unsupported["attention_mask"] = "a tensor"
         if unsupported:
             raise ValueError(
                 f"Ulysses sequence parallelism runs causal attention over one whole sequence of {length} tokens; got "
@@ -130,7 +135,9 @@ def register_ulysses_attention(group: DataParallelGroup, stats: CommStats | None
     """Registers Ulysses attention over `group` with transformers; returns the name to pass to
     `model.set_attn_implementation(name)`. The name is the group's: registering again replaces the function."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     name = f"accelerate_zero_ulysses_{group.world_size}_{id(group.group)}"
     AttentionInterface.register(name, ulysses_attention_for(group, stats if stats is not None else CommStats()))
+    AttentionMaskInterface.register(name, sdpa_mask)  # used while the model does not train
     return name

@@ -51,10 +51,20 @@ def test_sequence_parallel_size_from_accelerate() -> None:
         )
 
 
-def test_zero_accelerator_refuses_sequence_parallelism_it_cannot_feed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelerate_zero import ZeroAccelerator
+def test_sequence_handler_is_read_not_dropped() -> None:
+    """accelerate's `sp_handler`: a fixed `sp_seq_length` reaches the loader; an attention other than SDPA is refused
+    by name (ours runs SDPA over the whole sequence)."""
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
 
-    monkeypatch.setenv("WORLD_SIZE", "2")  # refused before any process group is made
+    from accelerate_zero.integrations.accelerate.sequence_parallel import sequence_handler_settings
 
-    with pytest.raises(NotImplementedError, match=r"sequence_parallel_size=2 .*do not shard sequences yet"):
-        ZeroAccelerator(parallelism_config=ParallelismConfig(dp_shard_size=1, sp_size=2), cpu=True)
+    def settings(**handler: object) -> dict:
+        handler_config = DeepSpeedSequenceParallelConfig(**handler)
+        return sequence_handler_settings(ParallelismConfig(sp_size=2, sp_handler=handler_config))
+
+    assert settings() == {"seq_length": None}
+    assert settings(sp_seq_length=512, sp_seq_length_is_variable=False) == {"seq_length": 512}
+    assert settings(sp_seq_length=512, sp_seq_length_is_variable=True) == {"seq_length": None}
+    assert settings(sp_attn_implementation="sdpa") == {"seq_length": None}
+    with pytest.raises(ValueError, match=r"sp_attn_implementation='flash_attention_2'.*set it to 'sdpa'"):
+        settings(sp_attn_implementation="flash_attention_2")

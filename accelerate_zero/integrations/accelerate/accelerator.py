@@ -53,12 +53,13 @@ from accelerate_zero.integrations.accelerate.prepared import (
     trained_by_backward,
 )
 from accelerate_zero.integrations.accelerate.preparing import build_prepared_model, models_to_train, plan_prepare
+from accelerate_zero.integrations.accelerate.sequence_parallel import SequenceParallelMixin, sequence_handler_settings
 
 
 logger = logging.getLogger(__name__)
 
 
-class ZeroAccelerator(Accelerator):
+class ZeroAccelerator(SequenceParallelMixin, Accelerator):
     """An `accelerate.Accelerator` that trains every prepared model with accelerate_zero's ZeRO engine (stages 0-3).
 
     Use it as `Accelerator`; run the script with `accelerate-zero launch` (or `torchrun`, or `python` for one
@@ -92,6 +93,7 @@ class ZeroAccelerator(Accelerator):
         # accelerate's dp_replicate_size x dp_shard_size is the engine's replicate x shard (parallelism.py)
         parallelism = accelerate_kwargs.pop("parallelism_config", None)
         self._layout_keys = zero_keys_from_parallelism(parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+        self._sequence_settings = sequence_handler_settings(parallelism)
         refuse_other_backends(accelerate_kwargs)
         mixed_precision = accelerate_kwargs.pop("mixed_precision", None)
         if mixed_precision is None:
@@ -117,13 +119,6 @@ class ZeroAccelerator(Accelerator):
         self.zero_plugin = zero_plugin
         config = config_with_precision(zero_plugin, self._zero_mixed_precision)
         self._base_config = with_zero_keys(config, self._layout_keys, "ParallelismConfig")
-        if self._base_config.sequence_parallel_size != 1:
-            # accelerate's data loaders would give each rank of a sequence-parallel group other samples
-            raise NotImplementedError(
-                f"sequence_parallel_size={self._base_config.sequence_parallel_size} (or ParallelismConfig sp_size): "
-                "ZeroAccelerator and the Trainer do not shard sequences yet; train with accelerate_zero.initialize "
-                "and accelerate_zero.sequence (README.md, 'Long sequences')"
-            )
 
     # ------------------------------------------------------------------ state
     @property
@@ -181,8 +176,11 @@ class ZeroAccelerator(Accelerator):
         if rest:
             prepared = super().prepare(*(args[i] for i in rest), device_placement=[placements[i] for i in rest])
             prepared = prepared if len(rest) > 1 else (prepared,)
+            trains = any(is_zero_wrapper(result[i]) for i in owned)
             for index, obj in zip(rest, prepared, strict=True):
-                result[index] = obj
+                # as accelerate with DeepSpeed's Ulysses: loaders prepared with a model to train are cut along sequences
+                is_loader = isinstance(args[index], torch.utils.data.DataLoader)
+                result[index] = self.sequence_parallel_loader(obj) if trains and is_loader else obj
         return tuple(result) if len(result) > 1 else result[0]
 
     def _prepare_zero_objects(self, args: tuple, result: list) -> set[int]:
@@ -221,6 +219,7 @@ class ZeroAccelerator(Accelerator):
             self.gradient_accumulation_steps = config.gradient_accumulation_steps
         entry = build_prepared_model(model, optimizer, scheduler, config, self.device)
         if entry.optimizer is not None:
+            self._attach_sequence_parallel(entry.model, entry.engine)
             self._optimizers.append(entry.optimizer)
             entry.optimizer._is_accelerate_prepared = True
         self._zero_models.append(entry)

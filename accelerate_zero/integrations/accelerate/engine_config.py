@@ -108,7 +108,8 @@ def engine_config(
     ga = config.gradient_accumulation_steps
     ga = accelerator.gradient_accumulation_steps if is_auto(ga) else ga
     if isinstance(micro, int) and isinstance(ga, int):
-        values["train_batch_size"] = micro * ga * accelerator.num_processes
+        # the ranks of a sequence-parallel group share their batches (DeepSpeed's rule, as accelerate writes it)
+        values["train_batch_size"] = micro * ga * accelerator.num_processes // config.sequence_parallel_size
     values.update(hidden_size_values(model, config))
     values.update(optimizer_values(optimizer, scheduler, accelerator))
     filled = config.fill_auto(values)

@@ -95,9 +95,13 @@ def fill_from_training_args(
     fill.config.setdefault("gradient_accumulation_steps", "auto")
     fill.fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", not auto_find_batch_size)
     fill.fill("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
+    # the ranks of a sequence-parallel group share their batches (the config's size, else ParallelismConfig's)
+    sequence = fill.config.get("sequence_parallel_size")
+    if not isinstance(sequence, int):
+        sequence = getattr(getattr(args, "parallelism_config", None), "sp_size", None) or 1
     fill.fill(
         "train_batch_size",
-        args.world_size * micro * accumulation,
+        args.world_size * micro * accumulation // sequence,
         "train_batch_size (calculated)",
         not auto_find_batch_size,
     )

@@ -109,6 +109,38 @@ class ZeroTrainerMixin:
         args.pop("parallelism_config", None)
         return args
 
+    # ------------------------------------------------------- sequence parallel
+    # [Note: the Trainer under sequence parallelism] transformers' Trainer does ALST only through accelerate's
+    # DeepSpeed backend (it reads `accelerator.parallelism_config`, which the ZeroAccelerator keeps out of accelerate).
+    # The same steps here: `get_sp_size` (transformers' batch and epoch arithmetic read it), the train loader cut
+    # along sequences, and the loss of the sequence-parallel group ([Note: the loss over a sequence-parallel group]);
+    # the Trainer divides it by the accumulation steps, as it does for DeepSpeed's.
+    def get_sp_size(self) -> int:
+        return self.accelerator.sequence_parallel_size if hasattr(self, "accelerator") else 1
+
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()  # type: ignore[misc]
+        if self.get_sp_size() > 1:
+            _refuse_other_losses(self)
+        return self.accelerator.sequence_parallel_loader(loader)
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, **kwargs: Any) -> Any:
+        if self.get_sp_size() > 1 and model.training:
+            return self.accelerator.sequence_parallel_loss(model, inputs, return_outputs=return_outputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)  # type: ignore[misc]
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
+        if self.get_sp_size() > 1 and steps_in_epoch > 0:
+            # transformers skips with accelerate's `skip_first_batches`, which would rebuild the loader uncut
+            raise ValueError(
+                f"resuming at step {self.state.global_step}, inside an epoch, with sequence_parallel_size="
+                f"{self.get_sp_size()}: the sequence-cut loader cannot be skipped into by the Trainer; pass "
+                "ignore_data_skip=True (the epoch restarts from its first batch), or resume from a checkpoint saved at "
+                "the end of an epoch"
+            )
+        return epochs_trained, steps_in_epoch
+
     @property
     def zero_engine(self) -> Any:
         """The engine training `self.model` (None before training starts)."""
@@ -279,6 +311,18 @@ class ZeroTrainerMixin:
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):
     """`transformers.Trainer` training with ZeRO; exported as `accelerate_zero.Trainer`. See `ZeroTrainerMixin`."""
+
+
+def _refuse_other_losses(trainer: Any) -> None:
+    """Sequence parallelism computes the group's token-mean loss itself; a loss the arguments ask for instead is
+    refused by name, not dropped."""
+    if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+        asked = "compute_loss_func" if trainer.compute_loss_func is not None else "label_smoothing_factor"
+        raise ValueError(
+            f"{asked} with sequence_parallel_size={trainer.get_sp_size()}: the loss is the token mean over the "
+            "sequence-parallel group (accelerate_zero.sequence.sequence_parallel_loss); remove it, or override "
+            "compute_loss with a loss over the group"
+        )
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:

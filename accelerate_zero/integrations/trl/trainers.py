@@ -91,6 +91,17 @@ class ZeroTRLMixin(ZeroTrainerMixin):
             yield
 
 
+def refuse_sequence_parallel(trainer: ZeroTrainerMixin, why: str) -> None:
+    """Ulysses cuts each sequence across ranks and trains on the token loss; trainers whose loss needs whole
+    sequences refuse it by name instead of training on the wrong loss."""
+    if trainer.get_sp_size() > 1:
+        raise ValueError(
+            f"{type(trainer).__name__} with sequence_parallel_size={trainer.get_sp_size()} (or ParallelismConfig "
+            f"sp_size): {why}, and sequence parallelism trains on the token loss of cut sequences; use "
+            "ZeroSFTTrainer or accelerate_zero.Trainer for long sequences, or sp_size 1 here"
+        )
+
+
 @dataclass
 class ZeroSFTConfig(ZeroArgumentsMixin, SFTConfig):
     """TRL's `SFTConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`)."""
@@ -107,6 +118,10 @@ class ZeroDPOConfig(ZeroArgumentsMixin, DPOConfig):
 
 class ZeroDPOTrainer(ZeroTRLMixin, DPOTrainer):
     """TRL's `DPOTrainer` on the ZeRO engine; the reference model stays sharded at stage 3 for the whole run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refuse_sequence_parallel(self, "DPO's loss compares whole sequences' log-probabilities")
 
 
 # What sleeps while GRPO generates: everything but the parameters, which the policy (or the vLLM sync before it)
@@ -138,6 +153,7 @@ class ZeroGRPOTrainer(ZeroTRLMixin, GRPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        refuse_sequence_parallel(self, "GRPO generates and scores whole completions")
         if getattr(self, "vllm_generation", None) is not None:
             use_zero_weight_sync(self.vllm_generation, self.accelerator, lambda: self.zero_engine)
 

@@ -1,0 +1,133 @@
+"""Ulysses sequence parallelism through `ZeroAccelerator` (and so the Trainer): what accelerate does for DeepSpeed's
+ALST when `ParallelismConfig(sp_backend="deepspeed", sp_size=p)` is given, done with accelerate_zero/sequence.
+
+* Each model prepared with an optimizer gets Ulysses attention over its engine's sequence group (registered with
+  transformers' `AttentionInterface`, `model.set_attn_implementation`), as accelerate's `UlyssesSPAttentionHF`
+  registration does; DeepSpeed's `disable_in_eval` behaviour is ours too ([Note: Ulysses attention]).
+* Data loaders passed to `prepare` together with a model to train become `SequenceShardedLoader`s ([Note: batches of
+  a sequence-parallel group]), as accelerate wraps them in `UlyssesSPDataLoaderAdapter`; one prepared apart goes
+  through `sequence_parallel_loader` (accelerate's `deepspeed_ulysses_dl_adapter` is the same).
+* The loss of a micro-batch is `sequence_parallel_loss` (or the user's own weighted all-gather over
+  `sequence_parallel_group`, as accelerate's docs show for DeepSpeed).
+
+accelerate's `sp_handler` (`DeepSpeedSequenceParallelConfig`) is read, not dropped: `sp_seq_length` with
+`sp_seq_length_is_variable=False` fixes every batch's length, and `sp_attn_implementation` may only name SDPA,
+the attention this engine runs over the whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import skip_first_batches as accelerate_skip_first_batches
+
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss
+from accelerate_zero.sequence.loader import SequenceShardedLoader
+
+
+SUPPORTED_CORE_ATTENTION = (None, "sdpa")
+
+
+def sequence_handler_settings(parallelism: Any) -> dict[str, Any]:
+    """What accelerate's `sp_handler` asks of the loader: {"seq_length": fixed length or None}.
+
+    Raises:
+        ValueError: `sp_attn_implementation` names an attention other than SDPA.
+    """
+    handler = getattr(parallelism, "sp_handler", None) if parallelism is not None else None
+    if handler is None or (getattr(parallelism, "sp_size", 1) or 1) <= 1:
+        return {"seq_length": None}
+    core = getattr(handler, "sp_attn_implementation", None)
+    if core not in SUPPORTED_CORE_ATTENTION:
+        raise ValueError(
+            f"sp_handler.sp_attn_implementation={core!r}: accelerate_zero's Ulysses attention runs torch's SDPA over "
+            "the whole sequence (its flash kernel on GPUs); set it to 'sdpa' or leave it unset"
+        )
+    variable = getattr(handler, "sp_seq_length_is_variable", True)
+    return {"seq_length": None if variable in (None, True) else getattr(handler, "sp_seq_length", None)}
+
+
+class SequenceParallelMixin:
+    """ZeroAccelerator's sequence-parallel part; it reads `self._base_config`, `self.zero_engines`,
+    `self._zero_models` and `self._sequence_settings`."""
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The ranks that share each sequence (`sequence_parallel_size`, or ParallelismConfig's `sp_size`)."""
+        return self._base_config.sequence_parallel_size
+
+    def _trained_engine(self) -> Any:
+        engines = [entry.engine for entry in self._zero_models if entry.optimizer is not None]
+        if not engines:
+            raise RuntimeError(
+                "the sequence-parallel group is the engine's: prepare the model with its optimizer before iterating "
+                "a sequence-parallel data loader or computing its loss"
+            )
+        return engines[0]
+
+    def _sequence_group(self) -> tuple[DataParallelGroup, CommStats]:
+        engine = self._trained_engine()
+        return engine.layout.sequence, engine.comm_stats_counter
+
+    @property
+    def sequence_parallel_group(self) -> Any:
+        """The torch process group of this rank's sequence-parallel group (for a loss of one's own, as accelerate's
+        docs do with DeepSpeed's `groups._get_sequence_parallel_group()`)."""
+        group = self._sequence_group()[0].group
+        return group if group is not None else torch.distributed.group.WORLD
+
+    def _attach_sequence_parallel(self, model: torch.nn.Module, engine: Any) -> None:
+        """Ulysses attention over `engine`'s sequence group for `model` (sequence_parallel_size > 1 only)."""
+        if engine.config.sequence_parallel_size <= 1:
+            return
+        if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+            raise ValueError(
+                f"sequence_parallel_size={engine.config.sequence_parallel_size}: Ulysses attention goes through "
+                f"transformers' attention interface; {type(model).__name__} is not a transformers model"
+            )
+        model.set_attn_implementation(register_ulysses_attention(engine.layout.sequence, engine.comm_stats_counter))
+
+    def sequence_parallel_loader(self, loader: Any) -> Any:
+        """`loader` giving each rank its slice of the group's batches while the model trains ([Note: batches of a
+        sequence-parallel group]); `loader` itself when sequence_parallel_size is 1 or it is wrapped already."""
+        if self.sequence_parallel_size <= 1 or isinstance(loader, SequenceShardedLoader):
+            return loader
+        return SequenceShardedLoader(
+            loader,
+            self.sequence_parallel_size,
+            self._sequence_group,
+            is_training=lambda: self._trained_engine().module.training,
+            seq_length=self._sequence_settings["seq_length"],
+        )
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any = None) -> Any:
+        """accelerate's name for `sequence_parallel_loader` (a loader prepared apart from its model)."""
+        return self.sequence_parallel_loader(dl)
+
+    def sequence_parallel_loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], return_outputs: bool = False, **kwargs: Any
+    ) -> Any:
+        """The group's mean token loss of `batch` (a `SequenceShardedLoader` micro-batch) on every rank
+        ([Note: the loss over a sequence-parallel group]); `kwargs`: `tile_tokens`, `activations_on_host`."""
+        group, stats = self._sequence_group()
+        return sequence_parallel_loss(model, batch, group, stats, return_outputs=return_outputs, **kwargs)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """accelerate's, and for a sequence-parallel loader: `num_batches` of its micro-batches skipped, whole
+        batches of the loader under it without reading them."""
+        if not isinstance(dataloader, SequenceShardedLoader):
+            return super().skip_first_batches(dataloader, num_batches)  # type: ignore[misc]
+        whole, rest = divmod(num_batches, dataloader.size)
+        inner = accelerate_skip_first_batches(dataloader.loader, whole) if whole else dataloader.loader
+        return SequenceShardedLoader(
+            inner,
+            dataloader.size,
+            dataloader.group_source,
+            dataloader.is_training,
+            dataloader.pad_token_id,
+            dataloader.seq_length,
+            skip=rest,
+        )

@@ -1,0 +1,248 @@
+"""Ulysses sequence parallelism the way users turn it on: a `ZeroAccelerator` loop (accelerate's
+`ParallelismConfig(sp_backend="deepspeed", sp_size=...)`, or the DeepSpeed config key `sequence_parallel_size`),
+the transformers Trainer with `TrainingArguments(parallelism_config=...)`, and TRL's SFT trainer.
+
+Each rank's loader gives it its own padded batches of different lengths (right padding, labels -100 at pads,
+`attention_mask`). The run records every batch the loader under the wrapper gave each rank; the reference trains
+one process on them: each optimizer step averages the token-mean loss of every batch of that step (what DeepSpeed's
+ALST and transformers' `deepspeed_sp_compute_loss` train on). ZeRO-3 over all ranks, gradient accumulation p (each
+optimizer step is one batch per rank), SGD, fp32: weights and losses equal the reference to 1e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import tiny_llama_config
+
+
+VOCAB, MICRO, STEPS, LR = 64, 2, 2, 0.5
+TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "assets" / "tiny-llama"
+
+
+def _model() -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB))
+
+
+def _samples(count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    lengths = torch.randint(6, 14, (count,), generator=generator).tolist()
+    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=generator)} for n in lengths]
+
+
+class RecordingCollator:
+    """Pads at the end (token 0, label -100, mask 0) and keeps a copy of every batch it made (in this process)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(len(row["input_ids"]) for row in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row["input_ids"])], mask[i, : len(row["input_ids"])] = row["input_ids"], 1
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        self.seen.append({k: v.clone() for k, v in batch.items()})
+        return batch
+
+
+def _config(sp: int, in_config: bool) -> dict[str, Any]:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": sp,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    return {**config, "sequence_parallel_size": sp} if in_config else config
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    import accelerate_zero
+
+    with accelerate_zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool) -> dict[str, Any]:
+    from accelerate import ParallelismConfig
+
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+    from tests.helpers.dist import plain_torchrun_environment
+
+    plain_torchrun_environment()
+    kwargs = {} if in_config else {"parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=sp)}
+    accelerator = ZeroAccelerator(ZeroPlugin(config=_config(sp, in_config)), gradient_accumulation_steps=sp, **kwargs)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    collator = RecordingCollator()
+    loader = torch.utils.data.DataLoader(_samples(MICRO * world_size * STEPS), batch_size=MICRO, collate_fn=collator)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    losses, lengths = [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = accelerator.sequence_parallel_loss(model, batch)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+        lengths.append(batch["input_ids"].shape[1])
+    model.eval()
+    with torch.no_grad():  # evaluation: whole sequences per rank, plain attention
+        probe = collator([{"input_ids": torch.arange(1, 12)}])
+        eval_logits = model(input_ids=probe["input_ids"]).logits
+    engine = accelerator.zero_engines[0]
+    return {
+        "seen": collator.seen[:-1],
+        "losses": losses,
+        "lengths": lengths,
+        "len": len(loader),
+        "params": _gathered(model),
+        "eval_logits": eval_logits,
+        "traffic": sorted(engine.comm_stats()),
+        "steps": engine.global_steps,
+    }
+
+
+def _reference(seen_by_rank: list[list[dict[str, torch.Tensor]]], steps: int) -> dict[str, Any]:
+    """One process: step k averages the token-mean losses of batch k of every rank."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for k in range(steps):
+        batches = [seen[k] for seen in seen_by_rank]
+        step_losses = [model(**batch).loss for batch in batches]
+        torch.stack(step_losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append([loss.item() for loss in step_losses])
+    probe = torch.arange(1, 12)[None]
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe).logits
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses, "logits": logits}
+
+
+def _group_losses(result: dict[str, Any], sp: int) -> list[list[float]]:
+    """The run's losses by optimizer step, micro-step i being group rank i's batch."""
+    return [result["losses"][k * sp : (k + 1) * sp] for k in range(len(result["losses"]) // sp)]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "sp", "in_config"),
+    [pytest.param(2, 2, False, id="sp2-parallelism_config"), pytest.param(4, 2, True, id="sp2xdp2-config_key")],
+)
+def test_zero_accelerator_loop_matches_one_process(world_size: int, sp: int, in_config: bool) -> None:
+    results = run_distributed(_accelerator_loop, world_size, sp, in_config)
+    seen = [result["seen"] for result in results]
+    reference = _reference(seen, STEPS)
+    for rank, result in enumerate(results):
+        assert result["len"] == STEPS * sp, "each batch of the loader under it gives sp micro-batches"
+        assert result["steps"] == STEPS
+        assert "all_to_all_sequence_batch" in result["traffic"] and "all_to_all_sequence" in result["traffic"]
+        group = rank - rank % sp
+        # micro-step i of a step is group rank i's batch; its loss is that whole batch's, on every rank of the group
+        for k in range(STEPS):
+            expected = [reference["losses"][k][group + i] for i in range(sp)]
+            assert _group_losses(result, sp)[k] == pytest.approx(expected, abs=1e-5), (rank, k)
+        owner = [seen[group + i % sp][i // sp]["input_ids"].shape[1] for i in range(STEPS * sp)]
+        assert result["lengths"] == [-(-n // sp) for n in owner], "each rank holds 1/sp of the padded sequence"
+        error = max((result["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
+        assert error <= 1e-5, (rank, error)
+        assert (result["eval_logits"] - reference["logits"]).abs().max().item() <= 1e-5, "eval runs whole sequences"
+
+
+# ---------------------------------------------------------------------------------------------------- the Trainer
+def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dict[str, Any]:
+    from accelerate import ParallelismConfig
+
+    from accelerate_zero import Trainer, TrainingArguments
+    from accelerate_zero.integrations.trl import ZeroSFTConfig, ZeroSFTTrainer
+    from tests.helpers.dist import plain_torchrun_environment
+
+    plain_torchrun_environment()
+    model, collator = _model(), RecordingCollator()
+    kwargs = {
+        "output_dir": folder,
+        "per_device_train_batch_size": MICRO,
+        "gradient_accumulation_steps": sp,
+        "max_steps": STEPS,
+        "learning_rate": LR,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": 0.0,
+        "train_sampling_strategy": "sequential",
+        "report_to": [],
+        "use_cpu": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=sp),
+        "zero_config": {**_config(sp, False), **dict.fromkeys(("train_micro_batch_size_per_gpu",), "auto")},
+    }
+    data = _samples(MICRO * world_size * STEPS)
+    if trl:
+        from datasets import Dataset
+        from transformers import AutoTokenizer
+
+        args = ZeroSFTConfig(**kwargs, bf16=False, max_length=None)  # TRL defaults to bf16
+        dataset = Dataset.from_list([{"input_ids": row["input_ids"].tolist()} for row in data])  # tokenized already
+        trainer = ZeroSFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=_ListCollator(collator),
+            processing_class=AutoTokenizer.from_pretrained(TOKENIZER),
+        )
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=data, data_collator=collator)
+    trainer.train()
+    refused = None
+    if not trl:  # a loss the arguments ask for besides the group's token mean is refused by name, not dropped
+        smoothing = Trainer(
+            model=_model(), args=TrainingArguments(**kwargs, label_smoothing_factor=0.1), train_dataset=data
+        )
+        try:
+            smoothing.get_train_dataloader()
+        except ValueError as error:
+            refused = str(error)
+    return {
+        "refused": refused,
+        "seen": collator.seen,
+        "params": _gathered(model),
+        "sp": trainer.get_sp_size(),
+        "batch": trainer.zero_engine.config.train_batch_size,
+    }
+
+
+class _ListCollator:
+    """TRL's datasets give lists of token ids: tensors for `RecordingCollator`."""
+
+    def __init__(self, inner: RecordingCollator) -> None:
+        self.inner = inner
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return self.inner([{"input_ids": torch.tensor(row["input_ids"])} for row in rows])
+
+
+@pytest.mark.parametrize("trl", [pytest.param(False, id="Trainer"), pytest.param(True, id="SFTTrainer")])
+def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool) -> None:
+    world_size, sp = 2, 2
+    results = run_distributed(_trainer, world_size, sp, str(tmp_path), trl)
+    reference = _reference([result["seen"] for result in results], STEPS)
+    for result in results:
+        if not trl:
+            assert "label_smoothing_factor with sequence_parallel_size=2" in result["refused"]
+        assert result["sp"] == sp and result["batch"] == MICRO * sp * world_size // sp
+        error = max((result["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
+        assert error <= 1e-5, error
