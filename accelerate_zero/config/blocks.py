@@ -305,6 +305,26 @@ class CheckpointConfig(Block):
     """{"pipeline_stage": bool}: DeepSpeed's pipeline-parallel checkpoint writing."""
 
 
+@dataclass(kw_only=True)
+class SequenceTilingConfig(Block):
+    """`sequence_tiling` (ours; DeepSpeed's ALST tiles through its Python API): what `ZeroAccelerator` and the
+    Trainer run in tiles along the sequence ([Note: tiling along the sequence] in sequence/tiling.py), with or
+    without Ulysses (`sequence_parallel_size`)."""
+
+    _PATH: ClassVar[str] = "sequence_tiling"
+
+    logits_tile_tokens: int | None = _f(None, ge=1)
+    """The LM head and the loss run on this many positions at a time; None: the model's own loss, whole."""
+    mlp_tile_tokens: int | None = _f(None, ge=1)
+    """Each decoder layer's MLP runs on this many positions at a time; None: whole."""
+    activations_on_host: bool = False
+    """What autograd keeps for backward waits in host memory (torch's `save_on_cpu`)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.logits_tile_tokens is not None or self.mlp_tile_tokens is not None or self.activations_on_host
+
+
 # [Note: fp32 gradients under mixed precision]
 # Under bf16 (or fp16) the engine accumulates gradients across micro-steps and ranks in fp32 unless the user sets
 # `data_types.grad_accum_dtype`. bf16 keeps 8 bits of mantissa: summing 4 micro-steps or 8 ranks in bf16 rounds

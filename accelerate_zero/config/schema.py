@@ -60,6 +60,7 @@ from accelerate_zero.config.blocks import (
     OffloadParamConfig,
     OptimizerConfig,
     SchedulerConfig,
+    SequenceTilingConfig,
     ZeroOptimizationConfig,
     _f,
     default_overlap_comm,
@@ -80,6 +81,7 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "CheckpointConfig",
+    "SequenceTilingConfig",
     "DataTypesConfig",
     "FP16Config",
     "LeafModuleConfig",
@@ -122,6 +124,9 @@ class ZeroConfig(Block):
     sequence_parallel_size: int = _f(1, ge=1)
     """Ulysses sequence parallelism (DeepSpeed's key): groups of this many consecutive ranks share each sequence
     (accelerate_zero/sequence); the batch rule counts world size / this many data-parallel ranks."""
+    sequence_tiling: SequenceTilingConfig = _f(factory=SequenceTilingConfig)
+    """MLP, logits and loss in tiles along the sequence, activations on the host (ours: `ZeroAccelerator`, the
+    Trainer)."""
     steps_per_print: int | None = _f(None, ge=1, inf_is_none=True)
     """Log every this many steps; None (or inf, as accelerate writes) never."""
     wall_clock_breakdown: bool = False

@@ -72,7 +72,7 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool) -> dict[str, Any]:
+def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool, tiling: dict | None) -> dict[str, Any]:
     from accelerate import ParallelismConfig
 
     from accelerate_zero import ZeroAccelerator
@@ -81,17 +81,19 @@ def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool) -> d
 
     plain_torchrun_environment()
     kwargs = {} if in_config else {"parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=sp)}
-    accelerator = ZeroAccelerator(ZeroPlugin(config=_config(sp, in_config)), gradient_accumulation_steps=sp, **kwargs)
+    config = {**_config(sp, in_config), **({"sequence_tiling": tiling} if tiling else {})}
+    accelerator = ZeroAccelerator(ZeroPlugin(config=config), gradient_accumulation_steps=sp, **kwargs)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     collator = RecordingCollator()
     loader = torch.utils.data.DataLoader(_samples(MICRO * world_size * STEPS), batch_size=MICRO, collate_fn=collator)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
-    losses, lengths = [], []
+    losses, lengths, whole_logits = [], [], []
     for batch in loader:
         with accelerator.accumulate(model):
-            loss = accelerator.sequence_parallel_loss(model, batch)
+            loss, outputs = accelerator.sequence_parallel_loss(model, batch, return_outputs=True)
+            whole_logits.append(outputs is not None)  # None: the LM head and the loss ran in tiles
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -111,6 +113,8 @@ def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool) -> d
         "eval_logits": eval_logits,
         "traffic": sorted(engine.comm_stats()),
         "steps": engine.global_steps,
+        "whole_logits": whole_logits,
+        "tiled_mlp": "forward" in vars(model.model.layers[0].mlp),
     }
 
 
@@ -138,18 +142,30 @@ def _group_losses(result: dict[str, Any], sp: int) -> list[list[float]]:
     return [result["losses"][k * sp : (k + 1) * sp] for k in range(len(result["losses"]) // sp)]
 
 
+TILED = {"logits_tile_tokens": 3, "mlp_tile_tokens": 2, "activations_on_host": True}
+
+
 @pytest.mark.parametrize(
-    ("world_size", "sp", "in_config"),
-    [pytest.param(2, 2, False, id="sp2-parallelism_config"), pytest.param(4, 2, True, id="sp2xdp2-config_key")],
+    ("world_size", "sp", "in_config", "tiling"),
+    [
+        pytest.param(2, 2, False, None, id="sp2-parallelism_config"),
+        pytest.param(4, 2, True, TILED, id="sp2xdp2-config_key-tiled"),
+        pytest.param(2, 1, True, TILED, id="sp1-tiled"),
+    ],
 )
-def test_zero_accelerator_loop_matches_one_process(world_size: int, sp: int, in_config: bool) -> None:
-    results = run_distributed(_accelerator_loop, world_size, sp, in_config)
+def test_zero_accelerator_loop_matches_one_process(
+    world_size: int, sp: int, in_config: bool, tiling: dict | None
+) -> None:
+    results = run_distributed(_accelerator_loop, world_size, sp, in_config, tiling)
     seen = [result["seen"] for result in results]
     reference = _reference(seen, STEPS)
     for rank, result in enumerate(results):
         assert result["len"] == STEPS * sp, "each batch of the loader under it gives sp micro-batches"
         assert result["steps"] == STEPS
-        assert "all_to_all_sequence_batch" in result["traffic"] and "all_to_all_sequence" in result["traffic"]
+        if sp > 1:
+            assert "all_to_all_sequence_batch" in result["traffic"] and "all_to_all_sequence" in result["traffic"]
+        assert result["whole_logits"] == [tiling is None] * len(result["losses"])
+        assert result["tiled_mlp"] == (tiling is not None)
         group = rank - rank % sp
         # micro-step i of a step is group rank i's batch; its loss is that whole batch's, on every rank of the group
         for k in range(STEPS):

@@ -99,10 +99,14 @@ def test_trl_trainers_whose_loss_needs_whole_sequences_refuse_sequence_paralleli
     from accelerate_zero.integrations.trl.trainers import ZeroDPOTrainer, ZeroGRPOTrainer, refuse_sequence_parallel
 
     class OneRankPerSequence:
+        accelerator = type("Accelerator", (), {"cuts_sequences": False})()
+
         def get_sp_size(self) -> int:
             return 1
 
-    class TwoRanksPerSequence(OneRankPerSequence):
+    class TwoRanksPerSequence:
+        accelerator = type("Accelerator", (), {"cuts_sequences": True})()
+
         def get_sp_size(self) -> int:
             return 2
 

@@ -24,7 +24,7 @@ from accelerate import skip_first_batches as accelerate_skip_first_batches
 
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss
+from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss, tile_mlp
 from accelerate_zero.sequence.loader import SequenceShardedLoader
 
 
@@ -59,6 +59,12 @@ class SequenceParallelMixin:
         """The ranks that share each sequence (`sequence_parallel_size`, or ParallelismConfig's `sp_size`)."""
         return self._base_config.sequence_parallel_size
 
+    @property
+    def cuts_sequences(self) -> bool:
+        """Whether training batches take the sequence path: Ulysses (`sequence_parallel_size` > 1) or the config's
+        `sequence_tiling`; then loaders prepared with the model are cut and the loss is `sequence_parallel_loss`."""
+        return self.sequence_parallel_size > 1 or self._base_config.sequence_tiling.enabled
+
     def _trained_engine(self) -> Any:
         engines = [entry.engine for entry in self._zero_models if entry.optimizer is not None]
         if not engines:
@@ -70,17 +76,24 @@ class SequenceParallelMixin:
 
     def _sequence_group(self) -> tuple[DataParallelGroup, CommStats]:
         engine = self._trained_engine()
-        return engine.layout.sequence, engine.comm_stats_counter
+        # tiling without Ulysses: each rank is its own group (a one-rank group makes no collective)
+        group = engine.layout.sequence if engine.layout.sequence is not None else DataParallelGroup(None, 0, 1)
+        return group, engine.comm_stats_counter
 
     @property
     def sequence_parallel_group(self) -> Any:
         """The torch process group of this rank's sequence-parallel group (for a loss of one's own, as accelerate's
         docs do with DeepSpeed's `groups._get_sequence_parallel_group()`)."""
+        if self.sequence_parallel_size <= 1:
+            raise RuntimeError("sequence_parallel_size is 1: no rank shares this rank's sequences")
         group = self._sequence_group()[0].group
         return group if group is not None else torch.distributed.group.WORLD
 
     def _attach_sequence_parallel(self, model: torch.nn.Module, engine: Any) -> None:
-        """Ulysses attention over `engine`'s sequence group for `model` (sequence_parallel_size > 1 only)."""
+        """Ulysses attention over `engine`'s sequence group for `model` (sequence_parallel_size > 1), and the
+        config's tiled MLPs (`sequence_tiling.mlp_tile_tokens`)."""
+        if engine.config.sequence_tiling.mlp_tile_tokens is not None:
+            tile_mlp(model, engine.config.sequence_tiling.mlp_tile_tokens)
         if engine.config.sequence_parallel_size <= 1:
             return
         if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
@@ -92,8 +105,9 @@ class SequenceParallelMixin:
 
     def sequence_parallel_loader(self, loader: Any) -> Any:
         """`loader` giving each rank its slice of the group's batches while the model trains ([Note: batches of a
-        sequence-parallel group]); `loader` itself when sequence_parallel_size is 1 or it is wrapped already."""
-        if self.sequence_parallel_size <= 1 or isinstance(loader, SequenceShardedLoader):
+        sequence-parallel group]); `loader` itself without the sequence path (`cuts_sequences`) or wrapped already.
+        With sequence_parallel_size 1 each batch passes as one piece, its labels shifted and its mask checked."""
+        if not self.cuts_sequences or isinstance(loader, SequenceShardedLoader):
             return loader
         return SequenceShardedLoader(
             loader,
@@ -111,8 +125,15 @@ class SequenceParallelMixin:
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], return_outputs: bool = False, **kwargs: Any
     ) -> Any:
         """The group's mean token loss of `batch` (a `SequenceShardedLoader` micro-batch) on every rank
-        ([Note: the loss over a sequence-parallel group]); `kwargs`: `tile_tokens`, `activations_on_host`."""
+        ([Note: the loss over a sequence-parallel group]); `kwargs` (`tile_tokens`, `activations_on_host`) override
+        the config's `sequence_tiling`."""
         group, stats = self._sequence_group()
+        tiling = self._trained_engine().config.sequence_tiling
+        kwargs = {
+            "tile_tokens": tiling.logits_tile_tokens,
+            "activations_on_host": tiling.activations_on_host,
+            **kwargs,
+        }
         return sequence_parallel_loss(model, batch, group, stats, return_outputs=return_outputs, **kwargs)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:

@@ -120,18 +120,18 @@ class ZeroTrainerMixin:
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()  # type: ignore[misc]
-        if self.get_sp_size() > 1:
+        if self.accelerator.cuts_sequences:
             _refuse_other_losses(self)
         return self.accelerator.sequence_parallel_loader(loader)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, **kwargs: Any) -> Any:
-        if self.get_sp_size() > 1 and model.training:
+        if self.accelerator.cuts_sequences and model.training:
             return self.accelerator.sequence_parallel_loss(model, inputs, return_outputs=return_outputs)
         return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)  # type: ignore[misc]
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
-        if self.get_sp_size() > 1 and steps_in_epoch > 0:
+        if self.accelerator.cuts_sequences and steps_in_epoch > 0:
             # transformers skips with accelerate's `skip_first_batches`, which would rebuild the loader uncut
             raise ValueError(
                 f"resuming at step {self.state.global_step}, inside an epoch, with sequence_parallel_size="
@@ -319,9 +319,9 @@ def _refuse_other_losses(trainer: Any) -> None:
     if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
         asked = "compute_loss_func" if trainer.compute_loss_func is not None else "label_smoothing_factor"
         raise ValueError(
-            f"{asked} with sequence_parallel_size={trainer.get_sp_size()}: the loss is the token mean over the "
-            "sequence-parallel group (accelerate_zero.sequence.sequence_parallel_loss); remove it, or override "
-            "compute_loss with a loss over the group"
+            f"{asked} with sequence_parallel_size={trainer.get_sp_size()} or sequence_tiling: the loss is the token "
+            "mean over the sequence-parallel group (accelerate_zero.sequence.sequence_parallel_loss); remove it, or "
+            "override compute_loss with a loss over the group"
         )
 
 

@@ -94,11 +94,11 @@ class ZeroTRLMixin(ZeroTrainerMixin):
 def refuse_sequence_parallel(trainer: ZeroTrainerMixin, why: str) -> None:
     """Ulysses cuts each sequence across ranks and trains on the token loss; trainers whose loss needs whole
     sequences refuse it by name instead of training on the wrong loss."""
-    if trainer.get_sp_size() > 1:
+    if trainer.accelerator.cuts_sequences:
         raise ValueError(
             f"{type(trainer).__name__} with sequence_parallel_size={trainer.get_sp_size()} (or ParallelismConfig "
-            f"sp_size): {why}, and sequence parallelism trains on the token loss of cut sequences; use "
-            "ZeroSFTTrainer or accelerate_zero.Trainer for long sequences, or sp_size 1 here"
+            f"sp_size) or sequence_tiling: {why}, and the sequence path trains on the token loss of cut sequences; "
+            "use ZeroSFTTrainer or accelerate_zero.Trainer for long sequences, or neither setting here"
         )
 
 
