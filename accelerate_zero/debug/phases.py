@@ -14,10 +14,11 @@ gather schedule), phase by phase, with `held` = parameters + master weights + op
 - optimizer step: held + the gradients;
 - between steps: held.
 Measured against bench/user_load.py and bench/phase_peaks.py (a 66.9M Llama, 4 ranks, fp32 AdamW, 1 x 64 tokens,
-anonymous RSS): 19 of the 20 cells (5 phases x stages 0-3) within 10% of the measured peak (0.93-1.00 of it); the
-stage-3 backward with DeepSpeed's defaults is 10.8% above, where the bound counts the activations and the largest
-unit's gradient beside every gathered unit (tests/unit/test_estimate_phases.py keeps both). Offloaded kinds are not
-on the device and count 0, as in the estimate.
+anonymous RSS): the 20 cells (5 phases x stages 0-3) within 10% of the measured peak (0.93-1.05 of it;
+tests/unit/test_estimate_phases.py keeps them). The stage-3 backward is measured with the gradient arena counted
+from its allocation, as a device allocator counts it (`--arena_whole`, [Note: resident pages against allocated
+bytes] in bench/user_load.py): 1.049 of it, against 1.108 of RSS alone, whose untouched arena pages are not resident
+at the start of backward. Offloaded kinds are not on the device and count 0, as in the estimate.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`accelerate-zero estimate`'s peak per phase ([Note: the peak of each phase] in accelerate_zero/debug/phases.py):
 each phase adds up the kinds the engine holds then, and on the benchmark workload (bench/README.md, "user_load.py"
 and "Stages 0-2 against DDP, ZeroRedundancyOptimizer and DeepSpeed": a 66.9M Llama, 4 ranks, fp32 AdamW, 1 x 64
-tokens) the estimate stays within 10% of the peaks measured there, but for the one cell the note names."""
+tokens) the estimate stays within 10% of the peaks measured there."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ MEASURED_MB = {
     0: {"init": 270.0, "forward": 860.2, "backward": 1149.1, "optimizer_step": 1081.8, "between_steps": 814.4},
     1: {"init": 270.0, "forward": 458.6, "backward": 790.8, "optimizer_step": 714.1, "between_steps": 413.1},
     2: {"init": 270.0, "forward": 459.2, "backward": 798.0, "optimizer_step": 480.4, "between_steps": 413.5},
-    3: {"init": 69.6, "forward": 526.4, "backward": 584.4, "optimizer_step": 281.5, "between_steps": 214.7},
+    # the stage-3 backward with `--arena_whole`: the gradient arena counted from its allocation, as on a device
+    # ([Note: resident pages against allocated bytes] in bench/user_load.py); 584.5 by RSS alone
+    3: {"init": 69.6, "forward": 526.4, "backward": 617.0, "optimizer_step": 281.5, "between_steps": 214.7},
 }
 BENCH_LLAMA = {**LLAMA_13B, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 10}
 BENCH_LLAMA.update(num_attention_heads=8, num_key_value_heads=8)
@@ -55,8 +57,7 @@ def test_the_phases_track_the_measured_peaks(capsys: pytest.CaptureFixture[str],
     for row in report["estimates"]:
         for phase, measured in MEASURED_MB[row["stage"]].items():
             ratios[(row["stage"], phase)] = row["phases"][phase] / (measured * 1e6)
-    known = {(3, "backward")}  # an upper bound there: everything that can coexist at the start of backward
     off = {cell: round(r, 3) for cell, r in ratios.items() if not math.isclose(r, 1.0, abs_tol=0.1)}
-    assert set(off) <= known, off
-    assert 1.0 <= ratios[(3, "backward")] <= 1.12, ratios[(3, "backward")]
+    assert not off, off
+    assert 1.0 <= ratios[(3, "backward")] <= 1.1, "an upper bound there: all that can coexist at backward's start"
     print(json.dumps({f"{s}-{p}": round(r, 3) for (s, p), r in ratios.items()}))
