@@ -221,6 +221,7 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
             processing_class=AutoTokenizer.from_pretrained(TOKENIZER),
         )
     else:
+        model.eval()  # as `from_pretrained` gives it: the Trainer reads batches before `training_step` trains it
         trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=data, data_collator=collator)
     trainer.train()
     refused = None

@@ -103,17 +103,22 @@ class SequenceParallelMixin:
             )
         model.set_attn_implementation(register_ulysses_attention(engine.layout.sequence, engine.comm_stats_counter))
 
-    def sequence_parallel_loader(self, loader: Any) -> Any:
-        """`loader` giving each rank its slice of the group's batches while the model trains ([Note: batches of a
-        sequence-parallel group]); `loader` itself without the sequence path (`cuts_sequences`) or wrapped already.
-        With sequence_parallel_size 1 each batch passes as one piece, its labels shifted and its mask checked."""
+    def sequence_parallel_loader(self, loader: Any, only_while_training: bool = True) -> Any:
+        """`loader` giving each rank its slice of the group's batches ([Note: batches of a sequence-parallel group]);
+        `loader` itself without the sequence path (`cuts_sequences`) or wrapped already. With sequence_parallel_size
+        1 each batch passes as one piece, its labels shifted and its mask checked.
+
+        Args:
+            only_while_training: batches pass whole while the model does not train (a loader that may feed an
+                evaluation, as those `prepare` wraps may); False: always cut (a training loader read before the
+                loop calls `model.train()`, as the Trainer's is)."""
         if not self.cuts_sequences or isinstance(loader, SequenceShardedLoader):
             return loader
         return SequenceShardedLoader(
             loader,
             self.sequence_parallel_size,
             self._sequence_group,
-            is_training=lambda: self._trained_engine().module.training,
+            is_training=(lambda: self._trained_engine().module.training) if only_while_training else None,
             seq_length=self._sequence_settings["seq_length"],
         )
 

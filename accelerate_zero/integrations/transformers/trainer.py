@@ -122,7 +122,9 @@ class ZeroTrainerMixin:
         loader = super().get_train_dataloader()  # type: ignore[misc]
         if self.accelerator.cuts_sequences:
             _refuse_other_losses(self)
-        return self.accelerator.sequence_parallel_loader(loader)
+        # always cut: the Trainer reads a step's batches before `training_step` calls `model.train()`, and a model
+        # from `from_pretrained` or just evaluated is in eval mode then
+        return self.accelerator.sequence_parallel_loader(loader, only_while_training=False)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, **kwargs: Any) -> Any:
         if self.accelerator.cuts_sequences and model.training:
