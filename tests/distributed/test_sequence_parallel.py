@@ -28,6 +28,8 @@ def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "mistral":  # its default sliding window (4096) is longer than the sequence: it cuts nothing
         return MistralForCausalLM(tiny_mistral_config())
+    if kind == "llama_untied":  # the LM head a unit of its own, as in the long-context bench
+        return LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False))
     return LlamaForCausalLM(tiny_llama_config()) if kind == "llama" else Qwen2ForCausalLM(tiny_qwen2_config())
 
 
@@ -72,16 +74,25 @@ def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[d
         )
         engine.backward(loss)
         engine.step()
+        reduced = engine.comm_stats().get("reduce_scatter", {}).get("payload_bytes", 0.0)
         losses = torch.tensor([loss.item()])
         torch.distributed.all_reduce(losses)  # the data-parallel mean, as the reference's whole-batch loss
         with accelerate_zero.GatheredParameters(list(model.parameters())):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out.append({"loss": losses.item() / world_size, "params": params, "local": shard["input_ids"].shape[1]})
+        local = shard["input_ids"].shape[1]
+        out.append({"loss": losses.item() / world_size, "params": params, "local": local, "reduced": reduced})
     return out
 
 
 CASES = {  # (model, sp, sequence length, tile of the tiled MLP, logits and loss: None untiled)
-    2: [("llama", 2, 13, None), ("qwen2", 2, 9, None), ("llama", 2, 13, 3), ("mistral", 2, 12, None)],
+    2: [
+        ("llama", 2, 13, None),
+        ("qwen2", 2, 9, None),
+        ("llama", 2, 13, 3),
+        ("mistral", 2, 12, None),
+        ("llama_untied", 2, 13, None),
+        ("llama_untied", 2, 13, 3),
+    ],
     # sp 4: 2 key/value heads < 4 ranks; sp 2 x dp 2
     4: [("llama", 4, 13, None), ("qwen2", 4, 10, 2), ("llama", 2, 11, None), ("qwen2", 2, 11, 4)],
 }
@@ -97,3 +108,6 @@ def test_ulysses_matches_whole_sequences(world_size: int) -> None:
         assert first["loss"] == pytest.approx(reference["loss"], abs=1e-5), (kind, sp, length)
         error = max((first["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
         assert error <= 1e-5, (kind, sp, length, error)
+    if world_size == 2:  # the last two cases: untiled and tiled ([Note: one head call for every tile])
+        untiled, tiled = results[0][-2]["reduced"], results[0][-1]["reduced"]
+        assert untiled > 0 and tiled == untiled, "each gradient, the LM head's too, is reduced once per step"

@@ -39,6 +39,30 @@ def test_tiles_give_the_whole_sequence_loss_and_gradients(tile: int) -> None:
     assert max((p.grad - reference[n]).abs().max().item() for n, p in model.named_parameters()) < 1e-6
 
 
+@pytest.mark.parametrize("head", ["tied", "untied", "with_bias"])
+def test_a_linear_head_runs_once_for_all_tiles_and_others_per_tile(head: str) -> None:
+    """[Note: one head call for every tile]: a linear head without bias (tied or not) is called once in forward and
+    gives the same loss and gradients as the whole sequence; a head with a bias runs per tile, as before."""
+    model = _llama(tie_word_embeddings=head == "tied")
+    if head == "with_bias":
+        torch.manual_seed(3)
+        model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    tokens = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(4))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    expected = model(input_ids=tokens, labels=tokens).loss.item()
+    model.zero_grad()
+    calls = []
+    model.lm_head.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    shift = _shift(tokens)
+    loss = tiled_causal_lm_loss(model, tokens, shift, (shift != -100).sum(), 5)
+    loss.backward()
+    assert len(calls) == (1 if head != "with_bias" else 2 * 5), "one call, or a call per tile and its recomputation"
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert max((p.grad - reference[n]).abs().max().item() for n, p in model.named_parameters()) < 1e-6
+    assert model(input_ids=tokens).logits.shape == (2, 23, 64), "called without a loss, the head gives logits"
+
+
 def _saved_bytes(run: object) -> int:
     """Bytes of the tensors autograd keeps for backward while `run()` builds the graph (each storage once)."""
     seen: dict[int, int] = {}
