@@ -118,7 +118,9 @@ def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool, tili
     }
 
 
-def _reference(seen_by_rank: list[list[dict[str, torch.Tensor]]], steps: int) -> dict[str, Any]:
+def _reference(
+    seen_by_rank: list[list[dict[str, torch.Tensor]]], steps: int, eval_sample: dict | None = None
+) -> dict[str, Any]:
     """One process: step k averages the token-mean losses of batch k of every rank."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -134,7 +136,9 @@ def _reference(seen_by_rank: list[list[dict[str, torch.Tensor]]], steps: int) ->
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=probe).logits
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses, "logits": logits}
+        eval_loss = model(**RecordingCollator()([eval_sample])).loss.item() if eval_sample is not None else None
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "losses": losses, "logits": logits, "eval_loss": eval_loss}
 
 
 def _group_losses(result: dict[str, Any], sp: int) -> list[list[float]]:
@@ -192,7 +196,7 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
         "output_dir": folder,
         "per_device_train_batch_size": MICRO,
         "gradient_accumulation_steps": sp,
-        "max_steps": STEPS,
+        "num_train_epochs": 1,  # the Trainer counts an epoch's steps from the cut loader's length
         "learning_rate": LR,
         "optim": "sgd",
         "lr_scheduler_type": "constant",
@@ -224,6 +228,9 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
         model.eval()  # as `from_pretrained` gives it: the Trainer reads batches before `training_step` trains it
         trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=data, data_collator=collator)
     trainer.train()
+    # evaluation runs whole sequences on every rank (not cut, not divided by sp): one sample repeated, so its loss
+    # is the mean whatever the split
+    evaluated = trainer.evaluate(dataset.select([0] * 4) if trl else [data[0]] * 4)["eval_loss"]
     refused = None
     if not trl:  # a loss the arguments ask for besides the group's token mean is refused by name, not dropped
         smoothing = Trainer(
@@ -237,7 +244,10 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
         "refused": refused,
         "seen": collator.seen,
         "params": _gathered(model),
-        "sp": trainer.get_sp_size(),
+        "sp": trainer.accelerator.sequence_parallel_size,
+        "global_step": trainer.state.global_step,
+        "epoch": trainer.state.epoch,
+        "eval_loss": evaluated,
         "batch": trainer.zero_engine.config.train_batch_size,
     }
 
@@ -256,10 +266,12 @@ class _ListCollator:
 def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool) -> None:
     world_size, sp = 2, 2
     results = run_distributed(_trainer, world_size, sp, str(tmp_path), trl)
-    reference = _reference([result["seen"] for result in results], STEPS)
+    reference = _reference([result["seen"] for result in results], STEPS, _samples(MICRO * world_size * STEPS)[0])
     for result in results:
         if not trl:
             assert "label_smoothing_factor with sequence_parallel_size=2" in result["refused"]
         assert result["sp"] == sp and result["batch"] == MICRO * sp * world_size // sp
+        assert result["global_step"] == STEPS and result["epoch"] == pytest.approx(1.0)
+        assert result["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
         error = max((result["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
         assert error <= 1e-5, error

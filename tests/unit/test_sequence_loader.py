@@ -99,16 +99,10 @@ def test_trl_trainers_whose_loss_needs_whole_sequences_refuse_sequence_paralleli
     from accelerate_zero.integrations.trl.trainers import ZeroDPOTrainer, ZeroGRPOTrainer, refuse_sequence_parallel
 
     class OneRankPerSequence:
-        accelerator = type("Accelerator", (), {"cuts_sequences": False})()
-
-        def get_sp_size(self) -> int:
-            return 1
+        accelerator = type("Accelerator", (), {"cuts_sequences": False, "sequence_parallel_size": 1})()
 
     class TwoRanksPerSequence:
-        accelerator = type("Accelerator", (), {"cuts_sequences": True})()
-
-        def get_sp_size(self) -> int:
-            return 2
+        accelerator = type("Accelerator", (), {"cuts_sequences": True, "sequence_parallel_size": 2})()
 
     refuse_sequence_parallel(OneRankPerSequence(), "why")
     with pytest.raises(ValueError, match=r"TwoRanksPerSequence with sequence_parallel_size=2 .*: DPO needs"):

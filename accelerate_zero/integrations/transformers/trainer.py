@@ -112,11 +112,14 @@ class ZeroTrainerMixin:
     # ------------------------------------------------------- sequence parallel
     # [Note: the Trainer under sequence parallelism] transformers' Trainer does ALST only through accelerate's
     # DeepSpeed backend (it reads `accelerator.parallelism_config`, which the ZeroAccelerator keeps out of accelerate).
-    # The same steps here: `get_sp_size` (transformers' batch and epoch arithmetic read it), the train loader cut
-    # along sequences, and the loss of the sequence-parallel group ([Note: the loss over a sequence-parallel group]);
-    # the Trainer divides it by the accumulation steps, as it does for DeepSpeed's.
-    def get_sp_size(self) -> int:
-        return self.accelerator.sequence_parallel_size if hasattr(self, "accelerator") else 1
+    # The same steps here: the total batch counts world size / sp ranks, the train loader is cut along sequences,
+    # and the loss is the sequence-parallel group's ([Note: the loss over a sequence-parallel group]);
+    # the Trainer divides it by the accumulation steps, as it does for DeepSpeed's. `get_sp_size` is left at 1:
+    # transformers reads it where a DeepSpeed-adapted loader would not be counted yet (our loader's length counts its
+    # micro-batches already) and to divide evaluation's token count (our evaluation batches are not cut).
+    def get_total_train_batch_size(self, args: Any) -> int:
+        total = super().get_total_train_batch_size(args)  # type: ignore[misc]
+        return total // self.accelerator.sequence_parallel_size  # a group's ranks share their batches
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()  # type: ignore[misc]
@@ -137,7 +140,7 @@ class ZeroTrainerMixin:
             # transformers skips with accelerate's `skip_first_batches`, which would rebuild the loader uncut
             raise ValueError(
                 f"resuming at step {self.state.global_step}, inside an epoch, with sequence_parallel_size="
-                f"{self.get_sp_size()}: the sequence-cut loader cannot be skipped into by the Trainer; pass "
+                f"{self.accelerator.sequence_parallel_size} (or sequence_tiling): the sequence-cut loader cannot be skipped into by the Trainer; pass "
                 "ignore_data_skip=True (the epoch restarts from its first batch), or resume from a checkpoint saved at "
                 "the end of an epoch"
             )
@@ -321,7 +324,7 @@ def _refuse_other_losses(trainer: Any) -> None:
     if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
         asked = "compute_loss_func" if trainer.compute_loss_func is not None else "label_smoothing_factor"
         raise ValueError(
-            f"{asked} with sequence_parallel_size={trainer.get_sp_size()} or sequence_tiling: the loss is the token "
+            f"{asked} with sequence_parallel_size={trainer.accelerator.sequence_parallel_size} or sequence_tiling: the loss is the token "
             "mean over the sequence-parallel group (accelerate_zero.sequence.sequence_parallel_loss); remove it, or "
             "override compute_loss with a loss over the group"
         )

@@ -96,7 +96,8 @@ def refuse_sequence_parallel(trainer: ZeroTrainerMixin, why: str) -> None:
     sequences refuse it by name instead of training on the wrong loss."""
     if trainer.accelerator.cuts_sequences:
         raise ValueError(
-            f"{type(trainer).__name__} with sequence_parallel_size={trainer.get_sp_size()} (or ParallelismConfig "
+            f"{type(trainer).__name__} with sequence_parallel_size={trainer.accelerator.sequence_parallel_size} (or "
+            "ParallelismConfig "
             f"sp_size) or sequence_tiling: {why}, and the sequence path trains on the token loss of cut sequences; "
             "use ZeroSFTTrainer or accelerate_zero.Trainer for long sequences, or neither setting here"
         )
