@@ -77,16 +77,15 @@ def _tile_loss(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor
 
 # [Note: one head call for every tile]
 # Called once per tile, the LM head is a new sub-module call each time: under ZeRO-3 its unit is gathered per tile
-# in forward and again per tile in backward's recomputation, and each tile's backward hands the engine a full-size
-# gradient of the head, reduced on its own (a late gradient, [Note: a gradient that arrives after its bucket was
-# reduced] in engine/buckets.py): with several reductions in flight that was about 300 MB at vocabulary 32K and
+# in forward and again per tile in backward's recomputation, and each tile's backward hands the engine another
+# full-size gradient of the head. Tiled runs started about 300 MB higher than untiled ones at vocabulary 32K and
 # hidden 256 (bench/README.md, "long_context.py"). A linear head without bias is instead called once, with a
 # forward of its own instance (as `tile_mlp` gives the MLPs; nothing of transformers is patched) that runs the
 # tiles inside one autograd function: forward sums the tiles' losses without keeping their logits; backward,
 # where the engine's hook on the loss has gathered the head again, recomputes each tile's logits, writes its rows
 # of the hidden states' gradient, and adds its part of the weight's gradient into one float32 buffer, handed to
-# autograd once: one gather per pass and one reduction per step, as DeepSpeed's ALST defers the head's reduction
-# to the last tile.
+# autograd once: one gather per pass and one gradient per micro-step, as DeepSpeed's ALST defers the head's
+# reduction to the last tile. The tiled longest sequences doubled (bench/README.md).
 class _TiledLossRequest:
     """What the fused head computes instead of logits (a plain object: the engine's input cast leaves it as is)."""
 
