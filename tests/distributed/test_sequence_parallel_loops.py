@@ -189,27 +189,22 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
     from accelerate_zero import Trainer, TrainingArguments
     from accelerate_zero.integrations.trl import ZeroSFTConfig, ZeroSFTTrainer
     from tests.helpers.dist import plain_torchrun_environment
+    from tests.integration import trainer_checks as checks
 
     plain_torchrun_environment()
     model, collator = _model(), RecordingCollator()
-    kwargs = {
-        "output_dir": folder,
-        "per_device_train_batch_size": MICRO,
-        "gradient_accumulation_steps": sp,
-        "num_train_epochs": 1,  # the Trainer counts an epoch's steps from the cut loader's length
-        "learning_rate": LR,
-        "optim": "sgd",
-        "lr_scheduler_type": "constant",
-        "max_grad_norm": 0.0,
-        "train_sampling_strategy": "sequential",
-        "report_to": [],
-        "use_cpu": True,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=sp),
-        "zero_config": {**_config(sp, False), **dict.fromkeys(("train_micro_batch_size_per_gpu",), "auto")},
-    }
+    kwargs = checks.args_kwargs(
+        folder,
+        MICRO,
+        gradient_accumulation_steps=sp,
+        max_steps=-1,
+        num_train_epochs=1,  # the Trainer counts an epoch's steps from the cut loader's length
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=sp),
+        zero_config={**_config(sp, False), "train_micro_batch_size_per_gpu": "auto"},
+    )
     data = _samples(MICRO * world_size * STEPS)
     if trl:
         from datasets import Dataset
