@@ -226,25 +226,50 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
     # evaluation runs whole sequences on every rank (not cut, not divided by sp): one sample repeated, so its loss
     # is the mean whatever the split
     evaluated = trainer.evaluate(dataset.select([0] * 4) if trl else [data[0]] * 4)["eval_loss"]
-    refused = None
-    if not trl:  # a loss the arguments ask for besides the group's token mean is refused by name, not dropped
-        smoothing = Trainer(
-            model=_model(), args=TrainingArguments(**kwargs, label_smoothing_factor=0.1), train_dataset=data
-        )
-        try:
-            smoothing.get_train_dataloader()
-        except ValueError as error:
-            refused = str(error)
+    params = _gathered(model)
+    refused = {}
+    if not trl:
+        refused = _refusals(kwargs, data, collator, folder)
     return {
         "refused": refused,
         "seen": collator.seen,
-        "params": _gathered(model),
+        "params": params,
         "sp": trainer.accelerator.sequence_parallel_size,
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         "eval_loss": evaluated,
         "batch": trainer.zero_engine.config.train_batch_size,
     }
+
+
+def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, folder: str) -> dict[str, str]:
+    """What the Trainer refuses by name under sequence parallelism instead of doing it wrong: a loss other than the
+    group's token mean, and a resume inside an epoch (its loader cannot be skipped into); with ignore_data_skip
+    that resume trains."""
+    from accelerate_zero import Trainer, TrainingArguments
+
+    def error_of(run: Any) -> str:
+        try:
+            run()
+        except ValueError as error:
+            return str(error)
+        return "nothing raised"
+
+    out = {}
+    smoothing = Trainer(
+        model=_model(), args=TrainingArguments(**kwargs, label_smoothing_factor=0.1), train_dataset=data
+    )
+    out["smoothing"] = error_of(smoothing.get_train_dataloader)
+    saving = {**kwargs, "output_dir": f"{folder}/resume", "max_steps": 1, "save_strategy": "steps", "save_steps": 1}
+    Trainer(model=_model(), args=TrainingArguments(**saving), train_dataset=data, data_collator=collator).train()
+    checkpoint = f"{folder}/resume/checkpoint-1"  # one step of an epoch of two
+    resumed = Trainer(model=_model(), args=TrainingArguments(**kwargs), train_dataset=data, data_collator=collator)
+    out["resume"] = error_of(lambda: resumed.train(resume_from_checkpoint=checkpoint))
+    skipping = {**kwargs, "ignore_data_skip": True}
+    resumed = Trainer(model=_model(), args=TrainingArguments(**skipping), train_dataset=data, data_collator=collator)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    out["ignore_data_skip"] = f"global_step {resumed.state.global_step}"
+    return out
 
 
 class _ListCollator:
@@ -264,7 +289,10 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
     reference = _reference([result["seen"] for result in results], STEPS, _samples(MICRO * world_size * STEPS)[0])
     for result in results:
         if not trl:
-            assert "label_smoothing_factor with sequence_parallel_size=2" in result["refused"]
+            refused = result["refused"]
+            assert "label_smoothing_factor with sequence_parallel_size=2" in refused["smoothing"]
+            assert "resuming at step 1, inside an epoch, with sequence_parallel_size=2" in refused["resume"]
+            assert refused["ignore_data_skip"] == f"global_step {STEPS}", "the resumed run trains to the epoch's end"
         assert result["sp"] == sp and result["batch"] == MICRO * sp * world_size // sp
         assert result["global_step"] == STEPS and result["epoch"] == pytest.approx(1.0)
         assert result["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
