@@ -11,6 +11,7 @@ optimizer step is one batch per rank), SGD, fp32: weights and losses equal the r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool, tiling: dict | None) -> dict[str, Any]:
+def _accelerator_loop(rank: int, world_size: int, sp: int, how: str, tiling: dict | None) -> dict[str, Any]:
     from accelerate import ParallelismConfig
 
     from accelerate_zero import ZeroAccelerator
@@ -80,9 +81,17 @@ def _accelerator_loop(rank: int, world_size: int, sp: int, in_config: bool, tili
     from tests.helpers.dist import plain_torchrun_environment
 
     plain_torchrun_environment()
-    kwargs = {} if in_config else {"parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=sp)}
-    config = {**_config(sp, in_config), **({"sequence_tiling": tiling} if tiling else {})}
-    accelerator = ZeroAccelerator(ZeroPlugin(config=config), gradient_accumulation_steps=sp, **kwargs)
+    kwargs = {"parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=sp)} if how == "argument" else {}
+    launch = {"PARALLELISM_CONFIG_SP_SIZE": str(sp), "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+    if how == "launch":  # what an accelerate config's `parallelism_config` block exports to the ranks
+        os.environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", **launch)
+    config = {**_config(sp, how == "config_key"), **({"sequence_tiling": tiling} if tiling else {})}
+    try:
+        accelerator = ZeroAccelerator(ZeroPlugin(config=config), gradient_accumulation_steps=sp, **kwargs)
+    finally:  # the ranks run other tests next: accelerate's `ParallelismConfig()` reads these variables
+        plain_torchrun_environment()
+        for name in launch:
+            os.environ.pop(name, None)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     collator = RecordingCollator()
@@ -150,17 +159,16 @@ TILED = {"logits_tile_tokens": 3, "mlp_tile_tokens": 2, "activations_on_host": T
 
 
 @pytest.mark.parametrize(
-    ("world_size", "sp", "in_config", "tiling"),
+    ("world_size", "sp", "how", "tiling"),
     [
-        pytest.param(2, 2, False, None, id="sp2-parallelism_config"),
-        pytest.param(4, 2, True, TILED, id="sp2xdp2-config_key-tiled"),
-        pytest.param(2, 1, True, TILED, id="sp1-tiled"),
+        pytest.param(2, 2, "argument", None, id="sp2-parallelism_config"),
+        pytest.param(4, 2, "config_key", TILED, id="sp2xdp2-config_key-tiled"),
+        pytest.param(2, 1, "config_key", TILED, id="sp1-tiled"),
+        pytest.param(2, 2, "launch", None, id="sp2-launch_environment"),
     ],
 )
-def test_zero_accelerator_loop_matches_one_process(
-    world_size: int, sp: int, in_config: bool, tiling: dict | None
-) -> None:
-    results = run_distributed(_accelerator_loop, world_size, sp, in_config, tiling)
+def test_zero_accelerator_loop_matches_one_process(world_size: int, sp: int, how: str, tiling: dict | None) -> None:
+    results = run_distributed(_accelerator_loop, world_size, sp, how, tiling)
     seen = [result["seen"] for result in results]
     reference = _reference(seen, STEPS)
     for rank, result in enumerate(results):

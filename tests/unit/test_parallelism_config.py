@@ -68,3 +68,22 @@ def test_sequence_handler_is_read_not_dropped() -> None:
     assert settings(sp_attn_implementation="sdpa") == {"seq_length": None}
     with pytest.raises(ValueError, match=r"sp_attn_implementation='flash_attention_2'.*set it to 'sdpa'"):
         settings(sp_attn_implementation="flash_attention_2")
+
+
+def test_an_accelerate_launch_with_a_parallelism_block_is_adopted(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """[Note: adopting accelerate's parallelism launch]: `TrainingArguments` takes the sizes the launch exported and
+    switches accelerate's own reading off, so the Trainer's accelerators neither refuse them nor drop them."""
+    import os
+
+    from accelerate_zero import TrainingArguments
+    from accelerate_zero.integrations.accelerate import parallelism
+
+    monkeypatch.setenv(parallelism.USE_PARALLELISM_ENV, "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    monkeypatch.delenv(parallelism.ADOPTED_PARALLELISM_ENV, raising=False)
+    args = TrainingArguments(output_dir=str(tmp_path), zero_config={"zero_optimization": {"stage": 3}}, report_to=[])
+    assert args.parallelism_config.sp_size == 2
+    assert os.environ[parallelism.USE_PARALLELISM_ENV] == "false", "accelerate must not build its own from it"
+    assert parallelism.parallelism_from_launch().sp_size == 2, "the process's later accelerators get it too"
+    monkeypatch.setenv(parallelism.ADOPTED_PARALLELISM_ENV, "false")
+    assert parallelism.parallelism_from_launch() is None

@@ -43,7 +43,11 @@ from accelerate_zero.integrations.accelerate.accelerate_setup import (
     with_process_group_setup,
 )
 from accelerate_zero.integrations.accelerate.engine_config import check_objects, config_with_precision, engine_config
-from accelerate_zero.integrations.accelerate.parallelism import with_zero_keys, zero_keys_from_parallelism
+from accelerate_zero.integrations.accelerate.parallelism import (
+    parallelism_from_launch,
+    with_zero_keys,
+    zero_keys_from_parallelism,
+)
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import (
     PreparedModel,
@@ -91,7 +95,7 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
 
     def __init__(self, zero_plugin: ZeroPlugin | None = None, **accelerate_kwargs: Any) -> None:
         # accelerate's dp_replicate_size x dp_shard_size is the engine's replicate x shard (parallelism.py)
-        parallelism = accelerate_kwargs.pop("parallelism_config", None)
+        parallelism = accelerate_kwargs.pop("parallelism_config", None) or parallelism_from_launch()
         self._layout_keys = zero_keys_from_parallelism(parallelism, int(os.environ.get("WORLD_SIZE", "1")))
         self._sequence_settings = sequence_handler_settings(parallelism)
         refuse_other_backends(accelerate_kwargs)

@@ -10,10 +10,35 @@ provide: asked for, they are refused by name instead of being dropped.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
 SEQUENCE_BACKENDS = ("deepspeed", "accelerate_zero")
+USE_PARALLELISM_ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"
+ADOPTED_PARALLELISM_ENV = "ACCELERATE_ZERO_PARALLELISM_FROM_LAUNCH"
+
+
+# [Note: adopting accelerate's parallelism launch] An accelerate config with a `parallelism_config` block (DeepSpeed's
+# ALST recipe: `parallelism_config_sp_size: 2`, `parallelism_config_sp_backend: deepspeed`), launched by
+# `accelerate launch` or `accelerate-zero launch`, reaches the ranks as `ACCELERATE_USE_PARALLELISM_CONFIG=true` and
+# `PARALLELISM_CONFIG_*` variables, from which `Accelerator()` builds a `ParallelismConfig` of its own: on the CPU it
+# then refuses to start (MULTI_CPU), and on GPUs it would build FSDP2's meshes the engine never reads, training
+# without the sizes asked for. The first ZeroAccelerator or `TrainingArguments` of the process switches that flag off
+# in this process (as [Note: adopting accelerate's DeepSpeed launch] does for DeepSpeed) and marks the process as
+# launched so; each of them then builds the config with accelerate's class (it reads the variables) and maps it onto
+# the engine's layout like a `parallelism_config=` argument.
+def parallelism_from_launch() -> Any:
+    """The `ParallelismConfig` the launch environment asks for, or None ([Note: adopting accelerate's parallelism
+    launch]); accelerate itself no longer builds one from the environment afterwards."""
+    if os.environ.get(USE_PARALLELISM_ENV, "false").lower() == "true":
+        os.environ[ADOPTED_PARALLELISM_ENV] = "true"
+        os.environ[USE_PARALLELISM_ENV] = "false"
+    if os.environ.get(ADOPTED_PARALLELISM_ENV) != "true":
+        return None
+    from accelerate import ParallelismConfig
+
+    return ParallelismConfig()
 
 
 def zero_keys_from_parallelism(parallelism: Any, world_size: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from accelerate_zero.config.schema import is_auto
 from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.deepspeed_env import adopt_accelerate_deepspeed_launch
 from accelerate_zero.integrations.accelerate.launch_config import CONFIG_ENV, read_deepspeed_config, same_value
+from accelerate_zero.integrations.accelerate.parallelism import parallelism_from_launch
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.rank_env import read_defaulted, read_launcher_precision
 from accelerate_zero.integrations.transformers.auto_values import AutoFill, fill_from_training_args
@@ -47,6 +48,8 @@ class ZeroArgumentsMixin:
 
     def __post_init__(self) -> None:
         adopt_accelerate_deepspeed_launch()  # before transformers builds a DeepSpeedPlugin from the environment
+        if getattr(self, "parallelism_config", None) is None:  # before the Trainer's Accelerator reads the environment
+            self.parallelism_config = parallelism_from_launch()
         self._take_deepspeed_argument()
         if isinstance(self.zero_config, ZeroConfig):
             self.zero_config = self.zero_config.to_dict()  # arguments are serialised to JSON (logging, hub)
