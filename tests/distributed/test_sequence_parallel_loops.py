@@ -108,13 +108,19 @@ def _accelerator_loop(rank: int, world_size: int, sp: int, how: str, tiling: dic
             optimizer.zero_grad()
         losses.append(loss.item())
         lengths.append(batch["input_ids"].shape[1])
+    seen = list(collator.seen)
+    # a resumed loop skips micro-batches: whole batches of the loader under it unread, then pieces of the next
+    whole = [piece["input_ids"] for piece in loader]
+    skip = len(whole) - 1  # at sp 2: one batch of the loader under it, and one piece of the next
+    skipped = [piece["input_ids"] for piece in accelerator.skip_first_batches(loader, skip)]
     model.eval()
     with torch.no_grad():  # evaluation: whole sequences per rank, plain attention
         probe = collator([{"input_ids": torch.arange(1, 12)}])
         eval_logits = model(input_ids=probe["input_ids"]).logits
     engine = accelerator.zero_engines[0]
     return {
-        "seen": collator.seen[:-1],
+        "seen": seen,
+        "skips_right": len(skipped) == 1 and torch.equal(skipped[0], whole[-1]),
         "losses": losses,
         "lengths": lengths,
         "len": len(loader),
@@ -174,6 +180,7 @@ def test_zero_accelerator_loop_matches_one_process(world_size: int, sp: int, how
     for rank, result in enumerate(results):
         assert result["len"] == STEPS * sp, "each batch of the loader under it gives sp micro-batches"
         assert result["steps"] == STEPS
+        assert result["skips_right"], "accelerator.skip_first_batches: the last piece after the others are skipped"
         if sp > 1:
             assert "all_to_all_sequence_batch" in result["traffic"] and "all_to_all_sequence" in result["traffic"]
         assert result["whole_logits"] == [tiling is None] * len(result["losses"])
