@@ -33,12 +33,20 @@ from accelerate_zero.engine.groups import DataParallelGroup
 
 
 IGNORE_INDEX = -100
+PACKING_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+"""The keys of a padding-free batch (TRL's collator, transformers' `DataCollatorWithFlattening`)."""
 GroupSource = Callable[[], tuple[DataParallelGroup, CommStats]]
 
 
 def whole_rows(batch: dict[str, Any], p: int, pad_token_id: int = 0, seq_length: int | None = None) -> dict:
     """`batch` made one causal sequence per row and padded to a multiple of `p`: `input_ids`, `position_ids`,
     `shift_labels` and the other `[batch, sequence, ...]` tensors ([Note: batches of a sequence-parallel group])."""
+    packed = sorted(PACKING_KEYS & set(batch))
+    if packed:  # TRL's padding-free collator (packing=True, padding_free=True) marks packed rows so
+        raise ValueError(
+            f"a packed batch ({packed}: several sequences per row): Ulysses attention here runs one causal sequence "
+            "per row; set packing=False and padding_free=False (TRL), padding each sample at its end"
+        )
     for key, value in batch.items():
         if not torch.is_tensor(value) or value.dim() < 2:
             raise ValueError(

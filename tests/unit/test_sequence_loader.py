@@ -40,6 +40,7 @@ def test_rows_are_shifted_on_the_whole_row_padded_to_the_group_and_lose_the_mask
         (lambda b: b.update(source="wiki"), r"'source' is str"),
         (lambda b: b.update(pixel_values=torch.ones(2)), r"'pixel_values' is a tensor of shape \(2,\)"),
         (lambda b: b.update(token_type_ids=torch.ones(2, 4)), r"'token_type_ids' has shape \(2, 4\)"),
+        (lambda b: b.update(cu_seq_lens_q=torch.tensor([0, 3, 5])), r"a packed batch .*set packing=False"),
     ],
 )
 def test_batches_ulysses_cannot_train_on_are_refused_by_name(change, message: str) -> None:
