@@ -13,8 +13,14 @@ nothing). The group's ranks thus iterate p times per batch of the loader under i
 member), so the engine's batch rule counts world size / p ranks. When the model is not training, batches pass
 whole: attention is then plain (evaluation and generation see whole sequences on each rank).
 
-Refused by name, before any exchange: a batch without labels, packed rows (position ids that do not count
-0, 1, 2, ...), left padding or holes in `attention_mask` (only padding at the end can be dropped), a padded
+A row may hold several sequences (packing, padding-free collators): its position ids restart at 0 for each; they
+are kept, and each piece of such a batch carries the sequences' bounds over the whole row (`ulysses_sequences`)
+for the attention ([Note: packed rows under Ulysses] in sequence/ulysses.py). A padding-free collator's own
+boundary keys (`cu_seq_lens_*`, `max_length_*`, `seq_idx`) are derived from the positions and would be wrong once
+cut: they are dropped.
+
+Refused by name, before any exchange: a batch without labels, position ids that do not count 0, 1, 2, ... within
+each sequence, left padding or holes in `attention_mask` (only padding at the end can be dropped), a padded
 position whose label is not -100, values that are not `[batch, sequence, ...]` tensors, and a length other than
 the one fixed by accelerate's `sp_seq_length` when `sp_seq_length_is_variable` is False.
 """
@@ -34,19 +40,15 @@ from accelerate_zero.engine.groups import DataParallelGroup
 
 IGNORE_INDEX = -100
 PACKING_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
-"""The keys of a padding-free batch (TRL's collator, transformers' `DataCollatorWithFlattening`)."""
+"""A padding-free batch's boundary keys (TRL's collator, transformers' `DataCollatorWithFlattening`)."""
 GroupSource = Callable[[], tuple[DataParallelGroup, CommStats]]
 
 
 def whole_rows(batch: dict[str, Any], p: int, pad_token_id: int = 0, seq_length: int | None = None) -> dict:
     """`batch` made one causal sequence per row and padded to a multiple of `p`: `input_ids`, `position_ids`,
     `shift_labels` and the other `[batch, sequence, ...]` tensors ([Note: batches of a sequence-parallel group])."""
-    packed = sorted(PACKING_KEYS & set(batch))
-    if packed:  # TRL's padding-free collator (packing=True, padding_free=True) marks packed rows so
-        raise ValueError(
-            f"a packed batch ({packed}: several sequences per row): Ulysses attention here runs one causal sequence "
-            "per row; set packing=False and padding_free=False (TRL), padding each sample at its end"
-        )
+    # a padding-free collator's boundaries, derived from position_ids, would be wrong once cut: made again from them
+    batch = {key: value for key, value in batch.items() if key not in PACKING_KEYS}
     for key, value in batch.items():
         if not torch.is_tensor(value) or value.dim() < 2:
             raise ValueError(
@@ -78,11 +80,13 @@ def whole_rows(batch: dict[str, Any], p: int, pad_token_id: int = 0, seq_length:
         raise ValueError(
             f"Ulysses sequence parallelism trains on 'labels' (or 'shift_labels'); the batch has {sorted(batch)}"
         )
-    expected = torch.arange(length, device=input_ids.device).expand(rows, length)
-    if "position_ids" in out and not torch.equal(out["position_ids"], expected):
+    positions = out.pop("position_ids", None)
+    if positions is None:
+        positions = torch.arange(length, device=input_ids.device).expand(rows, length)
+    elif not _counts_per_sequence(positions):
         raise ValueError(
-            "position_ids that do not count 0, 1, 2, ... along each row (packed sequences): Ulysses attention here "
-            "runs one causal sequence per row; give one sample per row (padding at its end)"
+            "position_ids that do not count 0, 1, 2, ... within each sequence of a row (a row may hold several "
+            "sequences, each starting at 0): give the positions of each sample, as padding-free collators do"
         )
     mask = out.pop("attention_mask", None)
     if mask is not None:
@@ -103,9 +107,31 @@ def whole_rows(batch: dict[str, Any], p: int, pad_token_id: int = 0, seq_length:
     padded = -(-length // p) * p
     out["shift_labels"] = _pad(shift, padded, IGNORE_INDEX)
     out["input_ids"] = _pad(input_ids, padded, pad_token_id)
-    out["position_ids"] = torch.arange(padded, device=input_ids.device).expand(rows, padded).contiguous()
+    # the padding joins the row's last sequence: after every real token, it changes none of them
+    tail = positions[:, -1:] + torch.arange(1, padded - length + 1, device=positions.device)
+    out["position_ids"] = torch.cat([positions, tail], dim=1)
     for key in [k for k in out if k not in ("input_ids", "shift_labels", "position_ids")]:
         out[key] = _pad(out[key], padded, 0)
+    return out
+
+
+def _counts_per_sequence(positions: torch.Tensor) -> bool:
+    """Each row starts at 0, and each position is 0 (a new sequence) or the one before plus 1."""
+    steps = positions[:, 1:] - positions[:, :-1]
+    return bool((positions[:, 0] == 0).all() and ((steps == 1) | (positions[:, 1:] == 0)).all())
+
+
+def sequences_of(positions: torch.Tensor) -> list[list[tuple[int, int]]] | None:
+    """Per row, the [start, end) of each sequence of a packed row (position ids restarting at 0); None when every row
+    is one sequence (the attention's fast path)."""
+    starts = positions == 0
+    if not bool(starts[:, 1:].any()):
+        return None
+    length = positions.shape[1]
+    out = []
+    for row in starts.tolist():
+        begins = [i for i, start in enumerate(row) if start]
+        out.append(list(zip(begins, begins[1:] + [length], strict=True)))
     return out
 
 
@@ -143,7 +169,7 @@ def cut_for_group(
             "the ranks of a sequence-parallel group gave batches with other keys, dtypes or shapes; this rank's: "
             f"{ {k: (str(v.dtype), tuple(v.shape)) for k, v in rows.items()} }"
         )
-    pieces: list[dict[str, torch.Tensor]] = [{} for _ in range(p)]
+    pieces: list[dict[str, Any]] = [{} for _ in range(p)]
     slice_len = rows["input_ids"].shape[1] // p
     for key in sorted(rows):
         value = rows[key]
@@ -158,7 +184,31 @@ def cut_for_group(
         for r, (b, s, _) in enumerate(shapes):
             numel = b * (s // p) * int(torch.Size(trailing).numel())
             pieces[r][key] = received[r, :numel].reshape(b, s // p, *trailing)
+    _add_sequences(pieces, rows["position_ids"], shapes, group, stats)
     return pieces
+
+
+def _add_sequences(
+    pieces: list[dict[str, Any]], positions: torch.Tensor, shapes: list, group: DataParallelGroup, stats: CommStats
+) -> None:
+    """Gives each piece of a packed batch `ulysses_sequences` (`sequences_of` its whole rows), which reaches the
+    attention through the model's keyword arguments ([Note: packed rows under Ulysses] in sequence/ulysses.py). Each
+    rank holds a slice of another member's positions, so packed flags, then whole positions, are gathered first."""
+    p = group.world_size
+    packed = torch.tensor([float(sequences_of(positions) is not None)], device=positions.device)
+    flags = torch.empty(p, device=positions.device)
+    collectives.all_gather(flags, packed, group, stats, kind="all_gather_sequence_batch")
+    if not bool(flags.any()):
+        return
+    width = max(b * s for b, s, _ in shapes)
+    mine = torch.zeros(width, dtype=positions.dtype, device=positions.device)
+    mine[: positions.numel()] = positions.reshape(-1)
+    every = torch.empty(p * width, dtype=positions.dtype, device=positions.device)
+    collectives.all_gather(every, mine, group, stats, kind="all_gather_sequence_batch")
+    for r, (b, s, _) in enumerate(shapes):
+        sequences = sequences_of(every.view(p, width)[r, : b * s].view(b, s))
+        if sequences is not None:
+            pieces[r]["ulysses_sequences"] = sequences
 
 
 class SequenceShardedLoader:

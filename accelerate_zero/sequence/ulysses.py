@@ -82,6 +82,22 @@ def _repeat_heads(x: torch.Tensor, times: int) -> torch.Tensor:
     return x[:, :, None].expand(b, k, times, s, d).reshape(b, k * times, s, d)
 
 
+def _sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None, causal: bool
+) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal
+    )
+
+
+# [Note: packed rows under Ulysses]
+# A packed row holds several sequences, its position ids restarting at 0 for each (TRL's packing and padding-free
+# collators, transformers' `DataCollatorWithFlattening`); a token must attend only within its own sequence. After
+# the exchange each rank holds its heads over the whole row, so the bounds over the whole row are what it needs:
+# the loader computes them once per batch from the whole rows' positions (sequence/loader.py) and hands them to the
+# model as the keyword argument `ulysses_sequences`, which transformers passes down to the attention function
+# (as it passes flash attention's `cu_seq_lens_q`). Each sequence then runs its own causal SDPA, and the rows are
+# put back together: no (s x s) mask is built. RoPE already rotated each token by its position within its sequence.
 def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
     """An attention function with transformers' `AttentionInterface` signature, over `group`
     ([Note: Ulysses attention])."""
@@ -118,14 +134,23 @@ def ulysses_attention_for(group: DataParallelGroup, stats: CommStats) -> Any:
         query, key, value = (_Trade.apply(x, group, stats, True) for x in (query, key, value))
         groups = query.shape[1] // key.shape[1]
         key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=getattr(module, "is_causal", True),
-        )
+        causal = getattr(module, "is_causal", True)
+        sequences = kwargs.get("ulysses_sequences")
+        if sequences is None:
+            out = _sdpa(query, key, value, dropout, scaling, causal)
+        else:  # [Note: packed rows under Ulysses]
+            out = torch.cat(
+                [
+                    torch.cat(
+                        [
+                            _sdpa(*(x[i : i + 1, :, a:e] for x in (query, key, value)), dropout, scaling, causal)
+                            for a, e in row
+                        ],
+                        dim=2,
+                    )
+                    for i, row in enumerate(sequences)
+                ]
+            )
         return _Trade.apply(out, group, stats, False).transpose(1, 2).contiguous(), None
 
     return ulysses_attention

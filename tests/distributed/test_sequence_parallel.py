@@ -149,3 +149,77 @@ def test_ulysses_composes_with_every_stage_offload_and_bf16(world_size: int) -> 
         update = max((p - initial[n]).abs().max().item() for n, p in reference["params"].items())
         assert first["loss"] == pytest.approx(reference["loss"], rel=1e-2), composed
         assert error / update <= BF16_BOUND, (composed, error / update)
+
+
+# ------------------------------------------------------------------------------------------- packed rows
+PACKED_ROWS = [[5, 4, 4], [6, 7]]  # the lengths of the sequences packed into each row (13 tokens each)
+
+
+def _packed_batch() -> dict[str, torch.Tensor]:
+    """Rows of several sequences, as padding-free collators give them: positions restart, each sequence's first
+    label is -100 (no token predicts across a boundary)."""
+    tokens = torch.randint(0, VOCAB, (len(PACKED_ROWS), 13), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in PACKED_ROWS])
+    return {"input_ids": tokens, "labels": tokens.masked_fill(positions == 0, -100), "position_ids": positions}
+
+
+def _packed_reference(kind: str) -> dict[str, Any]:
+    """Each sequence alone: the sum of its token losses over the count of all predicted tokens, one SGD step."""
+    model = _model(kind)
+    batch = _packed_batch()
+    total, count = 0.0, 0
+    for row, lengths in enumerate(PACKED_ROWS):
+        start = 0
+        for n in lengths:
+            sequence = batch["input_ids"][row, start : start + n]
+            logits = model(input_ids=sequence[None]).logits[0, :-1].float()
+            total = total + torch.nn.functional.cross_entropy(logits, sequence[1:], reduction="sum")
+            count, start = count + n - 1, start + n
+    loss = total / count
+    loss.backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param -= param.grad
+    return {"loss": loss.item(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _packed_ranks(rank: int, world_size: int, cases: list[tuple]) -> list[dict[str, Any]]:
+    import accelerate_zero
+    from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss
+    from accelerate_zero.sequence.loader import cut_for_group
+
+    out = []
+    for kind, tile in cases:
+        model = _model(kind)
+        config = {
+            "sequence_parallel_size": world_size,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config=config)
+        group, stats = engine.layout.sequence, engine.comm_stats_counter
+        model.set_attn_implementation(register_ulysses_attention(group, stats))
+        piece = cut_for_group(_packed_batch(), group, stats)[0]  # every member gave the same batch: take the first
+        loss = sequence_parallel_loss(model, piece, group, stats, tile_tokens=tile)
+        engine.backward(loss)
+        engine.step()
+        with accelerate_zero.GatheredParameters(list(model.parameters())):
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        out.append({"loss": loss.item(), "params": params, "sequences": piece.get("ulysses_sequences")})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_rows_attend_within_each_sequence(world_size: int) -> None:
+    """[Note: packed rows under Ulysses]: rows of several sequences, cut across sp ranks (sp 4: the 2 key/value heads
+    repeated), equal each sequence trained alone; a case tiles the logits and loss."""
+    cases = [("llama", None), ("qwen2", 3)]
+    results = run_distributed(_packed_ranks, world_size, cases)
+    padded = -(-13 // world_size) * world_size
+    for index, (kind, tile) in enumerate(cases):
+        reference = _packed_reference(kind)
+        first = results[0][index]
+        assert first["sequences"] == [[(0, 5), (5, 9), (9, padded)], [(0, 6), (6, padded)]]
+        assert first["loss"] == pytest.approx(reference["loss"], abs=1e-5), (kind, tile)
+        error = max((first["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
+        assert error <= 1e-5, (kind, tile, error)

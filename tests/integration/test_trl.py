@@ -96,25 +96,3 @@ def _initial() -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).state_dict()
-
-
-@pytest.mark.parametrize("packing", [{"packing": True}, {"padding_free": True, "max_length": None}])
-def test_sft_refuses_packed_rows_on_the_sequence_path(tmp_path: Path, packing: dict[str, Any]) -> None:
-    """Packed or padding-free rows hold several sequences; Ulysses and tiling take one per row: refused at
-    construction, before any model is prepared (sequence_tiling puts one process on the sequence path)."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from accelerate_zero.integrations.trl import ZeroSFTConfig, ZeroSFTTrainer
-
-    config = {"zero_optimization": {"stage": 3}, "sequence_tiling": {"logits_tile_tokens": 8}}
-    args = ZeroSFTConfig(
-        output_dir=str(tmp_path), zero_config=config, bf16=False, use_cpu=True, report_to=[], **packing
-    )
-    with pytest.raises(ValueError, match=r"packed or padding-free batches .*set packing=False and padding_free=False"):
-        ZeroSFTTrainer(
-            model=AutoModelForCausalLM.from_pretrained(MODEL),
-            args=args,
-            train_dataset=Dataset.from_list(_rows()),
-            processing_class=AutoTokenizer.from_pretrained(MODEL),
-        )

@@ -35,12 +35,11 @@ def test_rows_are_shifted_on_the_whole_row_padded_to_the_group_and_lose_the_mask
     [
         (lambda b: b.update(attention_mask=b["attention_mask"].flip(1)), r"padding before or between tokens"),
         (lambda b: b["labels"].__setitem__((1, 4), 3), r"labels on padded positions .* are not -100"),
-        (lambda b: b.update(position_ids=torch.tensor([[0, 1, 2, 0, 1]] * 2)), r"packed sequences"),
+        (lambda b: b.update(position_ids=torch.tensor([[0, 1, 3, 4, 5]] * 2)), r"do not count 0, 1, 2, \.\.\. within"),
         (lambda b: b.pop("labels"), r"trains on 'labels' \(or 'shift_labels'\)"),
         (lambda b: b.update(source="wiki"), r"'source' is str"),
         (lambda b: b.update(pixel_values=torch.ones(2)), r"'pixel_values' is a tensor of shape \(2,\)"),
         (lambda b: b.update(token_type_ids=torch.ones(2, 4)), r"'token_type_ids' has shape \(2, 4\)"),
-        (lambda b: b.update(cu_seq_lens_q=torch.tensor([0, 3, 5])), r"a packed batch .*set packing=False"),
     ],
 )
 def test_batches_ulysses_cannot_train_on_are_refused_by_name(change, message: str) -> None:
@@ -48,6 +47,26 @@ def test_batches_ulysses_cannot_train_on_are_refused_by_name(change, message: st
     change(batch)
     with pytest.raises(ValueError, match=message):
         whole_rows(batch, p=2)
+
+
+def test_packed_rows_keep_their_positions_and_give_their_sequences() -> None:
+    """A padding-free batch: two rows of several sequences; positions restart at 0, the padding joins the last
+    sequence, the collator's boundary keys are dropped (they would be wrong once cut)."""
+    from accelerate_zero.sequence.loader import sequences_of
+
+    ids = torch.arange(1, 11).reshape(2, 5)
+    batch = {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]),
+        "cu_seq_lens_q": torch.tensor([0, 3, 5]),
+        "max_length_q": 3,
+    }
+    rows = whole_rows(batch, p=4)
+    assert sorted(rows) == ["input_ids", "position_ids", "shift_labels"]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert sequences_of(rows["position_ids"]) == [[(0, 3), (3, 8)], [(0, 8)]]
+    assert sequences_of(torch.arange(6).expand(2, 6)) is None, "one sequence per row: the fast path"
 
 
 def test_a_fixed_length_is_enforced() -> None:

@@ -111,16 +111,6 @@ class ZeroSFTConfig(ZeroArgumentsMixin, SFTConfig):
 class ZeroSFTTrainer(ZeroTRLMixin, SFTTrainer):
     """TRL's `SFTTrainer` on the ZeRO engine."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.accelerator.cuts_sequences and (self.args.packing or getattr(self, "padding_free", False)):
-            # refused here, before training, rather than at the first packed batch (sequence/loader.py)
-            raise ValueError(
-                f"packed or padding-free batches (packing={self.args.packing}, padding_free={self.args.padding_free}) with "
-                f"sequence_parallel_size={self.accelerator.sequence_parallel_size} or sequence_tiling: Ulysses "
-                "attention here runs one causal sequence per row; set packing=False and padding_free=False"
-            )
-
 
 @dataclass
 class ZeroDPOConfig(ZeroArgumentsMixin, DPOConfig):
