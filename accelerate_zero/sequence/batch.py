@@ -20,28 +20,19 @@ import torch
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.sequence.loader import IGNORE_INDEX, whole_rows
 from accelerate_zero.sequence.tiling import tiled_causal_lm_loss
-
-
-IGNORE_INDEX = -100
 
 
 def shard_sequence(
     input_ids: torch.Tensor, labels: torch.Tensor, group: DataParallelGroup, pad_token_id: int = 0
 ) -> dict[str, torch.Tensor]:
     """This rank's slice of `[batch, sequence]` tokens: `input_ids`, `position_ids` (the whole sequence's) and
-    `shift_labels`, the sequence padded at its end to a multiple of the group size."""
-    p, rank = group.world_size, group.rank
-    length = input_ids.shape[1]
-    shift = torch.full_like(labels, IGNORE_INDEX)
-    shift[:, :-1] = labels[:, 1:]
-    padded = -(-length // p) * p
-    if padded != length:
-        input_ids = torch.nn.functional.pad(input_ids, (0, padded - length), value=pad_token_id)
-        shift = torch.nn.functional.pad(shift, (0, padded - length), value=IGNORE_INDEX)
-    piece = slice(rank * padded // p, (rank + 1) * padded // p)
-    positions = torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1)
-    return {"input_ids": input_ids[:, piece], "position_ids": positions[:, piece], "shift_labels": shift[:, piece]}
+    `shift_labels`, the sequence padded at its end to a multiple of the group size (the loader's rule,
+    `whole_rows`)."""
+    rows = whole_rows({"input_ids": input_ids, "labels": labels}, group.world_size, pad_token_id)
+    width = rows["input_ids"].shape[1] // group.world_size
+    return {key: value[:, group.rank * width : (group.rank + 1) * width] for key, value in rows.items()}
 
 
 def valid_tokens(shift_labels: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:

@@ -160,11 +160,14 @@ def cut_for_group(
     p = group.world_size
     rows = whole_rows(batch, p, pad_token_id, seq_length)
     device = rows["input_ids"].device
-    mine = torch.tensor([rows["input_ids"].shape[0], rows["input_ids"].shape[1], _fingerprint(rows)], device=device)
-    shapes = torch.empty(p * 3, dtype=mine.dtype, device=device)
-    collectives.all_gather(shapes, mine, group, stats, kind="all_gather_sequence_batch")
-    shapes = shapes.view(p, 3).tolist()
-    if any(fingerprint != shapes[group.rank][2] for _, _, fingerprint in shapes):
+    # each member's rows, length, keys (a fingerprint) and whether its rows are packed, in one gather
+    packed = sequences_of(rows["position_ids"]) is not None
+    mine = torch.tensor([*rows["input_ids"].shape[:2], _fingerprint(rows), packed], device=device)
+    every = torch.empty(p * 4, dtype=mine.dtype, device=device)
+    collectives.all_gather(every, mine, group, stats, kind="all_gather_sequence_batch")
+    every = every.view(p, 4).tolist()
+    shapes = [(b, s) for b, s, _, _ in every]
+    if any(fingerprint != every[group.rank][2] for _, _, fingerprint, _ in every):
         raise ValueError(
             "the ranks of a sequence-parallel group gave batches with other keys, dtypes or shapes; this rank's: "
             f"{ {k: (str(v.dtype), tuple(v.shape)) for k, v in rows.items()} }"
@@ -174,17 +177,18 @@ def cut_for_group(
     for key in sorted(rows):
         value = rows[key]
         trailing = tuple(value.shape[2:])
-        width = max(b * (s // p) for b, s, _ in shapes) * max(1, int(torch.Size(trailing).numel()))
+        width = max(b * (s // p) for b, s in shapes) * max(1, int(torch.Size(trailing).numel()))
         send = torch.zeros(p, width, dtype=value.dtype, device=device)
         for j in range(p):
             part = value[:, j * slice_len : (j + 1) * slice_len].reshape(-1)
             send[j, : part.numel()] = part
         received = torch.empty_like(send)
         collectives.all_to_all(received, send, group, stats, kind="all_to_all_sequence_batch")
-        for r, (b, s, _) in enumerate(shapes):
+        for r, (b, s) in enumerate(shapes):
             numel = b * (s // p) * int(torch.Size(trailing).numel())
             pieces[r][key] = received[r, :numel].reshape(b, s // p, *trailing)
-    _add_sequences(pieces, rows["position_ids"], shapes, group, stats)
+    if any(member_packed for *_, member_packed in every):
+        _add_sequences(pieces, rows["position_ids"], shapes, group, stats)
     return pieces
 
 
@@ -193,19 +197,14 @@ def _add_sequences(
 ) -> None:
     """Gives each piece of a packed batch `ulysses_sequences` (`sequences_of` its whole rows), which reaches the
     attention through the model's keyword arguments ([Note: packed rows under Ulysses] in sequence/ulysses.py). Each
-    rank holds a slice of another member's positions, so packed flags, then whole positions, are gathered first."""
+    rank holds a slice of another member's positions only, so the whole positions are gathered first."""
     p = group.world_size
-    packed = torch.tensor([float(sequences_of(positions) is not None)], device=positions.device)
-    flags = torch.empty(p, device=positions.device)
-    collectives.all_gather(flags, packed, group, stats, kind="all_gather_sequence_batch")
-    if not bool(flags.any()):
-        return
-    width = max(b * s for b, s, _ in shapes)
+    width = max(b * s for b, s in shapes)
     mine = torch.zeros(width, dtype=positions.dtype, device=positions.device)
     mine[: positions.numel()] = positions.reshape(-1)
     every = torch.empty(p * width, dtype=positions.dtype, device=positions.device)
     collectives.all_gather(every, mine, group, stats, kind="all_gather_sequence_batch")
-    for r, (b, s, _) in enumerate(shapes):
+    for r, (b, s) in enumerate(shapes):
         sequences = sequences_of(every.view(p, width)[r, : b * s].view(b, s))
         if sequences is not None:
             pieces[r]["ulysses_sequences"] = sequences

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-
-IGNORE_INDEX = -100
+from accelerate_zero.sequence.loader import IGNORE_INDEX
 
 
 def _tiles(length: int, tile_tokens: int) -> list[slice]:

@@ -37,15 +37,20 @@ def _tokens(dp: int, length: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (dp, length), generator=torch.Generator().manual_seed(length))
 
 
-def _reference(kind: str, dp: int, length: int) -> dict[str, Any]:
-    model = _model(kind)
-    tokens = _tokens(dp, length)
-    loss = model(input_ids=tokens, labels=tokens).loss
+def _sgd_step(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, Any]:
+    """One SGD step at lr 1 on `loss`: the reference's loss and weights after it."""
     loss.backward()
     with torch.no_grad():
         for param in model.parameters():
             param -= param.grad
     return {"loss": loss.item(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _reference(kind: str, dp: int, length: int) -> dict[str, Any]:
+    model = _model(kind)
+    tokens = _tokens(dp, length)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    return _sgd_step(model, loss)
 
 
 def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[dict[str, Any]]:
@@ -176,11 +181,7 @@ def _packed_reference(kind: str) -> dict[str, Any]:
             total = total + torch.nn.functional.cross_entropy(logits, sequence[1:], reduction="sum")
             count, start = count + n - 1, start + n
     loss = total / count
-    loss.backward()
-    with torch.no_grad():
-        for param in model.parameters():
-            param -= param.grad
-    return {"loss": loss.item(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _sgd_step(model, loss)
 
 
 def _packed_ranks(rank: int, world_size: int, cases: list[tuple]) -> list[dict[str, Any]]:
