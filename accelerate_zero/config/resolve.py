@@ -61,7 +61,7 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig
     problems = [
         *_resolve_autos(resolved),
         *_check_sequence_parallel(resolved, world_size),
-        *_resolve_batch_sizes(resolved, world_size // _sequence_size(resolved, world_size)),
+        *_resolve_batch_sizes(resolved, data_parallel_ranks(resolved, world_size)),
         *_check_param_offload_stage(resolved),
         *_check_partial_offload(resolved),
         *_check_nvme_paths(resolved),
@@ -190,9 +190,11 @@ def _check_nvme_paths(config: ZeroConfig) -> list[str]:
     return problems
 
 
-def _sequence_size(config: ZeroConfig, world_size: int) -> int:
+def data_parallel_ranks(config: ZeroConfig, world_size: int) -> int:
+    """The ranks the batch rule counts: world size / sequence_parallel_size (the ranks of a sequence-parallel group
+    share their batches, DeepSpeed's rule); the world size while that size is "auto" or does not divide it."""
     size = config.sequence_parallel_size
-    return size if not is_auto(size) and world_size % size == 0 else 1
+    return world_size // size if not is_auto(size) and world_size % size == 0 else world_size
 
 
 def _check_sequence_parallel(config: ZeroConfig, world_size: int) -> list[str]:

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable without deepspeed
 from torch import nn
 
-from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, ZeroConfigError, resolve_config
+from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, ZeroConfigError, data_parallel_ranks, resolve_config
 from accelerate_zero.config.schema import is_auto
 from accelerate_zero.integrations.accelerate.auto_fill import (
     hidden_size_values,
@@ -108,8 +108,7 @@ def engine_config(
     ga = config.gradient_accumulation_steps
     ga = accelerator.gradient_accumulation_steps if is_auto(ga) else ga
     if isinstance(micro, int) and isinstance(ga, int):
-        # the ranks of a sequence-parallel group share their batches (DeepSpeed's rule, as accelerate writes it)
-        values["train_batch_size"] = micro * ga * accelerator.num_processes // config.sequence_parallel_size
+        values["train_batch_size"] = micro * ga * data_parallel_ranks(config, accelerator.num_processes)
     values.update(hidden_size_values(model, config))
     values.update(optimizer_values(optimizer, scheduler, accelerator))
     filled = config.fill_auto(values)
