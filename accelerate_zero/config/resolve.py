@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from accelerate_zero.config.schema import (
     ZeroConfig,
@@ -38,6 +39,19 @@ class ResolvedZeroConfig(ZeroConfig):
             problems.append("zero_optimization.overlap_comm is unset: resolve_config sets it")
         if problems:
             raise ZeroConfigError(problems)
+
+    def __getitem__(self, key: str) -> Any:
+        """DeepSpeed's `engine.config[key]`: this config in DeepSpeed JSON form (RL frameworks read
+        `engine.config["zero_optimization"]["offload_optimizer"]["device"]`); a copy, so writing it changes nothing.
+
+        Raises:
+            KeyError: `key` is not a top-level DeepSpeed config key.
+        """
+        return self.to_dict()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`engine.config.get(key, default)`, as on DeepSpeed's config dict."""
+        return self.to_dict().get(key, default)
 
 
 def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig:

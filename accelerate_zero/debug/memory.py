@@ -34,6 +34,7 @@ class EngineState(Protocol):
     grad_store: Any
     shard_store: ShardStore
     host_memory: HostMemory
+    sleeping: Any  # engine/sleep.py's SleepingState: host copies of what offload_states() moved
 
 
 def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]], chunks: Iterable[torch.Tensor] = ()) -> dict[str, int]:
@@ -122,6 +123,8 @@ def engine_memory(engine: EngineState) -> dict[str, int]:
         "host_master_weights": kept["master_weights"] if engine.offload.optimizer else [],
         "host_optimizer_states": kept["optimizer_states"] if engine.offload.optimizer else [],
     }
+    for kind, copies in engine.sleeping.host_tensors().items():  # asleep: the device's state, in host memory
+        host[kind] = host[kind] + copies
     out = bytes_by_kind(device_tensors(engine))
     host_bytes = bytes_by_kind(host, engine.host_memory.chunks)
     host_bytes["host_total"] = host_bytes.pop("total")

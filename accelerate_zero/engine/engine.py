@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.assemble import assemble
 from accelerate_zero.engine.checkpoint_state import CheckpointState, StepCounters
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.deepspeed_api import DeepSpeedEngineAPI
 from accelerate_zero.engine.full_weights import full_state_dict, named_full_parameters
 from accelerate_zero.engine.gathered import register_engine_params, unregister_engine_params
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
@@ -34,14 +35,7 @@ from accelerate_zero.engine.setup import (
     check_implemented,
     forward_input_dtype,
 )
-from accelerate_zero.engine.sleep import (
-    OffloadDeviceEnum,
-    OffloadStateTypeEnum,
-    SleepingState,
-    check_device,
-    parse_include,
-    training_state,
-)
+from accelerate_zero.engine.sleep import OffloadStateTypeEnum, SleepingState
 from accelerate_zero.engine.step_log import StepLog
 
 
@@ -98,8 +92,13 @@ def initialize(
     )
 
 
-class ZeroEngine:
-    """Trains one model with ZeRO stage 0, 1 or 2 (DeepSpeed's engine API: forward, `backward`, `step`)."""
+_PARAMETERS = (OffloadStateTypeEnum.lp_params,)
+_GRADIENTS = (OffloadStateTypeEnum.lp_grads,)
+
+
+class ZeroEngine(DeepSpeedEngineAPI):
+    """Trains one model with ZeRO stage 0-3 (DeepSpeed's engine API: forward, `backward`, `step`; its accessors and
+    sleep calls in engine/deepspeed_api.py)."""
 
     module: nn.Module
     config: ResolvedZeroConfig
@@ -144,7 +143,7 @@ class ZeroEngine:
         self._boundary_override: bool | None = None
         self._position_check = BackwardPositionCheck(self.dp, self.comm_stats_counter, device)
         self._global_grad_norm: float | None = None
-        self._sleep = SleepingState(device)
+        self.sleeping = SleepingState(device)
         parts = assemble(
             module,
             optimizer,
@@ -164,6 +163,7 @@ class ZeroEngine:
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
         self.step_log = StepLog(config, rank=self.layout.world.rank, device=device)
         register_engine_params(self)
+        self._expose_sleep_on_optimizer()
         self.comm_stats_counter.reset()
         logger.info(
             "accelerate_zero: stage %d on %d ranks, %d buckets, compute dtype %s",
@@ -190,7 +190,7 @@ class ZeroEngine:
         complete; at stage 3 each unit is released as soon as its gradient is reduced), at stages 0 and 1 only on
         the accumulation boundary (other micro-steps communicate nothing).
         """
-        self._sleep.check_awake("backward")
+        self.sleeping.check_awake("backward")
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
@@ -217,7 +217,7 @@ class ZeroEngine:
         On an fp16 overflow (on any rank) the step is skipped on every rank, the loss scale drops and the LR
         scheduler does not step. Gradients are zeroed after the boundary.
         """
-        self._sleep.check_awake("step")
+        self.sleeping.check_awake("step")
         if self.is_gradient_accumulation_boundary():
             with self.step_log.timed("step"):
                 self.reducer.finish_step()
@@ -236,18 +236,10 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Drops the accumulated gradients (the engine also does this after every optimizer step)."""
+        self.sleeping.check_awake("zero_grad()", _GRADIENTS)
         self.reducer.zero_grad()
 
     # ---------------------------------------------------- accumulation control
-    def gradient_accumulation_steps(self) -> int:
-        return int(self.config.gradient_accumulation_steps or 1)
-
-    def train_batch_size(self) -> int | None:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int | None:
-        return self.config.train_micro_batch_size_per_gpu
-
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next `step()` steps the optimizer."""
         if self._boundary_override is not None:
@@ -273,28 +265,6 @@ class ZeroEngine:
             self._boundary_override = previous
 
     # ----------------------------------------------------------------- queries
-    def get_global_grad_norm(self) -> float | None:
-        """The global L2 norm of the last step's unscaled gradient, before clipping (None before the first)."""
-        return self._global_grad_norm
-
-    @property
-    def loss_scale(self) -> float:
-        scaler = self.sharded_optimizer.loss_scaler
-        return scaler.scale if scaler is not None else 1.0
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def train(self, mode: bool = True) -> ZeroEngine:
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> ZeroEngine:
-        return self.train(False)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.module.parameters()
-
     def full_state_dict(
         self, dtype: torch.dtype | None = None, only: Collection[str] | None = None
     ) -> dict[str, torch.Tensor]:
@@ -308,6 +278,7 @@ class ZeroEngine:
             only: keep just these keys (e.g. a PEFT model's adapter): units holding none of them are not gathered
                 and rank 0 never holds the rest.
         """
+        self.sleeping.check_awake("full_state_dict()", _PARAMETERS)
         return full_state_dict(self, self._state_dict_guard, dtype, only)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
@@ -320,6 +291,7 @@ class ZeroEngine:
         Returns:
             True when the weights file was written.
         """
+        self.sleeping.check_awake("save_16bit_model()", _PARAMETERS)
         if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             logger.warning(
                 "stage3_gather_16bit_weights_on_model_save=false: saving the sharded engine state to %s instead of "
@@ -366,6 +338,7 @@ class ZeroEngine:
         Returns:
             The checkpoint folder.
         """
+        self.sleeping.check_awake("save_checkpoint()")
         return str(save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters))
 
     def load_checkpoint(
@@ -380,6 +353,7 @@ class ZeroEngine:
         Returns:
             (the checkpoint folder, the client_state saved with it).
         """
+        self.sleeping.check_awake("load_checkpoint()")
         # The load writes host shards and masters in place: no copy in flight may still read them
         # ([Note: asynchronous host copies], rule 3).
         self.host_copies.drain()
@@ -427,32 +401,12 @@ class ZeroEngine:
             if only is None or name in only
         }
 
-    def offload_states(
-        self,
-        include: Iterable[OffloadStateTypeEnum | str] | None = None,
-        device: OffloadDeviceEnum | str = OffloadDeviceEnum.cpu,
-        pin_memory: bool = True,
-        non_blocking: bool = False,
-    ) -> None:
-        """Moves the training state off the device until `reload_states()`, as DeepSpeed's engine does between
-        rollouts ([Note: sleeping moves storages, not tensors] in engine/sleep.py). `include`: the kinds to move
-        (`OffloadStateTypeEnum` members or their names); None: all of them. Call it between steps."""
-        kinds = parse_include(include)
-        check_device(device)
-        if any(flat.full.untyped_storage().nbytes() for unit in self.units for flat in unit.flats):
-            raise RuntimeError("offload_states() while stage-3 parameters are gathered: call it between steps")
-        self.reducer.scratch.clear()
-        self._sleep.offload(training_state(self), kinds, self.module, pin_memory, non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Puts back what `offload_states()` moved; training goes on as if it never left."""
-        self._sleep.reload(non_blocking)
-
     def named_full_parameters(
         self, max_bytes: int | None = None, dtype: torch.dtype | None = None, rank0_only: bool = False, merge_lora=True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) pairs, at most `max_bytes` of units gathered at once, a LoRA adapter merged ([Note:
         streaming full weights to a generator] in engine/full_weights.py). Every rank iterates it to the end."""
+        self.sleeping.check_awake("named_full_parameters()", _PARAMETERS)
         return named_full_parameters(self, max_bytes, dtype, rank0_only, merge_lora)
 
     def memory_breakdown(self) -> dict[str, int]:
@@ -478,6 +432,8 @@ class ZeroEngine:
 
     def destroy(self) -> None:
         """Removes the engine's hooks; the model keeps its current weights."""
+        self.sleeping.check_awake("destroy()")
+        self._expose_sleep_on_optimizer(expose=False)
         self.reducer.remove_hooks()
         self.reducer.scratch.clear()
         if self.grad_store is not None:

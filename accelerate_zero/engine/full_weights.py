@@ -7,23 +7,25 @@ at once: the out-of-memory users of TRL's ZeRO-3 sync report, which gathers ever
 the units are gathered in their layout order, a few at a time (as many as fit in `max_bytes`, at least one), each
 full parameter is yielded while its unit is gathered, and the unit is released before the next ones are gathered:
 the device holds at most `max(max_bytes, the largest unit)` of gathered weights plus the tensor being handed over.
-That tensor is one of its own (a copy, a cast or a merged LoRA weight): the unit's buffer is freed under any view
-of it, and a receiver that batches several tensors before sending them (a packing broadcast) must read them
-intact. Each parameter is yielded once. A LoRA adapter (peft) is merged on the fly: the base weight comes out as
-`W + scale * B @ A` under the base model's own name (`base_model.model.` and `.base_layer` dropped, the adapter's
-own tensors left out), which is what a generator built from the base checkpoint expects.
+Every tensor handed over is one of the receiver's own (a copy, a cast or a merged weight), whatever its source: a
+gathered unit's buffer is freed under any view of it, a receiver that batches several tensors before sending them
+(a packing broadcast) must read them intact, and a parameter that is not partitioned (stages 0-2, stage 3's
+persistent ones) is the training weight itself: a view of it would change with the next step, and a receiver
+writing into it would write into training. Each parameter is yielded once. peft adapters are merged on the fly,
+under the base model's own names ([Note: merging every adapter kind peft has] in engine/adapter_merge.py), which is
+what a generator built from the base checkpoint expects.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Collection, Iterator
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from accelerate_zero.engine.adapter_merge import Merge, adapter_merges, stream_name
 from accelerate_zero.engine.gathered import GatheredParameters
 from accelerate_zero.engine.layout import ShardingLayout
 from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard
@@ -39,9 +41,6 @@ class StreamedEngine(Protocol):
     units: list[ParamUnit]
 
 
-_ADAPTER_COPY = re.compile(r"modules_to_save\.[^.]+\.")
-
-
 def named_full_parameters(
     engine: StreamedEngine,
     max_bytes: int | None = None,
@@ -49,12 +48,24 @@ def named_full_parameters(
     rank0_only: bool = False,
     merge_lora: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Implements `ZeroEngine.named_full_parameters` ([Note: streaming full weights to a generator])."""
+    """Implements `ZeroEngine.named_full_parameters` ([Note: streaming full weights to a generator]); an adapter
+    that cannot be merged is refused here, before anything is gathered."""
+    merges = adapter_merges(engine.module) if merge_lora else {}
+    return _stream(engine, max_bytes, dtype, rank0_only, merge_lora, merges)
+
+
+def _stream(
+    engine: StreamedEngine,
+    max_bytes: int | None,
+    dtype: torch.dtype | None,
+    rank0_only: bool,
+    merge_lora: bool,
+    merges: dict[int, Merge],
+) -> Iterator[tuple[str, torch.Tensor]]:
     module = engine.module
     names: dict[int, str] = {}
     for name, param in module.named_parameters():
         names.setdefault(id(param), name)
-    lora_of = _lora_layers(module) if merge_lora else {}
     emit = not rank0_only or engine.layout.world.rank == 0
     done: set[int] = set()
     for batch in _unit_batches(engine, max_bytes):
@@ -63,11 +74,11 @@ def named_full_parameters(
                 if id(param) in names and id(param) not in done:
                     done.add(id(param))
                     if emit:
-                        yield from _named(names[id(param)], param, lora_of, merge_lora, dtype, owned=True)
+                        yield from _named(names[id(param)], param, merges, merge_lora, dtype)
     with torch.no_grad():  # not partitioned: persistent parameters, stages 0-2, non-floating-point ones
         for name, param in module.named_parameters():
             if id(param) not in done and emit:
-                yield from _named(name, param, lora_of, merge_lora, dtype)
+                yield from _named(name, param, merges, merge_lora, dtype)
 
 
 def _unit_batches(engine: StreamedEngine, max_bytes: int | None) -> Iterator[list[nn.Parameter]]:
@@ -85,49 +96,24 @@ def _unit_batches(engine: StreamedEngine, max_bytes: int | None) -> Iterator[lis
         yield batch
 
 
-def _lora_layers(module: nn.Module) -> dict[int, nn.Module]:
-    """id(base weight) -> the peft LoRA layer that wraps it (none without peft, or for a model without adapters)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return {}
-    found = {}
-    for name, layer in module.named_modules():
-        if isinstance(layer, LoraLayer) and not getattr(layer, "merged", False):
-            if any(getattr(layer, "use_dora", {}).get(a, False) for a in layer.active_adapters):
-                raise NotImplementedError(
-                    f"named_full_parameters(merge_lora=True): {name} is a DoRA layer, which is not merged on the fly; "
-                    "pass merge_lora=False and merge on the receiving side"
-                )
-            found[id(layer.get_base_layer().weight)] = layer
-    return found
-
-
 def _named(
-    name: str,
-    param: torch.Tensor,
-    lora_of: dict[int, nn.Module],
-    merge_lora: bool,
-    dtype: torch.dtype | None,
-    owned: bool = False,
+    name: str, param: torch.Tensor, merges: dict[int, Merge], merge_lora: bool, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`owned`: `param` is a view of a gathered unit, whose storage is freed when the unit is released: the value
-    handed over is a tensor of its own (a cast or a merge makes one anyway)."""
+    """The stream's (name, tensor) for `param`: always a tensor of the receiver's own, never a view of a training
+    weight or of a gathered unit ([Note: streaming full weights to a generator])."""
     value = param.data
+    fresh = False  # True once `value` is a tensor made here
     if merge_lora:
-        if ".lora_" in name or "original_module" in name or "lora_magnitude_vector" in name:
-            return  # merged into its base weight, or superseded by the adapter's copy
-        name = _ADAPTER_COPY.sub("", name.removeprefix("base_model.model.").replace(".base_layer", ""))
-        layer = lora_of.get(id(param))
-        if layer is not None:
-            merged = value.to(torch.float32, copy=True)  # never an alias of the gathered weight (fp32 training)
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    merged += layer.get_delta_weight(adapter).float()
-            value, owned = merged.to(value.dtype), False
+        base_name = stream_name(name)
+        if base_name is None:
+            return  # an adapter's own tensor: merged into its base weight
+        name = base_name
+        merge = merges.get(id(param))
+        if merge is not None:
+            value, fresh = merge(value), True
     if dtype is not None and dtype != value.dtype:
-        value, owned = value.to(dtype), False
-    yield name, value.clone() if owned else value
+        value, fresh = value.to(dtype), True
+    yield name, value if fresh else value.clone()
 
 
 def full_state_dict(

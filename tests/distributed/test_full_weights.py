@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import tiny_llama_config
+from tests.helpers.models import gathered_flat, tiny_llama_config
 
 
 LAYERS = 4
@@ -187,3 +187,98 @@ def test_trls_vllm_sync_streams_through_the_engine(by_rank: list[dict[str, Any]]
             assert 0 < got["peak"] <= results[kind]["largest_unit"], (rank, got)  # one unit gathered at a time
         if mode == "server" and rank == 0:
             assert got["metadata"] == results[kind]["count"]
+
+
+# ---- every kind of source, every adapter kind (issue 44, items 3 and 4) ----------------------------------------
+SOURCE_STAGES = (0, 1, 2, 3)
+ADAPTERS = ("lora_on_embedding", "trainable_tokens")
+TOKENS = torch.tensor([[1, 3, 5, 7, 9, 11, 13], [5, 3, 1, 2, 4, 6, 8]])
+
+
+def _adapted(stage: int, adapter: str, rank: int) -> tuple[Any, Any]:
+    """A tiny Llama with a peft adapter, trained one step; at stage 3 the norms stay whole (persistence threshold),
+    the matrices are partitioned."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    import accelerate_zero
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS, tie_word_embeddings=False))
+    peft_config = {
+        "lora_on_embedding": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"]),
+        "trainable_tokens": lambda: LoraConfig(
+            r=4, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [1, 3, 5]}
+        ),
+        "ia3": lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    }[adapter]()
+    model = get_peft_model(model, peft_config)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 5e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+    }
+    engine = accelerate_zero.initialize(model, config=config)
+    tokens = TOKENS.roll(rank, dims=1)
+    engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+    engine.step()
+    return model, engine
+
+
+def _source_checks(stage: int, adapter: str, rank: int) -> dict[str, Any]:
+    import accelerate_zero
+
+    model, engine = _adapted(stage, adapter, rank)
+    weights = dict(engine.named_full_parameters())
+    training = {p.untyped_storage().data_ptr() for p in model.parameters() if p.untyped_storage().nbytes()}
+    with torch.no_grad(), accelerate_zero.GatheredParameters(list(model.parameters())):
+        trained_logits = model(input_ids=PROBE).logits
+    before = gathered_flat(model)
+    received_logits = _receiver_logits(weights)
+    for tensor in weights.values():
+        tensor.zero_()  # a receiver writing into what it was given
+    return {
+        "shared": [name for name, t in weights.items() if t.untyped_storage().data_ptr() in training],
+        "logit_diff": (received_logits - trained_logits).abs().max().item(),
+        "training_unchanged": torch.equal(before, gathered_flat(model)),
+    }
+
+
+def _refused_adapter(rank: int) -> str:
+    _, engine = _adapted(3, "ia3", rank)
+    try:
+        engine.named_full_parameters()
+    except NotImplementedError as error:
+        return str(error)
+    return "no error"
+
+
+def _sources(rank: int, world_size: int) -> dict[Any, Any]:
+    out: dict[Any, Any] = {(s, a): _source_checks(s, a, rank) for s in SOURCE_STAGES for a in ADAPTERS}
+    out["refused"] = _refused_adapter(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources_by_rank() -> list[dict[Any, Any]]:
+    return run_distributed(_sources, 3)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("stage", SOURCE_STAGES)
+def test_the_stream_hands_over_tensors_of_the_receivers_own_with_every_adapter_merged(
+    sources_by_rank: list[dict[Any, Any]], stage: int, adapter: str
+) -> None:
+    for rank, results in enumerate(sources_by_rank):
+        got = results[(stage, adapter)]
+        assert got["shared"] == [], (rank, stage, adapter, got["shared"])  # never a view of a training weight
+        assert got["training_unchanged"], (rank, stage, adapter)  # a receiver's write stays the receiver's
+        assert got["logit_diff"] < 1e-5, (rank, stage, adapter, got["logit_diff"])  # merged as peft merges
+
+
+def test_an_adapter_kind_that_is_not_merged_on_the_fly_is_refused_by_name(
+    sources_by_rank: list[dict[Any, Any]],
+) -> None:
+    for results in sources_by_rank:
+        said = results["refused"]
+        assert "ia3.Linear" in said and "q_proj" in said and "merge_lora=False" in said, said

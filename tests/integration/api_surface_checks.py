@@ -60,6 +60,7 @@ def run_part(rank: int, world_size: int, folder: str, part: str) -> Any:
             "dummy": dummy_objects(rank, world_size),
             "skipped": step_was_skipped(rank, world_size),
             "release": release(rank, world_size),
+            "asleep": asleep_accelerator(rank, world_size, Path(folder) / "asleep"),
         }
     if part == "external":
         return {how: external_parameter(rank, world_size, how) for how in EXTERNAL_CASES}
@@ -381,6 +382,33 @@ def _engine_tensors(engine: Any) -> list[torch.Tensor]:
     tensors += [p for group in engine.optimizer.param_groups for p in group["params"]]
     tensors += [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     return tensors
+
+
+def asleep_accelerator(rank: int, world_size: int, folder: Path) -> dict[str, Any]:
+    """Stage 2 through ZeroAccelerator, asleep (`model.offload_states()`): what accelerate's calls say (they once
+    killed rank 0 with SIGSEGV), then the same calls after `reload_states()`."""
+    accelerator = _accelerator({"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}}, 1)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = loop_data(world_size, 1)
+    accelerator.backward(F.mse_loss(model(x[rank * MICRO :][:MICRO]), y[rank * MICRO :][:MICRO]))
+    optimizer.step()
+    calls = {
+        "get_state_dict": lambda: accelerator.get_state_dict(model),
+        "save_model": lambda: accelerator.save_model(model, str(folder / "model")),
+        "save_state": lambda: accelerator.save_state(str(folder / "state")),
+    }
+    model.offload_states()
+    said = {}
+    for name, call in calls.items():
+        try:
+            call()
+            said[name] = "no error"
+        except RuntimeError as error:
+            said[name] = str(error)
+    model.reload_states()
+    awake = accelerator.get_state_dict(model)
+    return {"said": said, "awake_keys": sorted(awake) if awake is not None else None}
 
 
 def release(rank: int, world_size: int) -> dict[str, Any]:

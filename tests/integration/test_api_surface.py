@@ -37,6 +37,26 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
+def test_accelerates_calls_on_a_sleeping_model_refuse_naming_the_sleep(ranks: list[Any]) -> None:
+    for rank, results in enumerate(ranks):
+        got = results["loop"]["asleep"]
+        for name, said in got["said"].items():
+            assert "offload_states()" in said and "reload_states()" in said, (rank, name, said)
+        if rank == 0:  # awake again, the same call works
+            assert got["awake_keys"] == sorted(
+                [
+                    "inp.weight",
+                    "inp.bias",
+                    "norm.weight",
+                    "norm.bias",
+                    "mid.weight",
+                    "mid.bias",
+                    "out.weight",
+                    "out.bias",
+                ]
+            ), got["awake_keys"]
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("api_surface")
