@@ -168,7 +168,8 @@ TILED = {"logits_tile_tokens": 3, "mlp_tile_tokens": 2, "activations_on_host": T
     ("world_size", "sp", "how", "tiling"),
     [
         pytest.param(2, 2, "argument", None, id="sp2-parallelism_config"),
-        pytest.param(4, 2, "config_key", TILED, id="sp2xdp2-config_key-tiled"),
+        # ParallelismConfig(sp_size=2) on 4 processes: accelerate fills dp_shard_size=1, dp derived as 4 / 2
+        pytest.param(4, 2, "argument", TILED, id="sp2xdp2-parallelism_config-tiled"),
         pytest.param(2, 1, "config_key", TILED, id="sp1-tiled"),
         pytest.param(2, 2, "launch", None, id="sp2-launch_environment"),
     ],
