@@ -347,6 +347,10 @@ def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, f
     )
     out["smoothing"] = error_of(smoothing.get_train_dataloader)
     out["rule"] = error_of(lambda: TrainingArguments(**kwargs, sequence_parallel_loss_normalization="alst"))
+    plain = {**kwargs, "parallelism_config": None, "sequence_parallel_loss_normalization": "deepspeed_alst"}
+    out["rule_without_sp"] = error_of(
+        Trainer(model=_model(), args=TrainingArguments(**plain), train_dataset=data).get_train_dataloader
+    )
     saving = {**kwargs, "output_dir": f"{folder}/resume", "max_steps": 1, "save_strategy": "steps", "save_steps": 1}
     Trainer(model=_model(), args=TrainingArguments(**saving), train_dataset=data, data_collator=collator).train()
     checkpoint = f"{folder}/resume/checkpoint-1"  # one step of an epoch of several
@@ -387,6 +391,10 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
             refused = result["refused"]
             assert "label_smoothing_factor with sequence_parallel_size=2" in refused["smoothing"]
             assert "sequence_parallel_loss_normalization='alst': choose one of 'accumulated_tokens'" in refused["rule"]
+            assert (
+                "sequence_parallel_loss_normalization='deepspeed_alst' without sequence parallelism"
+                in (refused["rule_without_sp"])
+            ), "an opt-in that cannot act is refused, not ignored"
             assert "resuming at step 1, inside an epoch, with sequence_parallel_size=2" in refused["resume"]
             assert refused["ignore_data_skip"] == f"global_step {TRAINER_STEPS}", "the resumed run trains to the end"
             alst = _alst_reference(reference["seen"])

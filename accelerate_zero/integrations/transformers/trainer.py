@@ -128,11 +128,18 @@ class ZeroTrainerMixin:
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()  # type: ignore[misc]
+        rule = self._sequence_loss_rule
+        if not self.accelerator.cuts_sequences and rule is not LossNormalization.ACCUMULATED_TOKENS:
+            raise ValueError(
+                f"sequence_parallel_loss_normalization={rule.value!r} without sequence parallelism or sequence_tiling: "
+                "it chooses how a loss over cut sequences is normalised, and nothing is cut here; remove it, or turn "
+                "sequence parallelism on (ParallelismConfig sp_size, or sequence_parallel_size in the ZeRO config)"
+            )
         if self.accelerator.cuts_sequences:
             _refuse_other_losses(self)
             if self.loss_is_scaled_for_ga is None or getattr(self, "_zero_set_loss_scaling", False):
                 # the step's normaliser already counts the accumulation; the micro-batch rule leaves it to the Trainer
-                self.loss_is_scaled_for_ga = self._sequence_loss_rule is LossNormalization.ACCUMULATED_TOKENS
+                self.loss_is_scaled_for_ga = rule is LossNormalization.ACCUMULATED_TOKENS
                 self._zero_set_loss_scaling = True
         # always cut: the Trainer reads a step's batches before `training_step` calls `model.train()`, and a model
         # from `from_pretrained` or just evaluated is in eval mode then
