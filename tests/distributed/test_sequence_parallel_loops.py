@@ -297,9 +297,9 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
         "eval_loss": evaluated,
         "batch": trainer.zero_engine.config.train_batch_size,
     }
+    alst = _train(f"{folder}/alst", sp, trl, data, sequence_parallel_loss_normalization="deepspeed_alst")
+    out["alst_params"] = _gathered(alst.model)
     if not trl:
-        alst = _train(f"{folder}/alst", sp, trl, data, sequence_parallel_loss_normalization="deepspeed_alst")
-        out["alst_params"] = _gathered(alst.model)
         out["refused"] = _refusals(_trainer_kwargs(folder, sp), data, RecordingCollator(), folder)
     return out
 
@@ -397,9 +397,9 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
             ), "an opt-in that cannot act is refused, not ignored"
             assert "resuming at step 1, inside an epoch, with sequence_parallel_size=2" in refused["resume"]
             assert refused["ignore_data_skip"] == f"global_step {TRAINER_STEPS}", "the resumed run trains to the end"
-            alst = _alst_reference(reference["seen"])
-            assert _error(result["alst_params"], alst) <= 1e-5, "the opt-in trains on DeepSpeed ALST's rule"
-            assert _error(alst, reference["params"]) > 0.05 * moved, "the two rules differ on these batches"
+        alst = _alst_reference(reference["seen"])
+        assert _error(result["alst_params"], alst) <= 1e-6 * max(1.0, moved), "the opt-in trains on ALST's rule"
+        assert _error(alst, reference["params"]) > 0.3 * moved, "the two rules differ on these batches (64%)"
         assert result["sp"] == sp and result["batch"] == MICRO * TRAINER_ACCUMULATION * world_size // sp
         assert result["global_step"] == TRAINER_STEPS and result["epoch"] == pytest.approx(1.0)
         assert result["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
