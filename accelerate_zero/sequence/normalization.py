@@ -54,7 +54,9 @@ class LossNormalization(str, enum.Enum):
     """Each micro-batch's token mean, averaged over the accumulation steps: DeepSpeed ALST's rule (opt-in)."""
 
     @classmethod
-    def parse(cls, value: str | LossNormalization, name: str = "sequence_parallel_loss_normalization") -> Any:
+    def parse(
+        cls, value: str | LossNormalization, name: str = "sequence_parallel_loss_normalization"
+    ) -> LossNormalization:
         """`value` as a `LossNormalization`.
 
         Raises:
