@@ -30,7 +30,7 @@ INVALID_CONFIG_EXIT_CODE = 2
 # What fills each "auto" at run time: the Trainer (transformers' rules, integrations/transformers/auto_values.py)
 # or `ZeroAccelerator.prepare` (integrations/accelerate/auto_fill.py). Keys not listed get the generic sentence.
 _FILLED_BY = {
-    "train_batch_size": "world size x per_device_train_batch_size x gradient_accumulation_steps",
+    "train_batch_size": "world size / sequence_parallel_size x per_device_train_batch_size x gradient_accumulation_steps",
     "train_micro_batch_size_per_gpu": "per_device_train_batch_size (Trainer) or the dataloader's batch size",
     "gradient_accumulation_steps": "gradient_accumulation_steps (TrainingArguments or ZeroAccelerator)",
     "gradient_clipping": "max_grad_norm (Trainer); 1.0 under ZeroAccelerator",

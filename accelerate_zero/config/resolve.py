@@ -205,10 +205,17 @@ def _check_nvme_paths(config: ZeroConfig) -> list[str]:
 
 
 def data_parallel_ranks(config: ZeroConfig, world_size: int) -> int:
-    """The ranks the batch rule counts: world size / sequence_parallel_size (the ranks of a sequence-parallel group
-    share their batches, DeepSpeed's rule); the world size while that size is "auto" or does not divide it."""
+    """The ranks the batch rule counts (`data_parallel_size` of the config's `sequence_parallel_size`)."""
     size = config.sequence_parallel_size
-    return world_size // size if not is_auto(size) and world_size % size == 0 else world_size
+    return world_size if is_auto(size) else data_parallel_size(world_size, size)
+
+
+def data_parallel_size(world_size: int, sequence_parallel_size: int | None) -> int:
+    """world size / sequence_parallel_size: the ranks of a sequence-parallel group share their batches (DeepSpeed's
+    rule). The world size when that size does not divide it: `resolve_config` then reports that size alone, and
+    every batch value filled from this count stays consistent (no second error blaming an "auto" batch size)."""
+    size = sequence_parallel_size or 1
+    return world_size // size if world_size % size == 0 else world_size
 
 
 def _check_sequence_parallel(config: ZeroConfig, world_size: int) -> list[str]:

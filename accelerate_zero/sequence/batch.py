@@ -3,12 +3,12 @@ the whole sequence from every rank's slice.
 
 [Note: the loss over a sequence-parallel group]
 Labels are shifted on the whole sequence before it is cut (`shift_labels`: the token each position predicts, so
-the last token of a slice predicts the first of the next), padded with -100 to a multiple of the group size. Each rank computes the sum of its tokens' losses divided by the group's count of
-valid tokens (`num_items_in_batch`, the Trainer's own argument), and the group adds the parts with an all-reduce
-whose backward is an all-reduce too: every rank holds the whole sequence's loss, and each rank's backward reaches
-every rank's part, so the group's gradient is p times the sequence's. The engine averages gradients over all of
-its ranks, the p of each group included, which divides that back: the result is the data-parallel mean of the
-sequences' losses, as DeepSpeed's ALST and transformers' `deepspeed_sp_compute_loss` give.
+the last token of a slice predicts the first of the next), padded with -100 to a multiple of the group size. Each
+rank computes the sum of its tokens' losses, and `group_loss` (sequence/normalization.py) divides it and adds the
+group's parts, so every rank holds the same loss and the engine's gradient is the sum of every token loss over
+the normaliser ([Note: loss normalisation under sequence parallelism]): the step's labelled tokens when
+`num_items_in_batch` is given (the Trainer's rule), else this micro-batch's (its token mean, as `model(**batch).loss`
+is without sp).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.sequence.loader import IGNORE_INDEX, whole_rows
+from accelerate_zero.sequence.loader import TOKEN_MASK, whole_rows
+from accelerate_zero.sequence.normalization import group_loss, normalizer_for
 from accelerate_zero.sequence.tiling import tiled_causal_lm_loss
 
 
@@ -35,28 +35,6 @@ def shard_sequence(
     return {key: value[:, group.rank * width : (group.rank + 1) * width] for key, value in rows.items()}
 
 
-def valid_tokens(shift_labels: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
-    """The group's count of tokens with a label (a tensor, for `num_items_in_batch`)."""
-    count = (shift_labels != IGNORE_INDEX).sum().reshape(1).to(torch.float64)
-    collectives.all_reduce(count, group, stats, kind="all_reduce_sequence")
-    return count[0].clamp(min=1)  # a batch with no label at all: a loss of 0, not 0 / 0
-
-
-class _SumOverGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, part: torch.Tensor, group: DataParallelGroup, stats: CommStats) -> torch.Tensor:
-        ctx.group, ctx.stats = group, stats
-        total = part.detach().clone()
-        collectives.all_reduce(total, group, stats, kind="all_reduce_sequence")
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grad.clone()
-        collectives.all_reduce(grad, ctx.group, ctx.stats, kind="all_reduce_sequence")
-        return grad, None, None
-
-
 def sequence_parallel_loss(
     model: torch.nn.Module,
     shard: dict[str, torch.Tensor],
@@ -65,37 +43,68 @@ def sequence_parallel_loss(
     tile_tokens: int | None = None,
     activations_on_host: bool = False,
     return_outputs: bool = False,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    data_parallel_size: int | None = None,
 ) -> Any:
-    """The whole sequence's mean token loss, on every rank of `group`, from this rank's slice (`shard_sequence`, or
-    a batch of `SequenceShardedLoader`: `shift_labels` and the model's inputs) ([Note: the loss over a
-    sequence-parallel group]). `tile_tokens`: the LM head and the loss run in tiles of this many positions ([Note:
-    tiling along the sequence] in sequence/tiling.py); None: the model's own loss. `activations_on_host`: what
-    autograd keeps for backward (with gradient checkpointing, each layer's input) waits in host memory (torch's
-    `save_on_cpu`, page-locked beside a GPU) and comes back for backward. `return_outputs`: (loss, the model's
-    outputs); the outputs are None when tiled."""
+    """The loss of this micro-batch's whole sequences, on every rank of `group`, from this rank's slice
+    (`shard_sequence`, or a batch of `SequenceShardedLoader`: `shift_labels` and the model's inputs) ([Note: the loss
+    over a sequence-parallel group]).
+
+    Args:
+        tile_tokens: the LM head and the loss run in tiles of this many positions ([Note: tiling along the
+            sequence] in sequence/tiling.py); None: the model's own loss.
+        activations_on_host: what autograd keeps for backward (with gradient checkpointing, each layer's input)
+            waits in host memory (torch's `save_on_cpu`, page-locked beside a GPU) and comes back for backward.
+        return_outputs: (loss, the model's outputs); the outputs are None when tiled.
+        num_items_in_batch: the labelled tokens of the whole optimizer step on every rank (transformers' argument
+            of that name): the engine's gradient is then the sum of every token loss of the step over it, as the
+            Trainer's without sp. None: this micro-batch's token mean ([Note: loss normalisation under sequence
+            parallelism]).
+        data_parallel_size: the number of sequence-parallel groups; None: torch's world size / the group's size.
+    """
     if activations_on_host:
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            return sequence_parallel_loss(model, shard, group, stats, tile_tokens, return_outputs=return_outputs)
+            return sequence_parallel_loss(
+                model, shard, group, stats, tile_tokens, False, return_outputs, num_items_in_batch, data_parallel_size
+            )
     if not model.training:
         raise RuntimeError(
             "sequence_parallel_loss on a model that is not training: its Ulysses attention is off (whole sequences "
             "per rank while evaluating); call model.train() first"
         )
+    inputs = model_inputs(shard)
+    stats = stats if stats is not None else CommStats()
+    labels = shard["shift_labels"]
+    dp = data_parallel_size if data_parallel_size is not None else data_parallel_groups(group)
+    normalizer = normalizer_for(labels, num_items_in_batch, group, stats, dp)
+    one = torch.ones((), dtype=torch.float64, device=labels.device)  # the model's loss is then the sum of its tokens'
+    outputs = None
+    if tile_tokens is not None:
+        input_ids = inputs.pop("input_ids")
+        local_sum = tiled_causal_lm_loss(model, input_ids, labels, one, tile_tokens, **inputs)
+    else:
+        outputs = model(**inputs, labels=labels, shift_labels=labels, num_items_in_batch=one)
+        local_sum = outputs.loss
+    loss = group_loss(local_sum, normalizer.to(local_sum.device), group, stats, dp)
+    return (loss, outputs) if return_outputs else loss
+
+
+def model_inputs(shard: dict[str, Any]) -> dict[str, Any]:
+    """What of a cut micro-batch the model takes: all but the labels and `ulysses_token_mask` (kept for counting
+    tokens, [Note: batches of a sequence-parallel group] in sequence/loader.py).
+
+    Raises:
+        ValueError: the micro-batch has an `attention_mask` (the Ulysses attention takes none).
+    """
     if "attention_mask" in shard:
         raise ValueError(
             "sequence_parallel_loss takes no attention_mask: each row is one causal sequence, padded at its end with "
             "labels -100 (SequenceShardedLoader checks a mask and drops it)"
         )
-    stats = stats if stats is not None else CommStats()
-    labels = shard["shift_labels"]
-    inputs = {key: value for key, value in shard.items() if key not in ("shift_labels", "labels")}
-    count = valid_tokens(labels, group, stats)
-    outputs = None
-    if tile_tokens is not None:
-        input_ids = inputs.pop("input_ids")
-        part = tiled_causal_lm_loss(model, input_ids, labels, count, tile_tokens, **inputs)
-    else:
-        outputs = model(**inputs, labels=labels, shift_labels=labels, num_items_in_batch=count)
-        part = outputs.loss
-    loss = _SumOverGroup.apply(part, group, stats)
-    return (loss, outputs) if return_outputs else loss
+    return {key: value for key, value in shard.items() if key not in ("shift_labels", "labels", TOKEN_MASK)}
+
+
+def data_parallel_groups(group: DataParallelGroup) -> int:
+    """torch's world size / `group`'s size: the number of sequence-parallel groups (1 without torch.distributed)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else group.world_size
+    return max(1, world // group.world_size)

@@ -8,7 +8,9 @@ rank j, so it receives slice j of every member's batch, 1/p of what an all-gathe
 Before cutting, each rank's batch is made one causal sequence per row: labels shifted on the whole row
 (`shift_labels`: what each position predicts, so the last position of a slice predicts the first of the next),
 position ids of the whole row, the row padded at its end to a multiple of p (pads predict and are predicted
-nothing). The group's ranks thus iterate p times per batch of the loader under it, as DeepSpeed's
+nothing). A right-padded `attention_mask` becomes `ulysses_token_mask` (1: a real token; without a mask every
+position before the padding to p), kept only to count tokens: a padding mask built for a slice would mean nothing
+to the Ulysses attention, and one of s x s positions would not fit at long lengths. The group's ranks thus iterate p times per batch of the loader under it, as DeepSpeed's
 `UlyssesSPDataLoaderAdapter` does; a data-parallel step is unchanged (each group still consumes one batch per
 member), so the engine's batch rule counts world size / p ranks. When the model is not training, batches pass
 whole: attention is then plain (evaluation and generation see whole sequences on each rank).
@@ -41,6 +43,9 @@ from accelerate_zero.engine.groups import DataParallelGroup
 IGNORE_INDEX = -100
 PACKING_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 """A padding-free batch's boundary keys (TRL's collator, transformers' `DataCollatorWithFlattening`)."""
+TOKEN_MASK = "ulysses_token_mask"
+"""A cut batch's real tokens (1) and padding (0), for counting tokens (TRL's `num_tokens`); the model never reads it
+(the Ulysses attention takes no padding mask: [Note: batches of a sequence-parallel group])."""
 GroupSource = Callable[[], tuple[DataParallelGroup, CommStats]]
 
 
@@ -104,6 +109,7 @@ def whole_rows(batch: dict[str, Any], p: int, pad_token_id: int = 0, seq_length:
                 "labels on padded positions (attention_mask 0) are not -100: set them to -100, as transformers' "
                 "data collators do"
             )
+    out[TOKEN_MASK] = (mask if mask is not None else torch.ones_like(input_ids)).to(torch.uint8)
     padded = -(-length // p) * p
     out["shift_labels"] = _pad(shift, padded, IGNORE_INDEX)
     out["input_ids"] = _pad(input_ids, padded, pad_token_id)

@@ -46,22 +46,33 @@ def _sgd_step(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, Any]:
     return {"loss": loss.item(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _reference(kind: str, dp: int, length: int) -> dict[str, Any]:
+def _labels(dp: int, length: int, uneven: bool) -> torch.Tensor:
+    """The tokens as labels; `uneven`: the last data-parallel rank's first 6 labels -100 (a prompt), so the ranks
+    hold different counts of labelled tokens."""
+    labels = _tokens(dp, length).clone()
+    if uneven:
+        labels[-1, :6] = -100
+    return labels
+
+
+def _reference(kind: str, dp: int, length: int, uneven: bool = False) -> dict[str, Any]:
+    """One process on every data-parallel rank's sequence: the token mean over all of them."""
     model = _model(kind)
     tokens = _tokens(dp, length)
-    loss = model(input_ids=tokens, labels=tokens).loss
+    loss = model(input_ids=tokens, labels=_labels(dp, length, uneven)).loss
     return _sgd_step(model, loss)
 
 
 def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[dict[str, Any]]:
     import accelerate_zero
     from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss, shard_sequence, tile_mlp
+    from accelerate_zero.sequence.normalization import labelled_tokens, summed
 
     out = []
     for kind, sp, length, tile, *composed in cases:
         model = _model(kind)
-        extra = dict(composed[0]) if composed else {}  # {"bf16": True} and zero_optimization keys
-        bf16 = extra.pop("bf16", False)
+        extra = dict(composed[0]) if composed else {}  # {"bf16": True}, {"step_tokens": True}, zero_optimization
+        bf16, step_tokens = extra.pop("bf16", False), extra.pop("step_tokens", False)
         config = {
             "sequence_parallel_size": sp,
             "gradient_clipping": 0.0,
@@ -75,10 +86,19 @@ def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[d
             tile_mlp(model, tile)
         dp_rank = rank // sp
         mine = _tokens(world_size // sp, length)[dp_rank : dp_rank + 1]
-        shard = shard_sequence(mine, mine, group)
+        labels = _labels(world_size // sp, length, step_tokens)[dp_rank : dp_rank + 1]
+        shard = shard_sequence(mine, labels, group)
+        # every rank's labelled tokens: the step's normaliser ([Note: loss normalisation under sequence parallelism])
+        tokens = summed(labelled_tokens([shard]), engine.layout.world, engine.comm_stats_counter)
         # the tiled cases also keep what backward needs in host memory (save_on_cpu): composed, it changes nothing
         loss = sequence_parallel_loss(
-            model, shard, group, engine.comm_stats_counter, tile_tokens=tile, activations_on_host=tile is not None
+            model,
+            shard,
+            group,
+            engine.comm_stats_counter,
+            tile_tokens=tile,
+            activations_on_host=tile is not None,
+            num_items_in_batch=tokens if step_tokens else None,
         )
         engine.backward(loss)
         engine.step()
@@ -122,13 +142,15 @@ def test_ulysses_matches_whole_sequences(world_size: int) -> None:
 
 
 OFFLOAD = {"device": "cpu"}
-COMPOSED = {  # (model, sp, length, tile, what else the engine runs): sp 2 x dp 2 at every stage and with offload
+COMPOSED = {  # (model, sp, length, tile, what else runs): sp 2 x dp 2 at every stage, with offload, by the step's tokens
     4: [
         ("llama", 2, 11, None, {"stage": 0}),
         ("llama", 2, 11, None, {"stage": 1}),
         ("llama", 2, 11, 3, {"stage": 2}),
         ("qwen2", 2, 11, None, {"stage": 2, "offload_optimizer": OFFLOAD}),
         ("llama", 2, 11, 3, {"stage": 3, "offload_optimizer": OFFLOAD, "offload_param": OFFLOAD}),
+        # normalised by the step's tokens over every rank (the Trainer's rule), the groups' counts uneven
+        ("llama", 2, 11, None, {"step_tokens": True}),
     ],
     2: [("llama", 2, 13, None, {"bf16": True}), ("llama", 2, 13, 3, {"bf16": True, "stage": 2})],
 }
@@ -143,7 +165,7 @@ def test_ulysses_composes_with_every_stage_offload_and_bf16(world_size: int) -> 
     cases = COMPOSED[world_size]
     results = run_distributed(_sequence_parallel, world_size, cases)
     for index, (kind, sp, length, _, composed) in enumerate(cases):
-        reference = _reference(kind, world_size // sp, length)
+        reference = _reference(kind, world_size // sp, length, composed.get("step_tokens", False))
         first = results[0][index]
         error = max((first["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
         if not composed.get("bf16"):

@@ -168,7 +168,8 @@ TILED = {"logits_tile_tokens": 3, "mlp_tile_tokens": 2, "activations_on_host": T
     ("world_size", "sp", "how", "tiling"),
     [
         pytest.param(2, 2, "argument", None, id="sp2-parallelism_config"),
-        pytest.param(4, 2, "config_key", TILED, id="sp2xdp2-config_key-tiled"),
+        # ParallelismConfig(sp_size=2) on 4 processes: accelerate fills dp_shard_size=1, dp derived as 4 / 2
+        pytest.param(4, 2, "argument", TILED, id="sp2xdp2-parallelism_config-tiled"),
         pytest.param(2, 1, "config_key", TILED, id="sp1-tiled"),
         pytest.param(2, 2, "launch", None, id="sp2-launch_environment"),
     ],
@@ -198,36 +199,61 @@ def test_zero_accelerator_loop_matches_one_process(world_size: int, sp: int, how
 
 
 # ---------------------------------------------------------------------------------------------------- the Trainer
-def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dict[str, Any]:
+# Accumulation 3 over uneven lengths: with sp 2 a step takes pieces of 3 batches, straddling the loader's batches, and
+# transformers' rule (every token of the step alike) differs from DeepSpeed ALST's (each micro-batch's mean alike).
+TRAINER_ACCUMULATION, TRAINER_STEPS = 3, 4
+METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def _trainer_kwargs(folder: str, sp: int | None, **overrides: Any) -> dict[str, Any]:
+    """The run's arguments; sp None: the one-process reference (plain transformers/TRL arguments)."""
     from accelerate import ParallelismConfig
 
-    from accelerate_zero import Trainer, TrainingArguments
-    from accelerate_zero.integrations.trl import ZeroSFTConfig, ZeroSFTTrainer
-    from tests.helpers.dist import plain_torchrun_environment
     from tests.integration import trainer_checks as checks
 
-    plain_torchrun_environment()
-    model, collator = _model(), RecordingCollator()
     kwargs = checks.args_kwargs(
         folder,
         MICRO,
-        gradient_accumulation_steps=sp,
+        gradient_accumulation_steps=TRAINER_ACCUMULATION,
         max_steps=-1,
         num_train_epochs=1,  # the Trainer counts an epoch's steps from the cut loader's length
         learning_rate=LR,
         lr_scheduler_type="constant",
         max_grad_norm=0.0,
-        parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=sp),
-        zero_config={**_config(sp, False), "train_micro_batch_size_per_gpu": "auto"},
+        **overrides,
     )
-    data = _samples(MICRO * world_size * STEPS)
+    if sp is not None:
+        kwargs["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=sp)
+        kwargs["zero_config"] = {
+            **_config(sp, False),
+            "gradient_accumulation_steps": TRAINER_ACCUMULATION,
+            "train_micro_batch_size_per_gpu": "auto",
+        }
+    return kwargs
+
+
+def _trainer_data(world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Batches in order (sequential sampling): rank r reads batches r, r + world, ...; the group's micro-batches
+    are its members' batches in rank order, so the run's micro-batches are the one process's, in its order."""
+    return _samples(MICRO * TRAINER_ACCUMULATION * TRAINER_STEPS)
+
+
+def _train(folder: str, sp: int | None, trl: bool, data: list, **overrides: Any) -> Any:
+    """Builds and trains the Trainer (ours with sp, else transformers' or TRL's own in one process)."""
+    collator = RecordingCollator()
+    model = _model()
     if trl:
         from datasets import Dataset
         from transformers import AutoTokenizer
 
-        args = ZeroSFTConfig(**kwargs, bf16=False, max_length=None)  # TRL defaults to bf16
+        if sp is None:
+            from trl import SFTConfig, SFTTrainer
+        else:
+            from accelerate_zero.integrations.trl import ZeroSFTConfig as SFTConfig
+            from accelerate_zero.integrations.trl import ZeroSFTTrainer as SFTTrainer
+        args = SFTConfig(**_trainer_kwargs(folder, sp, **overrides), bf16=False, max_length=None)  # TRL: bf16
         dataset = Dataset.from_list([{"input_ids": row["input_ids"].tolist()} for row in data])  # tokenized already
-        trainer = ZeroSFTTrainer(
+        trainer = SFTTrainer(
             model=model,
             args=args,
             train_dataset=dataset,
@@ -235,32 +261,77 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
             processing_class=AutoTokenizer.from_pretrained(TOKENIZER),
         )
     else:
+        if sp is None:
+            from transformers import Trainer, TrainingArguments
+        else:
+            from accelerate_zero import Trainer, TrainingArguments
         model.eval()  # as `from_pretrained` gives it: the Trainer reads batches before `training_step` trains it
-        trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=data, data_collator=collator)
+        args = TrainingArguments(**_trainer_kwargs(folder, sp, **overrides))
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
     trainer.train()
+    trainer.recorded = list(collator.seen)  # the training batches only (evaluation collates more)
+    return trainer
+
+
+def _logged(trainer: Any) -> list[dict[str, float]]:
+    return [{k: v for k, v in log.items() if k in METRICS} for log in trainer.state.log_history if "loss" in log]
+
+
+def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dict[str, Any]:
+    from tests.helpers.dist import plain_torchrun_environment
+
+    plain_torchrun_environment()
+    data = _trainer_data(world_size)
+    trainer = _train(folder, sp, trl, data)
     # evaluation runs whole sequences on every rank (not cut, not divided by sp): one sample repeated, so its loss
     # is the mean whatever the split
+    dataset = trainer.train_dataset
     evaluated = trainer.evaluate(dataset.select([0] * 4) if trl else [data[0]] * 4)["eval_loss"]
-    params = _gathered(model)
-    refused = {}
-    if not trl:
-        refused = _refusals(kwargs, data, collator, folder)
-    return {
-        "refused": refused,
-        "seen": collator.seen,
-        "params": params,
+    out = {
+        "seen": trainer.recorded,
+        "params": _gathered(trainer.model),
+        "logs": _logged(trainer),
         "sp": trainer.accelerator.sequence_parallel_size,
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         "eval_loss": evaluated,
         "batch": trainer.zero_engine.config.train_batch_size,
     }
+    alst = _train(f"{folder}/alst", sp, trl, data, sequence_parallel_loss_normalization="deepspeed_alst")
+    out["alst_params"] = _gathered(alst.model)
+    if not trl:
+        out["refused"] = _refusals(_trainer_kwargs(folder, sp), data, RecordingCollator(), folder)
+    return out
+
+
+def _one_process(rank: int, world_size: int, folder: str, trl: bool) -> dict[str, Any]:
+    """transformers' Trainer (or TRL's SFTTrainer) itself, in one process, on the same batches in the same order."""
+    from tests.helpers.dist import plain_torchrun_environment
+
+    plain_torchrun_environment()
+    data = _trainer_data(2)
+    trainer = _train(f"{folder}/one_process", None, trl, data)
+    evaluated = trainer.evaluate(trainer.train_dataset.select([0] * 4) if trl else [data[0]] * 4)["eval_loss"]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {"params": params, "logs": _logged(trainer), "seen": trainer.recorded, "eval_loss": evaluated}
+
+
+def _alst_reference(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """DeepSpeed ALST's rule in one process: each step averages its micro-batches' token means."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for start in range(0, len(batches), TRAINER_ACCUMULATION):
+        step = batches[start : start + TRAINER_ACCUMULATION]
+        torch.stack([model(**batch).loss for batch in step]).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, folder: str) -> dict[str, str]:
     """What the Trainer refuses by name under sequence parallelism instead of doing it wrong: a loss other than the
-    group's token mean, and a resume inside an epoch (its loader cannot be skipped into); with ignore_data_skip
-    that resume trains."""
+    group's token mean, a normalisation no rule names, and a resume inside an epoch (its loader cannot be skipped
+    into); with ignore_data_skip that resume trains."""
     from accelerate_zero import Trainer, TrainingArguments
 
     def error_of(run: Any) -> str:
@@ -275,9 +346,14 @@ def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, f
         model=_model(), args=TrainingArguments(**kwargs, label_smoothing_factor=0.1), train_dataset=data
     )
     out["smoothing"] = error_of(smoothing.get_train_dataloader)
+    out["rule"] = error_of(lambda: TrainingArguments(**kwargs, sequence_parallel_loss_normalization="alst"))
+    plain = {**kwargs, "parallelism_config": None, "sequence_parallel_loss_normalization": "deepspeed_alst"}
+    out["rule_without_sp"] = error_of(
+        Trainer(model=_model(), args=TrainingArguments(**plain), train_dataset=data).get_train_dataloader
+    )
     saving = {**kwargs, "output_dir": f"{folder}/resume", "max_steps": 1, "save_strategy": "steps", "save_steps": 1}
     Trainer(model=_model(), args=TrainingArguments(**saving), train_dataset=data, data_collator=collator).train()
-    checkpoint = f"{folder}/resume/checkpoint-1"  # one step of an epoch of two
+    checkpoint = f"{folder}/resume/checkpoint-1"  # one step of an epoch of several
     resumed = Trainer(model=_model(), args=TrainingArguments(**kwargs), train_dataset=data, data_collator=collator)
     out["resume"] = error_of(lambda: resumed.train(resume_from_checkpoint=checkpoint))
     skipping = {**kwargs, "ignore_data_skip": True}
@@ -297,19 +373,38 @@ class _ListCollator:
         return self.inner([{"input_ids": torch.tensor(row["input_ids"])} for row in rows])
 
 
+def _error(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    return max((params[n] - p).abs().max().item() for n, p in reference.items())
+
+
 @pytest.mark.parametrize("trl", [pytest.param(False, id="Trainer"), pytest.param(True, id="SFTTrainer")])
 def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool) -> None:
+    """sp 2 equals transformers' Trainer (TRL's SFTTrainer) in one process: weights, logged losses and TRL's
+    metrics, with uneven lengths and accumulation 3 ([Note: loss normalisation under sequence parallelism]);
+    `sequence_parallel_loss_normalization="deepspeed_alst"` trains on DeepSpeed ALST's rule instead."""
     world_size, sp = 2, 2
     results = run_distributed(_trainer, world_size, sp, str(tmp_path), trl)
-    reference = _reference([result["seen"] for result in results], STEPS, _samples(MICRO * world_size * STEPS)[0])
+    reference = run_distributed(_one_process, 1, str(tmp_path), trl)[0]
+    moved = _error(_model().state_dict(), reference["params"])
     for result in results:
         if not trl:
             refused = result["refused"]
             assert "label_smoothing_factor with sequence_parallel_size=2" in refused["smoothing"]
+            assert "sequence_parallel_loss_normalization='alst': choose one of 'accumulated_tokens'" in refused["rule"]
+            assert (
+                "sequence_parallel_loss_normalization='deepspeed_alst' without sequence parallelism"
+                in (refused["rule_without_sp"])
+            ), "an opt-in that cannot act is refused, not ignored"
             assert "resuming at step 1, inside an epoch, with sequence_parallel_size=2" in refused["resume"]
-            assert refused["ignore_data_skip"] == f"global_step {STEPS}", "the resumed run trains to the epoch's end"
-        assert result["sp"] == sp and result["batch"] == MICRO * sp * world_size // sp
-        assert result["global_step"] == STEPS and result["epoch"] == pytest.approx(1.0)
+            assert refused["ignore_data_skip"] == f"global_step {TRAINER_STEPS}", "the resumed run trains to the end"
+        alst = _alst_reference(reference["seen"])
+        assert _error(result["alst_params"], alst) <= 1e-6 * max(1.0, moved), "the opt-in trains on ALST's rule"
+        assert _error(alst, reference["params"]) > 0.3 * moved, "the two rules differ on these batches (64%)"
+        assert result["sp"] == sp and result["batch"] == MICRO * TRAINER_ACCUMULATION * world_size // sp
+        assert result["global_step"] == TRAINER_STEPS and result["epoch"] == pytest.approx(1.0)
         assert result["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
-        error = max((result["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
-        assert error <= 1e-5, error
+        assert _error(result["params"], reference["params"]) <= 1e-6 * max(1.0, moved), "weights as one process"
+        assert len(result["logs"]) == TRAINER_STEPS
+        for ours, theirs in zip(result["logs"], reference["logs"], strict=True):
+            assert ours.keys() == theirs.keys() and len(ours) == (4 if trl else 1), (ours, theirs)
+            assert ours == pytest.approx(theirs, rel=1e-5), "logged loss (and TRL's metrics) as one process"

@@ -109,3 +109,45 @@ def test_a_command_line_error_of_the_script_is_one_line(
     one_line = "the script exited with code 2 (command-line error) on rank 0" in caplog.text
     assert one_line == (expected == 2)
     assert ("Root Cause" in caplog.text) == (expected != 2)
+
+
+def _alst_yaml(tmp_path: Path, processes: int, **sizes: int) -> str:
+    """accelerate_configs/zero3_sp2_demo.yaml (DeepSpeed ALST's recipe) on `processes`, with more
+    `parallelism_config_*` sizes."""
+    import yaml
+
+    demo = Path(__file__).resolve().parents[2] / "accelerate_configs" / "zero3_sp2_demo.yaml"
+    config = yaml.safe_load(demo.read_text())
+    config["num_processes"] = processes
+    config["parallelism_config"].update({f"parallelism_config_{key}": value for key, value in sizes.items()})
+    path = tmp_path / f"alst_{processes}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_parallelism_block_is_checked_before_any_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[Note: data parallelism derived from the processes]: an ALST YAML with `dp_shard_size: 1` on 4 processes
+    passes validate, doctor and the launcher (dp = 4 / 2), and every rank then trains; a size that contradicts
+    processes / sp_size fails there, naming the value and the fix, instead of on every rank."""
+    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher._run_accelerate_launcher", lambda args: 0)
+    works = _alst_yaml(tmp_path, 4, dp_shard_size=1)
+    for command in (["validate", works], ["doctor", works], ["launch", "--config_file", works, "train.py"]):
+        assert main(command) == 0, (command, capsys.readouterr().err)
+    capsys.readouterr()
+    _fail_if_started(monkeypatch)
+    contradicting = _alst_yaml(tmp_path, 4, dp_shard_size=4)
+    three = _alst_yaml(tmp_path, 3)
+    for command in (["validate", contradicting], ["doctor", contradicting], ["launch", "--config_file", three, "x"]):
+        assert main(command) == 2, command
+    out, err = capsys.readouterr()
+    err += out  # doctor reports on stdout
+    assert (
+        err.count(
+            "dp_replicate_size=1, dp_shard_size=4, sp_size=2) on 4 processes: data parallelism is processes / sp_size = 2"
+        )
+        == 2
+    )
+    assert "remove dp_shard_size (it is derived: 2) or set it to 2" in err
+    assert "ParallelismConfig(sp_size=2) on 3 processes" in err and "train_batch_size" not in err

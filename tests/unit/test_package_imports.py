@@ -20,3 +20,39 @@ def test_import_loads_the_engine_only_and_integrations_on_first_use():
     assert loaded == "[]", f"`import accelerate_zero` imported {loaded}; the engine needs none of them"
     assert accelerator == "accelerate_zero.integrations.accelerate.accelerator True"
     assert missing == "[]", f"names in accelerate_zero.__all__ that cannot be reached: {missing}"
+
+
+_DEEPSPEED_PROBE = """
+import importlib.util
+import sys
+
+import torch
+
+import accelerate_zero.integrations.transformers
+import accelerate_zero.integrations.trl
+from accelerate_zero import ZeroAccelerator
+
+ZeroAccelerator.unwrap_model(None, torch.nn.Linear(1, 1))
+print("ours:", "deepspeed" in sys.modules)
+from accelerate.utils import extract_model_from_parallel
+
+extract_model_from_parallel(torch.nn.Linear(1, 1))  # what transformers' save_pretrained and TRL's trainers call
+print("accelerate:", "deepspeed" in sys.modules, importlib.util.find_spec("deepspeed") is not None)
+"""
+
+
+def test_what_the_readme_says_about_importing_deepspeed():
+    """README ("Launching"): accelerate_zero (its integrations, TRL's modules and our unwrap included) imports no
+    deepspeed; with deepspeed installed, accelerate's `extract_model_from_parallel`, which transformers'
+    `save_pretrained` and TRL's trainers call, imports it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _DEEPSPEED_PROBE], capture_output=True, text=True, check=True, timeout=300
+    )
+    lines = {
+        line.split(":")[0]: line.split()[1:]
+        for line in done.stdout.splitlines()
+        if line.startswith(("ours:", "accelerate:"))
+    }
+    assert lines["ours"] == ["False"], "accelerate_zero's code imported deepspeed"
+    imported, installed = lines["accelerate"]
+    assert imported == installed, "accelerate imports deepspeed exactly when it is installed"

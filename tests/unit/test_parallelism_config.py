@@ -20,8 +20,84 @@ def test_replicate_x_shard_is_mics_and_plain_sharding_is_flat() -> None:
 def test_other_dimensions_and_wrong_products_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"ParallelismConfig\(tp_size=2\)"):
         zero_keys_from_parallelism(ParallelismConfig(dp_shard_size=4, tp_size=2), 8)
-    with pytest.raises(ValueError, match=r"2 x 3 x 1 != the 8 processes"):
+    with pytest.raises(ValueError, match=r"processes / sp_size = 8 .*dp_replicate_size x dp_shard_size = 6 contra"):
         zero_keys_from_parallelism(ParallelismConfig(dp_replicate_size=2, dp_shard_size=3), 8)
+
+
+SP2 = {"sp_backend": "deepspeed", "sp_size": 2}
+
+
+@pytest.mark.parametrize(
+    ("sizes", "world_size", "expected"),
+    [
+        # [Note: data parallelism derived from the processes]: accelerate fills every size left out with 1
+        ({}, 2, {}),
+        ({}, 3, {}),
+        ({}, 4, {}),
+        (SP2, 2, {"sequence_parallel_size": 2}),
+        (SP2, 4, {"sequence_parallel_size": 2}),
+        ({**SP2, "dp_shard_size": 1}, 4, {"sequence_parallel_size": 2}),  # an ALST YAML's `dp_shard_size: 1`
+        ({**SP2, "dp_shard_size": 2}, 4, {"sequence_parallel_size": 2}),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, 4, {"zero_optimization": {"mics_shard_size": 2}}),
+        ({"dp_replicate_size": 2}, 4, {"zero_optimization": {"mics_shard_size": 2}}),  # dp_shard_size derived
+        ({"dp_replicate_size": 3}, 3, {"zero_optimization": {"mics_shard_size": 1}}),  # replicated only
+        ({"dp_shard_size": 3}, 3, {}),
+        (SP2, 3, r"ParallelismConfig\(sp_size=2\) on 3 processes.*use an sp_size among \[1, 3\]"),
+        (
+            {**SP2, "dp_shard_size": 4},
+            4,
+            r"dp_shard_size=4, sp_size=2\) on 4 processes: data parallelism is processes "
+            r"/ sp_size = 2 .*remove dp_shard_size \(it is derived: 2\) or set it to 2",
+        ),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, 2, r"= 4 contradicts it; remove dp_shard_size"),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, 3, r"set dp_replicate_size to a divisor of 3"),
+    ],
+)
+def test_every_spelling_at_2_3_and_4_processes(
+    sizes: dict, world_size: int, expected: dict | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's spellings (`ParallelismConfig()`, `sp_backend="deepspeed", sp_size=p`, `dp_replicate_size=R,
+    dp_shard_size=S`) work wherever the sizes fit, data parallelism derived as processes / sp_size (DeepSpeed ALST's
+    rule); a size that contradicts it is refused naming the value and the fix."""
+    for name in ("DP_REPLICATE_SIZE", "DP_SHARD_SIZE", "SP_SIZE", "SP_BACKEND", "TP_SIZE", "CP_SIZE"):
+        monkeypatch.delenv(f"PARALLELISM_CONFIG_{name}", raising=False)
+    parallelism = ParallelismConfig(**sizes)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            zero_keys_from_parallelism(parallelism, world_size)
+    else:
+        assert zero_keys_from_parallelism(parallelism, world_size) == expected
+
+
+def test_an_indivisible_sequence_size_is_the_one_error(tmp_path) -> None:
+    """At 3 ranks with sp 2, the batch size the Trainer fills ("auto") agrees with the batch rule: the one error
+    names sequence_parallel_size, not train_batch_size."""
+    from types import SimpleNamespace
+
+    from accelerate_zero.config import ZeroConfigError, resolve_config
+    from accelerate_zero.integrations.transformers.auto_values import fill_from_training_args
+
+    args = SimpleNamespace(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        world_size=3,
+        parallelism_config=SimpleNamespace(sp_size=2),
+        max_grad_norm=1.0,
+        learning_rate=1e-3,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        save_on_each_node=False,
+        fp16=False,
+        fp16_full_eval=False,
+        bf16=False,
+        bf16_full_eval=False,
+    )
+    fill = fill_from_training_args({"train_batch_size": "auto", "zero_optimization": {"stage": 3}}, args)
+    with pytest.raises(ZeroConfigError) as error:  # the size ParallelismConfig asks for, as the ranks write it
+        resolve_config(ZeroConfig.from_any({**fill.config, "sequence_parallel_size": 2}), world_size=3)
+    assert error.value.problems == ["sequence_parallel_size=2 does not divide the 3 ranks: use one of [1, 3]"]
 
 
 def test_the_keys_join_the_config_unless_it_says_otherwise() -> None:

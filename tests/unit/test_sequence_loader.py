@@ -22,7 +22,8 @@ def _batch(lengths: list[int], width: int) -> dict[str, torch.Tensor]:
 
 def test_rows_are_shifted_on_the_whole_row_padded_to_the_group_and_lose_the_mask() -> None:
     rows = whole_rows(_batch([5, 3], 5), p=4, pad_token_id=7)
-    assert sorted(rows) == ["input_ids", "position_ids", "shift_labels"]
+    assert sorted(rows) == ["input_ids", "position_ids", "shift_labels", "ulysses_token_mask"]
+    assert rows["ulysses_token_mask"].tolist() == [[1] * 5 + [0] * 3, [1] * 3 + [0] * 5], "real tokens, for counting"
     assert rows["input_ids"].tolist() == [[1, 2, 3, 4, 5, 7, 7, 7], [11, 12, 13, 0, 0, 7, 7, 7]]
     assert rows["shift_labels"].tolist() == [[2, 3, 4, 5, -100, -100, -100, -100], [12, 13] + [-100] * 6]
     assert rows["position_ids"].tolist() == [list(range(8))] * 2
@@ -63,7 +64,7 @@ def test_packed_rows_keep_their_positions_and_give_their_sequences() -> None:
         "max_length_q": 3,
     }
     rows = whole_rows(batch, p=4)
-    assert sorted(rows) == ["input_ids", "position_ids", "shift_labels"]
+    assert sorted(rows) == ["input_ids", "position_ids", "shift_labels", "ulysses_token_mask"]
     assert rows["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]]
     assert sequences_of(rows["position_ids"]) == [[(0, 3), (3, 8)], [(0, 8)]]
     assert sequences_of(torch.arange(6).expand(2, 6)) is None, "one sequence per row: the fast path"

@@ -1,4 +1,5 @@
-"""Checks on a built DeepSpeed config before any process starts: the `resolve_config` rules, and NVMe folders.
+"""Checks on a built DeepSpeed config before any process starts: the `resolve_config` rules, the
+`parallelism_config` block's sizes, and NVMe folders.
 
 `accelerate-zero launch`, `validate` and `doctor` run them so that a config that cannot work fails once, here,
 instead of on every rank; what only a rank can know (the Trainer's "auto" values, a writable NVMe folder) is left
@@ -12,6 +13,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from accelerate_zero.config import ZeroConfig, resolve_config
+from accelerate_zero.integrations.accelerate.parallelism import (
+    parallelism_from_block,
+    with_zero_keys,
+    zero_keys_from_parallelism,
+)
 from accelerate_zero.integrations.accelerate.plugin_fields import OFFLOAD_BLOCKS, find_node
 
 
@@ -48,6 +54,19 @@ def resolve_leaving_auto(config: ZeroConfig | Mapping[str, Any], world_size: int
         if isinstance(node, dict):
             node[key] = "auto"
     return Resolved(resolved, autos)
+
+
+def with_parallelism_block(
+    config: ZeroConfig, block: Mapping[str, Any] | None, world_size: int
+) -> tuple[ZeroConfig, list[str]]:
+    """`config` with the sizes an accelerate config's `parallelism_config` block asks for at `world_size` (the keys
+    each rank's `ParallelismConfig()` will add: [Note: data parallelism derived from the processes] in
+    parallelism.py), and the problems that would stop every rank at startup instead."""
+    try:
+        keys = zero_keys_from_parallelism(parallelism_from_block(dict(block or {})), world_size)
+        return with_zero_keys(config, keys, "the accelerate config's parallelism_config"), []
+    except ValueError as error:
+        return config, [f"parallelism_config: {error}"]
 
 
 def nvme_path_problems(config: Mapping[str, Any]) -> list[str]:

@@ -42,7 +42,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from accelerate_zero.config import ZeroConfigError
 from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.deepspeed_build import BuiltConfig, build_deepspeed_config
-from accelerate_zero.integrations.accelerate.launch_checks import nvme_path_problems, resolve_leaving_auto
+from accelerate_zero.integrations.accelerate.launch_checks import (
+    nvme_path_problems,
+    resolve_leaving_auto,
+    with_parallelism_block,
+)
 from accelerate_zero.integrations.accelerate.rank_env import MOE_ENV, plugin_env
 from accelerate_zero.integrations.accelerate.zero_settings import settings_from_accelerate
 
@@ -105,7 +109,7 @@ def prepare_launch(args: argparse.Namespace) -> PreparedLaunch:
         )
     num_processes, num_machines = _process_counts(args, cluster)
     _check_multinode_launcher(args, block, num_machines)
-    _check_before_spawn(built, num_processes)
+    _check_before_spawn(built, num_processes, cluster.parallelism_config if cluster is not None else None)
     env = plugin_env(built)
     moe_names = args.deepspeed_moe_layer_cls_names or block.get("deepspeed_moe_layer_cls_names")
     if moe_names:
@@ -225,12 +229,14 @@ def _process_counts(args: argparse.Namespace, cluster: ClusterConfig | None) -> 
     return num_processes, num_machines
 
 
-def _check_before_spawn(built: BuiltConfig, world_size: int) -> None:
-    """What would stop every rank at startup, found here instead: the batch rule at the world size about to start
-    (its "auto" values aside: the integration fills them) and NVMe folders that cannot exist on this machine."""
-    problems = nvme_path_problems(built.deepspeed_config)
+def _check_before_spawn(built: BuiltConfig, world_size: int, parallelism: dict[str, Any] | None = None) -> None:
+    """What would stop every rank at startup, found here instead: the `parallelism_config` block's sizes at the
+    world size about to start, the batch rule there (its "auto" values aside: the integration fills them; the
+    ranks sharing a sequence counted once) and NVMe folders that cannot exist on this machine."""
+    config, problems = with_parallelism_block(built.zero_config, parallelism, world_size)
+    problems += nvme_path_problems(built.deepspeed_config)
     try:
-        resolve_leaving_auto(built.zero_config, world_size)
+        resolve_leaving_auto(config, world_size)
     except ZeroConfigError as error:
         problems = [*error.problems, *problems]
     if problems:

@@ -11,6 +11,7 @@ provide: asked for, they are refused by name instead of being dropped.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -41,22 +42,27 @@ def parallelism_from_launch() -> Any:
     return ParallelismConfig()
 
 
-def zero_keys_from_parallelism(parallelism: Any, world_size: int) -> dict[str, Any]:
-    """The config keys a `ParallelismConfig` asks for ({} for plain data parallelism): `zero_optimization` keys,
-    and `sequence_parallel_size` at the top level.
+# [Note: data parallelism derived from the processes] accelerate fills every size left out with 1 (`ParallelismConfig()`
+# has dp_shard_size=1, and an ALST recipe's YAML often writes `dp_shard_size: 1`), and its DeepSpeed sequence-parallel
+# path then ignores the data-parallel sizes: DeepSpeed's ALST takes data parallelism to be processes / sp_size. So do
+# we: dp = world / sp, and a dp_shard_size of 1 is "left to derive" (dp / dp_replicate_size), as no rank count can make
+# a 1 there mean anything else. A size that contradicts dp (dp_shard_size=4 with sp_size=2 on 4 processes) is refused
+# naming both and the fix, by `validate`, `doctor` and the launcher before any process starts (launch_checks.py), and
+# by every rank otherwise.
+def layout_sizes(parallelism: Any, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, sp) of `parallelism` on `world_size` processes ([Note: data parallelism derived from
+    the processes]).
 
     Raises:
-        ValueError: a dimension other than data parallelism is asked for, or the sizes do not multiply to the
-            world size.
+        ValueError: a dimension other than data and sequence parallelism is asked for, sp_size does not divide the
+            processes, or the data-parallel sizes contradict processes / sp_size.
     """
-    if parallelism is None:
-        return {}
     others = {
         name: getattr(parallelism, name, None)
         for name in ("tp_size", "cp_size")
         if (getattr(parallelism, name, None) or 1) > 1
     }
-    sequence = getattr(parallelism, "sp_size", None) or 1
+    sequence = int(getattr(parallelism, "sp_size", None) or 1)
     backend = getattr(parallelism, "sp_backend", None) or "deepspeed"
     if sequence > 1 and backend not in SEQUENCE_BACKENDS:
         others["sp_backend"] = backend
@@ -66,19 +72,60 @@ def zero_keys_from_parallelism(parallelism: Any, world_size: int) -> dict[str, A
             f"ParallelismConfig({sizes}): accelerate_zero shards over data parallelism only (dp_replicate_size x "
             "dp_shard_size); remove these sizes, or train them under accelerate's own FSDP2"
         )
-    replicate = parallelism.dp_replicate_size or 1
-    shard = parallelism.dp_shard_size or (world_size // (replicate * sequence))
-    if replicate * shard * sequence != world_size:
+    if world_size % sequence:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"ParallelismConfig(sp_size={sequence}) on {world_size} processes: the ranks sharing a sequence must "
+            f"divide the processes (data parallelism is processes / sp_size, as in DeepSpeed's ALST); use an sp_size "
+            f"among {divisors}, or launch a multiple of {sequence} processes"
+        )
+    data = world_size // sequence
+    replicate = int(parallelism.dp_replicate_size or 1)
+    shard = int(parallelism.dp_shard_size or 1)
+    if shard == 1 and data % replicate == 0:
+        shard = data // replicate  # accelerate's 1: derived
+    if replicate * shard != data:
+        fix = (
+            f"remove dp_shard_size (it is derived: {data // replicate}) or set it to {data // replicate}"
+            if data % replicate == 0
+            else f"set dp_replicate_size to a divisor of {data}"
+        )
         raise ValueError(
             f"ParallelismConfig(dp_replicate_size={parallelism.dp_replicate_size}, dp_shard_size="
-            f"{parallelism.dp_shard_size}, sp_size={sequence}): {replicate} x {shard} x {sequence} != the "
-            f"{world_size} processes; make the product the number of processes"
+            f"{parallelism.dp_shard_size}, sp_size={sequence}) on {world_size} processes: data parallelism is "
+            f"processes / sp_size = {data} (DeepSpeed ALST's rule), and dp_replicate_size x dp_shard_size = "
+            f"{replicate * int(parallelism.dp_shard_size or 1)} contradicts it; {fix}"
         )
+    return replicate, shard, sequence
+
+
+def zero_keys_from_parallelism(parallelism: Any, world_size: int) -> dict[str, Any]:
+    """The config keys a `ParallelismConfig` asks for ({} for plain data parallelism): `zero_optimization` keys,
+    and `sequence_parallel_size` at the top level.
+
+    Raises:
+        ValueError: as `layout_sizes`.
+    """
+    if parallelism is None:
+        return {}
+    replicate, shard, sequence = layout_sizes(parallelism, world_size)
     keys: dict[str, Any] = {"sequence_parallel_size": sequence} if sequence > 1 else {}
     if replicate > 1:
         # ZeRO shards over the sequence-parallel ranks too (as DeepSpeed's ALST does): a group is dp_shard x sp
         keys["zero_optimization"] = {"mics_shard_size": shard * sequence}
     return keys
+
+
+def parallelism_from_block(block: dict[str, Any] | None) -> Any:
+    """An accelerate config file's `parallelism_config` block (`parallelism_config_sp_size: 2`, ...) as the sizes
+    the ranks' `ParallelismConfig()` will read from the launch environment; None for an empty block."""
+    if not block:
+        return None
+    prefix = "parallelism_config_"
+    values = {key[len(prefix) :] if key.startswith(prefix) else key: value for key, value in block.items()}
+    sizes = {name: int(values.get(name) or 1) for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}
+    sizes["sp_size"] = int(values.get("sp_size") or 1)
+    return SimpleNamespace(**sizes, sp_backend=values.get("sp_backend") or "deepspeed")  # accelerate's defaults
 
 
 def with_zero_keys(config: Any, keys: dict[str, Any], source: str) -> Any:

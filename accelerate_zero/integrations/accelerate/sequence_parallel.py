@@ -8,7 +8,9 @@ ALST when `ParallelismConfig(sp_backend="deepspeed", sp_size=p)` is given, done 
   a sequence-parallel group]), as accelerate wraps them in `UlyssesSPDataLoaderAdapter`; one prepared apart goes
   through `sequence_parallel_loader` (accelerate's `deepspeed_ulysses_dl_adapter` is the same).
 * The loss of a micro-batch is `sequence_parallel_loss` (or the user's own weighted all-gather over
-  `sequence_parallel_group`, as accelerate's docs show for DeepSpeed).
+  `sequence_parallel_group`, as accelerate's docs show for DeepSpeed), normalised by the micro-batch's tokens or,
+  given `num_items_in_batch` (`sequence_parallel_tokens`), by the whole step's ([Note: loss normalisation under
+  sequence parallelism] in sequence/normalization.py).
 
 accelerate's `sp_handler` (`DeepSpeedSequenceParallelConfig`) is read, not dropped: `sp_seq_length` with
 `sp_seq_length_is_variable=False` fixes every batch's length, and `sp_attn_implementation` may only name SDPA,
@@ -26,6 +28,7 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.sequence import register_ulysses_attention, sequence_parallel_loss, tile_mlp
 from accelerate_zero.sequence.loader import SequenceShardedLoader
+from accelerate_zero.sequence.normalization import labelled_tokens, normalizer_for, summed
 
 
 SUPPORTED_CORE_ATTENTION = (None, "sdpa")
@@ -127,11 +130,24 @@ class SequenceParallelMixin:
         return self.sequence_parallel_loader(dl)
 
     def sequence_parallel_loss(
-        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], return_outputs: bool = False, **kwargs: Any
+        self,
+        model: torch.nn.Module,
+        batch: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | float | None = None,
+        **kwargs: Any,
     ) -> Any:
-        """The group's mean token loss of `batch` (a `SequenceShardedLoader` micro-batch) on every rank
-        ([Note: the loss over a sequence-parallel group]); `kwargs` (`tile_tokens`, `activations_on_host`) override
-        the config's `sequence_tiling`."""
+        """The loss of `batch` (a `SequenceShardedLoader` micro-batch), the same on every rank of the group ([Note:
+        the loss over a sequence-parallel group]); `kwargs` (`tile_tokens`, `activations_on_host`) override the
+        config's `sequence_tiling`.
+
+        Args:
+            num_items_in_batch: the labelled tokens of the whole optimizer step on every rank
+                (`sequence_parallel_tokens` of the step's micro-batches): the step's gradient is then the sum of its
+                token losses over that count, as transformers' Trainer normalises. None: this micro-batch's token
+                mean, as `model(**batch).loss` is without sp ([Note: loss normalisation under sequence
+                parallelism]).
+        """
         group, stats = self._sequence_group()
         tiling = self._trained_engine().config.sequence_tiling
         kwargs = {
@@ -139,7 +155,45 @@ class SequenceParallelMixin:
             "activations_on_host": tiling.activations_on_host,
             **kwargs,
         }
-        return sequence_parallel_loss(model, batch, group, stats, return_outputs=return_outputs, **kwargs)
+        return sequence_parallel_loss(
+            model,
+            batch,
+            group,
+            stats,
+            return_outputs=return_outputs,
+            num_items_in_batch=num_items_in_batch,
+            data_parallel_size=self.sequence_data_parallel_size,
+            **kwargs,
+        )
+
+    @property
+    def sequence_data_parallel_size(self) -> int:
+        """The number of sequence-parallel groups: world size / `sequence_parallel_size` (DeepSpeed ALST's rule)."""
+        return max(1, self.num_processes // self.sequence_parallel_size)
+
+    def sequence_parallel_normalizer(
+        self, batch: dict[str, torch.Tensor], num_items_in_batch: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """What the sum of every rank's token losses is divided by for `batch`: `num_items_in_batch` (the step's),
+        or, None, this micro-batch's labelled tokens over the group times the number of groups ([Note: loss
+        normalisation under sequence parallelism]). Every rank of the group must call it at the same time."""
+        group, stats = self._sequence_group()
+        return normalizer_for(
+            batch["shift_labels"], num_items_in_batch, group, stats, self.sequence_data_parallel_size
+        )
+
+    def sequence_parallel_tokens(self, batches: list[dict[str, Any]], over_all_ranks: bool = True) -> torch.Tensor:
+        """The normaliser of the step made of `batches` (this rank's micro-batches of one optimizer step) under
+        the `accumulated_tokens` rule ([Note: loss normalisation under sequence parallelism]): their labelled tokens
+        summed over every rank (`over_all_ranks`, transformers' `average_tokens_across_devices`), else the
+        group's count times the number of groups (each group normalised by its own tokens, as each rank is without
+        sp). Every rank must call it at the same time."""
+        group, stats = self._sequence_group()
+        local = labelled_tokens(batches)
+        if over_all_ranks:
+            world = self._trained_engine().layout.world
+            return summed(local.to(self.device), world, stats)
+        return summed(local.to(self.device), group, stats) * self.sequence_data_parallel_size
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """accelerate's, and for a sequence-parallel loader: `num_batches` of its micro-batches skipped, whole

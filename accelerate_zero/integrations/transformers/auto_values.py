@@ -18,6 +18,7 @@ from typing import Any
 
 from accelerate_zero.config.fields import parse_number
 from accelerate_zero.config.hidden_size import HIDDEN_SIZE_KEYS, hidden_size_autos
+from accelerate_zero.config.resolve import data_parallel_size
 from accelerate_zero.config.schema import is_auto
 
 
@@ -101,7 +102,7 @@ def fill_from_training_args(
         sequence = getattr(getattr(args, "parallelism_config", None), "sp_size", None) or 1
     fill.fill(
         "train_batch_size",
-        args.world_size * micro * accumulation // sequence,
+        data_parallel_size(args.world_size, sequence) * micro * accumulation,
         "train_batch_size (calculated)",
         not auto_find_batch_size,
     )

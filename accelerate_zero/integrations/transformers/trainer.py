@@ -39,6 +39,8 @@ from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrappe
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
 from accelerate_zero.integrations.transformers.checkpoint_files import verify_manifest, write_manifest
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
+from accelerate_zero.sequence.loader import TOKEN_MASK
+from accelerate_zero.sequence.normalization import LossNormalization
 
 
 logger = logging.getLogger(__name__)
@@ -113,26 +115,61 @@ class ZeroTrainerMixin:
     # [Note: the Trainer under sequence parallelism] transformers' Trainer does ALST only through accelerate's
     # DeepSpeed backend (it reads `accelerator.parallelism_config`, which the ZeroAccelerator keeps out of accelerate).
     # The same steps here: the total batch counts world size / sp ranks, the train loader is cut along sequences,
-    # and the loss is the sequence-parallel group's ([Note: the loss over a sequence-parallel group]);
-    # the Trainer divides it by the accumulation steps, as it does for DeepSpeed's. `get_sp_size` is left at 1:
-    # transformers reads it where a DeepSpeed-adapted loader would not be counted yet (our loader's length counts its
-    # micro-batches already) and to divide evaluation's token count (our evaluation batches are not cut).
+    # and the loss is the sequence-parallel group's ([Note: the loss over a sequence-parallel group]), normalised as
+    # the Trainer normalises without sp: by the labelled tokens of the whole step on every rank, counted on the cut
+    # micro-batches (`_get_num_items_in_batch`); `sequence_parallel_loss_normalization="deepspeed_alst"` asks for
+    # DeepSpeed's per-micro-batch rule instead ([Note: loss normalisation under sequence parallelism]).
+    # `get_sp_size` is left at 1: transformers reads it where a DeepSpeed-adapted loader would not be counted yet
+    # (our loader's length counts its micro-batches already) and to divide token counts (each rank's slices are
+    # disjoint, so ours count nothing twice; our evaluation batches are not cut).
     def get_total_train_batch_size(self, args: Any) -> int:
         total = super().get_total_train_batch_size(args)  # type: ignore[misc]
         return total // self.accelerator.sequence_parallel_size  # a group's ranks share their batches
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()  # type: ignore[misc]
+        rule = self._sequence_loss_rule
+        if not self.accelerator.cuts_sequences and rule is not LossNormalization.ACCUMULATED_TOKENS:
+            raise ValueError(
+                f"sequence_parallel_loss_normalization={rule.value!r} without sequence parallelism or sequence_tiling: "
+                "it chooses how a loss over cut sequences is normalised, and nothing is cut here; remove it, or turn "
+                "sequence parallelism on (ParallelismConfig sp_size, or sequence_parallel_size in the ZeRO config)"
+            )
         if self.accelerator.cuts_sequences:
             _refuse_other_losses(self)
+            if self.loss_is_scaled_for_ga is None or getattr(self, "_zero_set_loss_scaling", False):
+                # the step's normaliser already counts the accumulation; the micro-batch rule leaves it to the Trainer
+                self.loss_is_scaled_for_ga = rule is LossNormalization.ACCUMULATED_TOKENS
+                self._zero_set_loss_scaling = True
         # always cut: the Trainer reads a step's batches before `training_step` calls `model.train()`, and a model
         # from `from_pretrained` or just evaluated is in eval mode then
         return self.accelerator.sequence_parallel_loader(loader, only_while_training=False)
 
+    @property
+    def _sequence_loss_rule(self) -> LossNormalization:
+        return LossNormalization.parse(self.args.sequence_parallel_loss_normalization)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+        if not (batch_samples and TOKEN_MASK in batch_samples[0]):  # not cut: evaluation's whole batches
+            return super()._get_num_items_in_batch(batch_samples, device)  # type: ignore[misc]
+        if self._sequence_loss_rule is not LossNormalization.ACCUMULATED_TOKENS:
+            return None  # each micro-batch is normalised by its own tokens, and the Trainer divides by the steps
+        return self.accelerator.sequence_parallel_tokens(batch_samples, self.args.average_tokens_across_devices)
+
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, **kwargs: Any) -> Any:
         if self.accelerator.cuts_sequences and model.training:
-            return self.accelerator.sequence_parallel_loss(model, inputs, return_outputs=return_outputs)
+            return self.sequence_parallel_compute_loss(model, inputs, return_outputs, kwargs.get("num_items_in_batch"))
         return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)  # type: ignore[misc]
+
+    def sequence_parallel_compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
+    ) -> Any:
+        """The loss of a cut micro-batch: the group's, divided by `num_items_in_batch` (the step's normaliser,
+        `_get_num_items_in_batch`) or, None, by the micro-batch's own tokens. TRL trainers override it to keep
+        their metrics."""
+        return self.accelerator.sequence_parallel_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)  # type: ignore[misc]

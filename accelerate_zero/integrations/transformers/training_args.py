@@ -20,6 +20,7 @@ from accelerate_zero.integrations.accelerate.parallelism import parallelism_from
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.rank_env import read_defaulted, read_launcher_precision
 from accelerate_zero.integrations.transformers.auto_values import AutoFill, fill_from_training_args
+from accelerate_zero.sequence.normalization import LossNormalization
 
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,21 @@ class ZeroArgumentsMixin:
         },
     )
 
+    sequence_parallel_loss_normalization: str = field(
+        default=LossNormalization.ACCUMULATED_TOKENS.value,
+        metadata={
+            "help": (
+                "What the loss is divided by when sequences are cut (sequence parallelism or sequence_tiling): "
+                "'accumulated_tokens' (default) the labelled tokens of the whole optimizer step on every rank, as the "
+                "Trainer without it; 'deepspeed_alst' each micro-batch's token mean averaged over the accumulation "
+                "steps, DeepSpeed ALST's rule (it weighs the tokens of short micro-batches more)."
+            ),
+            "choices": [rule.value for rule in LossNormalization],
+        },
+    )
+
     def __post_init__(self) -> None:
+        LossNormalization.parse(self.sequence_parallel_loss_normalization)
         adopt_accelerate_deepspeed_launch()  # before transformers builds a DeepSpeedPlugin from the environment
         if getattr(self, "parallelism_config", None) is None:  # before the Trainer's Accelerator reads the environment
             self.parallelism_config = parallelism_from_launch()

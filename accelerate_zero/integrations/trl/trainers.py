@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from accelerate_zero.engine.gathered import GatheredParameters
 from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
+from accelerate_zero.sequence.loader import TOKEN_MASK
 
 
 class ZeroDistributedBackend(DistributedBackend):
@@ -109,7 +111,30 @@ class ZeroSFTConfig(ZeroArgumentsMixin, SFTConfig):
 
 
 class ZeroSFTTrainer(ZeroTRLMixin, SFTTrainer):
-    """TRL's `SFTTrainer` on the ZeRO engine."""
+    """TRL's `SFTTrainer` on the ZeRO engine; under sequence parallelism its own loss and metrics run on the cut
+    micro-batches (`sequence_parallel_compute_loss`)."""
+
+    def sequence_parallel_compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
+    ) -> Any:
+        """TRL's `compute_loss` on this rank's slice, so that its metrics (`entropy`, `mean_token_accuracy`,
+        `num_tokens`), gathered over every rank, are the whole batches' as without sp. TRL divides the slice's token
+        losses by the count it is given (times the ranks, with `average_tokens_across_devices`), which is given
+        as the normaliser of [Note: loss normalisation under sequence parallelism]: the engine's gradient is then
+        the same as through `sequence_parallel_loss` (no group sum is needed for it; each rank logs its slice's
+        share, and the Trainer logs their mean)."""
+        normalizer = self.accelerator.sequence_parallel_normalizer(inputs, num_items_in_batch)
+        if not self.args.average_tokens_across_devices:
+            normalizer = normalizer / self.accelerator.num_processes
+        tokens = inputs.pop(TOKEN_MASK)
+        counted = self._total_train_tokens
+        host = self.accelerator.zero_config.sequence_tiling.activations_on_host
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if host else nullcontext():
+            out = SFTTrainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch=normalizer)
+        # TRL counts a batch without attention_mask by its width, the padding to the group size included
+        self._total_train_tokens = counted + int(self.accelerator.gather_for_metrics(tokens.sum()).sum().item())
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return out
 
 
 @dataclass
