@@ -47,7 +47,7 @@ from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 from accelerate_zero.offload.host_memory import HostMemory
-from accelerate_zero.offload.host_threads import HostThreads, threads_for_rank
+from accelerate_zero.offload.host_threads import HostThreads, host_threads_for
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import NvmeParamStore
@@ -453,4 +453,6 @@ class _Assembly:
 
     def _host_threads(self) -> HostThreads | None:
         """[Note: threads for host work] in offload/host_threads.py: only an offloaded step beside a GPU."""
-        return HostThreads(threads_for_rank()) if self.offload.optimizer and self.device.type != "cpu" else None
+        offload = self.config.zero_optimization.offload_optimizer
+        share = offload.cpuadam_cores_perc if offload is not None else None
+        return host_threads_for(self.device, self.offload.optimizer, share)
