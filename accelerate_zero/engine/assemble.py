@@ -51,6 +51,7 @@ from accelerate_zero.offload.host_threads import HostThreads, host_threads_for
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import NvmeParamStore
+from accelerate_zero.offload.pipelined_step import PipelinedHostStep
 from accelerate_zero.offload.policy import OffloadPolicy, offload_masters, offload_policy, use_fused_cpu_step
 from accelerate_zero.optim.fused import prefer_fused_step
 
@@ -361,8 +362,11 @@ class _Assembly:
 
     def _nvme_optimizer(self, slices: list[list[ShardSlice]], zero: Any) -> StepRunner:
         """offload_optimizer nvme: masters and state step sub-group by sub-group from files, beside the gradient
-        file. Otherwise: all in memory."""
+        file; cpu: in memory, chunk by chunk ([Note: the pipelined host step] in offload/pipelined_step.py).
+        Otherwise: all in memory, at once."""
         if self.offload.nvme_path is None:
+            if self.offload.optimizer:
+                return PipelinedHostStep(slices, zero.sub_group_size)
             return StepsInMemory([s for group in slices for s in group])
         assert self.grad_store is not None
         folder = check_nvme_path(
