@@ -95,6 +95,22 @@ def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, A
     return {**json.loads(lines[-1]), **row}
 
 
+def add_predictions(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Ours in modes cpu and cpu+param: `accelerate-zero estimate`'s predicted step time from our no-offload step and
+    the copy bandwidth and host step rate the same run measured ([Note: the offload step time model] in
+    accelerate_zero/debug/step_time.py)."""
+    from accelerate_zero.debug.step_time import Measured, offload_step_seconds
+
+    base = next((r for r in rows if r["system"] == "ours" and r["mode"] == "none" and "step_seconds" in r), None)
+    for row in rows:
+        if base is None or row["system"] != "ours" or row["mode"] not in ("cpu", "cpu+param"):
+            continue
+        if "measured" not in row:
+            continue
+        figures = Measured(base["step_seconds"], row["measured"]["copy_gbps"], row["measured"]["host_rate"])
+        row["predicted"] = offload_step_seconds(row["numel"], 3, row["mode"], args.accumulation, figures)
+
+
 def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     """The markdown table: one row per (system, mode), with ours against DeepSpeed's tokens/s in the same mode."""
     numel = next((r["numel"] for r in rows if "numel" in r), 0)
@@ -102,9 +118,9 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     head = (
         f"{args.label}: Llama hidden {args.hidden} x {args.layers} layers ({numel / 1e9:.2f}B parameters), bf16, "
         f"clipping 1.0, {args.accumulation} x {args.batch} x {args.seq} tokens per step, 1 process, {device}\n\n"
-        "| system | mode | s/step | tokens/s | TFLOPS | x no offload | ours / DeepSpeed | device peak GiB | "
-        "host peak GiB | step timeline (busy share) | losses |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+        "| system | mode | s/step | tokens/s | TFLOPS | x no offload | ours / DeepSpeed | predicted s/step "
+        "(pred. / meas.) | device peak GiB | host peak GiB | step timeline (busy share) | losses |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
     )
     lines = [head]
     by_key = {(r["system"], r["mode"]): r for r in rows}
@@ -119,11 +135,14 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         versus = "-"
         if r["system"] == "ours" and "tokens_per_second" in theirs:
             versus = f"{r['tokens_per_second'] / theirs['tokens_per_second']:.2f}"
+        predicted = "-"
+        if r.get("predicted") is not None:
+            predicted = f"{r['predicted']['total']:.3f} ({r['predicted']['total'] / r['step_seconds']:.2f})"
         busy = r.get("timeline", {}).get("busy", {})
         lanes = ", ".join(f"{lane} {share:.0%}" for lane, share in busy.items() if share) or "-"
         lines.append(
             f"| {r['system']} | {r['mode']} | {r['step_seconds']} | {r['tokens_per_second']:.0f} | {r['tflops']} | "
-            f"{slower} | {versus} | {r['device_peak_gib']} | {r['host_peak_gib']} | {lanes} | "
+            f"{slower} | {versus} | {predicted} | {r['device_peak_gib']} | {r['host_peak_gib']} | {lanes} | "
             f"{', '.join(str(v) for v in r['losses'])} |"
         )
     return "\n".join(lines) + "\n"
@@ -169,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_one(args, system, mode)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"})[:2000], flush=True)
+    add_predictions(args, rows)
     settings = {k: str(v) for k, v in vars(args).items()}
     (args.out / "results.json").write_text(json.dumps({"args": settings, "results": rows}, indent=1))
     text = table(args, rows)

@@ -223,6 +223,36 @@ def profile_step(args: argparse.Namespace, step: Callable[[], float], device: to
     return {key: timeline[key] for key in ("step_ms", "gpu", "busy", "drawings")}
 
 
+def measure_figures(device: torch.device, numel: int = 1 << 24) -> dict[str, float]:
+    """What `accelerate-zero estimate --copy_gbps --host_rate` takes, measured here: pinned copies of `numel` fp32
+    elements each way (GB/s, the mean of both directions), and the fused CPU AdamW step over `numel` elements on
+    the threads the engine's host step uses (elements/s)."""
+    from accelerate_zero.offload.host_threads import HostThreads, threads_for_rank
+
+    pinned = device.type == "cuda"
+    host = torch.ones(numel, pin_memory=pinned)
+    on_device = torch.empty(numel, device=device)
+    seconds = []
+    for copy in (lambda: on_device.copy_(host, non_blocking=True), lambda: host.copy_(on_device, non_blocking=True)):
+        copy()
+        _synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(5):
+            copy()
+        _synchronize(device)
+        seconds.append((time.perf_counter() - begin) / 5)
+    master = torch.nn.Parameter(torch.zeros(numel))
+    master.grad = torch.full((numel,), 1e-3)
+    adam = torch.optim.AdamW([master], lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+    with HostThreads(threads_for_rank()):
+        adam.step()
+        begin = time.perf_counter()
+        for _ in range(3):
+            adam.step()
+        step = (time.perf_counter() - begin) / 3
+    return {"copy_gbps": round(numel * 4 / statistics.mean(seconds) / 1e9, 2), "host_rate": round(numel / step, 1)}
+
+
 def _all_threads() -> Any:
     """Profiles every thread (the NVMe reads and writes run on worker threads); None where torch cannot."""
     try:
@@ -275,6 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.timeline:
         result["timeline"] = profile_step(args, step, device)
     destroy()
+    if args.system == "ours":
+        result["measured"] = measure_figures(device)
     return result
 
 

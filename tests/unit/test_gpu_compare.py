@@ -70,6 +70,7 @@ def test_dry_run_on_the_cpu(tmp_path: Path) -> None:
         assert row["tokens_per_second"] > 0 and row["host_peak_gib"] > 0 and len(row["losses"]) == 3
     assert ours["losses"] == fsdp2["losses"] == rows["ours", "nvme"]["losses"]
     assert ours["losses"][2] < ours["losses"][0]
+    assert ours["measured"]["copy_gbps"] > 0 and ours["measured"]["host_rate"] > 0  # for the predicted column
     nvme = rows["ours", "nvme"]["timeline"]
     assert nvme["busy"]["file I/O"] > 0 and nvme["busy"]["host step"] > 0 and nvme["busy"]["compute"] > 0
     for stem in ("timeline_ours_cpu_param", "timeline_ours_nvme"):
@@ -77,3 +78,20 @@ def test_dry_run_on_the_cpu(tmp_path: Path) -> None:
     assert "fsdp2" not in " ".join(p.name for p in out.glob("timeline_*"))
     text = (out / "table.md").read_text()
     assert "| ours | nvme |" in text and "skipped: FSDP2" in text
+
+
+def test_predictions_come_from_our_no_offload_step_and_the_measured_figures() -> None:
+    """The table's predicted column is `accelerate-zero estimate`'s model fed with the same run's figures."""
+    from accelerate_zero.debug.step_time import Measured, offload_step_seconds
+
+    figures = {"copy_gbps": 20.0, "host_rate": 1e9}
+    rows = [
+        {"system": "ours", "mode": "none", "step_seconds": 0.6, "numel": 10**9, "measured": figures},
+        {"system": "ours", "mode": "cpu", "step_seconds": 2.0, "numel": 10**9, "measured": figures},
+        {"system": "deepspeed", "mode": "cpu", "step_seconds": 2.5, "numel": 10**9},
+        {"system": "ours", "mode": "nvme", "step_seconds": 9.0, "numel": 10**9, "measured": figures},
+    ]
+    args = gpu_compare.parse_args(["--accumulation", "4"])
+    gpu_compare.add_predictions(args, rows)
+    assert rows[1]["predicted"] == offload_step_seconds(10**9, 3, "cpu", 4, Measured(0.6, 20.0, 1e9))
+    assert all("predicted" not in rows[i] for i in (0, 2, 3))
