@@ -11,7 +11,8 @@ does not hide behind the device's compute; `n` is this rank's trainable elements
 - the host step: n elements at the measured rate of the optimizer's fused CPU kernel on the rank's cores, with
   nothing to hide behind: the next forward waits for it. The norm and the clipping multiply (each one more pass over
   the gradients) are not counted.
-- uploads of the updated parameters, 2n bytes in the compute dtype: they run chunk by chunk beside the host step
+- uploads of the updated parameters: the fp32 masters, 4n bytes (an asynchronous copy into a parameter of another
+  dtype copies the source as it is and casts on the device). They run chunk by chunk beside the host step
   ([Note: the pipelined host step] in offload/pipelined_step.py), so only the last chunk's is exposed. Under
   parameter offload the masters update the host shards in place and nothing is uploaded at the step.
 - parameter offload (stage 3): each micro-step's forward and backward copy every unit's shard to the device (2n
@@ -75,7 +76,7 @@ def offload_step_seconds(
         parts["gradients_to_host"] = max(0.0, reductions * 4 * numel / per_second - backward)
         parts["host_step"] = numel / measured.host_rate
         if offload == "cpu":
-            parts["uploads"] = min(numel, CHUNK_NUMEL) * compute_bytes / per_second
+            parts["uploads"] = min(numel, CHUNK_NUMEL) * 4 / per_second
         else:
             reads = accumulation * 2 * compute_bytes * numel / per_second
             parts["parameter_reads"] = max(0.0, reads - measured.step_seconds)

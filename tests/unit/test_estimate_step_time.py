@@ -20,9 +20,9 @@ def test_optimizer_offload_adds_exposed_gradient_copies_the_host_step_and_the_la
         "no_offload": 0.6,
         "gradients_to_host": 0.4,
         "host_step": 1.0,
-        "uploads": round(2**24 * 2 / 20e9, 4),  # only the last chunk's upload is exposed
+        "uploads": round(2**24 * 4 / 20e9, 4),  # only the last chunk's upload is exposed
         "parameter_reads": 0.0,
-        "total": round(0.6 + 0.4 + 1.0 + 2**24 * 2 / 20e9, 4),
+        "total": round(0.6 + 0.4 + 1.0 + 2**24 * 4 / 20e9, 4),
     }
     # stage 1 reduces once per step: 0.2 s of copies hide behind backward
     assert offload_step_seconds(N, 1, "cpu", 4, MEASURED)["gradients_to_host"] == 0.0
