@@ -4,6 +4,7 @@
 # Usage, from the repository root on the GPU machine (no registry needed):
 #   OUT=out bash bench/gpu_compare.sh            # part 1b: ~1B, modes cpu, none, cpu+param, cpu/omp1 (~8 min)
 #   OUT=out PARTS=large bash bench/gpu_compare.sh  # 5.1B (hidden 4096 x LARGE_LAYERS=24), cpu+param (~5 min)
+#     LARGE_LAYERS=largest: the estimator's largest for cpu+param on this machine (bench/gpu_offload.py --largest)
 #   OUT=out PARTS=nvme bash bench/gpu_compare.sh   # 0.17B, modes none and nvme (the file I/O lane)
 #   DRY=1 PYTHON=.venv/bin/python SYSTEMS="ours fsdp2" PARTS="1b nvme" bash bench/gpu_compare.sh  # CPU, tiny, no installs
 # BUDGET (default 540 s) caps the whole script: a run that would start past it is recorded as skipped, and each
@@ -53,7 +54,15 @@ for part in $PARTS; do
   case $part in
     1b) options=(--hidden 2048 --layers 16 --batch 4 --seq 1024 --accumulation 4 --steps 2 --timeout 150
                  --modes cpu none cpu+param cpu/omp1 --label "~1B") ;;
-    large) options=(--hidden 4096 --layers "${LARGE_LAYERS:-24}" --batch 2 --seq 1024 --accumulation 1 --steps 2
+    large) layers=${LARGE_LAYERS:-24}
+           if [ "$layers" = largest ]; then
+             gib=$(free -g | awk '/^Mem:/ {print $2}')
+             layers=$($PY bench/gpu_offload.py --hidden 4096 --batch 2 --largest --cpu_gib "$gib" 2>/dev/null \
+                      | sed -n 's/^cpu+param: \([0-9]*\) layers.*/\1/p')
+             echo "the estimator's largest for cpu+param with ${gib} GiB of RAM: ${layers:-?} layers"
+             layers=${layers:-24}
+           fi
+           options=(--hidden 4096 --layers "$layers" --batch 2 --seq 1024 --accumulation 1 --steps 2
                     --timeout 200 --modes cpu+param --label "large") ;;
     nvme) options=(--hidden 1024 --layers 8 --batch 4 --seq 1024 --accumulation 1 --steps 2 --timeout 120
                    --modes nvme none --nvme_dir "${NVME_DIR:-/tmp/gpu_compare_nvme}" --label "NVMe")
@@ -61,7 +70,8 @@ for part in $PARTS; do
     *) echo "unknown part $part (choose from 1b large nvme)"; continue ;;
   esac
   if [ "$(left)" -lt 60 ]; then echo "part $part: skipped, $(left) s of the budget left"; continue; fi
-  $PY bench/gpu_compare.py "${options[@]}" "${extra[@]}" --systems "${systems[@]}" --budget "$(( $(left) - 15 ))" --out "$OUT/$part" \
+  $PY bench/gpu_compare.py "${options[@]}" ${extra[@]+"${extra[@]}"} --systems "${systems[@]}" --budget "$(( $(left) - 15 ))" \
+    --out "$OUT/$part" \
     >"$OUT/$part.log" 2>&1
   echo "part $part: exit $? at ${SECONDS}s"
 done
