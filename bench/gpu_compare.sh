@@ -6,6 +6,7 @@
 #   OUT=out PARTS=large bash bench/gpu_compare.sh  # 5.1B (hidden 4096 x LARGE_LAYERS=24), cpu+param (~5 min)
 #     LARGE_LAYERS=largest: the estimator's largest for cpu+param on this machine (bench/gpu_offload.py --largest)
 #   OUT=out PARTS=nvme bash bench/gpu_compare.sh   # 0.17B, modes none and nvme (the file I/O lane)
+#   OUT=out PARTS=adam bash bench/gpu_compare.sh   # host AdamW: ours vs DeepSpeed's cpu_adam on all cores (~3 min)
 #   DRY=1 PYTHON=.venv/bin/python SYSTEMS="ours fsdp2" PARTS="1b nvme" bash bench/gpu_compare.sh  # CPU, tiny, no installs
 # BUDGET (default 540 s) caps the whole script: a run that would start past it is recorded as skipped, and each
 # run's timeout is cut to what is left, so a session keeps time to rerun. Everything goes to $OUT; the tables
@@ -67,7 +68,17 @@ for part in $PARTS; do
     nvme) options=(--hidden 1024 --layers 8 --batch 4 --seq 1024 --accumulation 1 --steps 2 --timeout 120
                    --modes nvme none --nvme_dir "${NVME_DIR:-/tmp/gpu_compare_nvme}" --label "NVMe")
           mkdir -p "${NVME_DIR:-/tmp/gpu_compare_nvme}" ;;
-    *) echo "unknown part $part (choose from 1b large nvme)"; continue ;;
+    adam) # bench/host_adam.py runs DeepSpeed from a virtualenv folder: here DeepSpeed is in $PY itself
+          mkdir -p "$OUT/adam/python/bin"
+          printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")" >"$OUT/adam/python/bin/python"
+          chmod +x "$OUT/adam/python/bin/python"
+          if [ "$(left)" -lt 60 ]; then echo "part adam: skipped, $(left) s of the budget left"; continue; fi
+          timeout "$(( $(left) - 10 ))" $PY bench/host_adam.py --impl ours torch-fused deepspeed --threads "$(nproc)" \
+            --numel 50000000 --steps 10 --repeats 1 --ds_venv "$OUT/adam/python" --json "$OUT/adam/host_adam.json" \
+            >"$OUT/adam.log" 2>&1
+          echo "part adam: exit $? at ${SECONDS}s"; tail -8 "$OUT/adam.log"; rm -f "$OUT/adam/python/bin/python"
+          continue ;;
+    *) echo "unknown part $part (choose from 1b large nvme adam)"; continue ;;
   esac
   if [ "$(left)" -lt 60 ]; then echo "part $part: skipped, $(left) s of the budget left"; continue; fi
   $PY bench/gpu_compare.py "${options[@]}" ${extra[@]+"${extra[@]}"} --systems "${systems[@]}" --budget "$(( $(left) - 15 ))" \
