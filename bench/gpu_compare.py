@@ -31,6 +31,8 @@ from typing import Any
 
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # accelerate_zero from this checkout, installed or not
+    sys.path.insert(0, str(HERE.parent))
 SYSTEMS = ("ours", "deepspeed", "fsdp2")
 MODES = ("none", "cpu", "cpu+param")
 ONE_THREAD = "cpu/omp1"  # ours in mode cpu with OMP_NUM_THREADS=1, as torchrun and accelerate launch set it

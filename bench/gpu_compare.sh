@@ -2,19 +2,19 @@
 # The prepared side-by-side run for a lent GPU (issue 40): ours, DeepSpeed 0.19.8 and FSDP2 per offload mode
 # (bench/gpu_compare.py; its docstring says what each system runs and what is measured).
 # Usage, from the repository root on the GPU machine (no registry needed):
-#   OUT=out bash bench/gpu_compare.sh            # part 1b: ~1B, modes cpu, none, cpu+param, cpu/omp1 (~8 min)
+#   OUT=out bash bench/gpu_compare.sh            # part 1b: ~1B, modes cpu, none, cpu+param, cpu/omp1 (<= 8 min)
 #   OUT=out PARTS=large bash bench/gpu_compare.sh  # 5.1B (hidden 4096 x LARGE_LAYERS=24), cpu+param (~5 min)
 #     LARGE_LAYERS=largest: the estimator's largest for cpu+param on this machine (bench/gpu_offload.py --largest)
 #   OUT=out PARTS=nvme bash bench/gpu_compare.sh   # 0.17B, modes none and nvme (the file I/O lane)
 #   OUT=out PARTS=adam bash bench/gpu_compare.sh   # host AdamW: ours vs DeepSpeed's cpu_adam on all cores (~3 min)
 #   DRY=1 PYTHON=.venv/bin/python SYSTEMS="ours fsdp2" PARTS="1b nvme" bash bench/gpu_compare.sh  # CPU, tiny, no installs
-# BUDGET (default 540 s) caps the whole script: a run that would start past it is recorded as skipped, and each
+# BUDGET (default 480 s) caps the whole script: a run that would start past it is recorded as skipped, and each
 # run's timeout is cut to what is left, so a session keeps time to rerun. Everything goes to $OUT; the tables
 # (also in $OUT/<part>/table.md) and the timelines ($OUT/<part>/timeline_*.svg|png) are printed/listed last.
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu_compare}
 PARTS=${PARTS:-1b}
-BUDGET=${BUDGET:-540}
+BUDGET=${BUDGET:-480}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
