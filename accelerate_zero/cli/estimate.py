@@ -55,8 +55,11 @@ JSON output (`--json`), schema_version 1:
                                           # NVMe within --cpu_memory / --nvme_space when given); null
                                           # without --gpu_memory
           "phases": {"init": int, "forward": int, "backward": int, "optimizer_step": int,
-                     "between_steps": int}  # bytes per GPU at the peak of each phase
+                     "between_steps": int}, # bytes per GPU at the peak of each phase
                                           # ([Note: the peak of each phase] in debug/phases.py)
+          "step_seconds": {"no_offload": float, "gradients_to_host": float, "host_step": float,
+                           "uploads": float, "parameter_reads": float, "total": float} | null
+                                          # with --step_seconds/--copy_gbps/--host_rate (cli/estimate_time.py)
         }
       ],
       "recommendation": {"stage": int, "offload": str, "deepspeed_config": {"zero_optimization": {...}}} | null,
@@ -83,6 +86,7 @@ import re
 import sys
 from typing import Any
 
+from accelerate_zero.cli import estimate_time
 from accelerate_zero.cli.estimate_render import render
 from accelerate_zero.debug import estimate as est
 from accelerate_zero.debug.layouts import layout_rows, recommend_layout
@@ -130,6 +134,7 @@ def register(subcommands: Any) -> None:
     source.add_argument("--model", metavar="DIR", help="a local model folder (config.json or *.safetensors)")
     _add_run_arguments(parser)
     _add_budget_arguments(parser)
+    estimate_time.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -246,6 +251,7 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         verdicts[(stage, offload)] = est.fits(estimate, activations or 0, budget)
         rows.append(_row(estimate, activations or 0, num_gpus, verdicts[(stage, offload)]))
         rows[-1]["phases"] = phase_peaks(estimate, activations or 0, _largest_gradient(shapes, setup, stage))
+    estimate_time.add_step_times(rows, shapes, setup, args)
     choice = est.recommend(verdicts)
     layouts = _layouts(shapes, setup, rows, num_gpus, args.num_nodes, usable)
     return {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from accelerate_zero.cli.estimate_time import render_lines
+
 
 def format_bytes(value: int | None) -> str:
     """Binary units with 3 significant digits: "512 B", "1.5 KiB", "12.4 GiB"; "-" for 0 and None."""
@@ -48,6 +50,7 @@ def render(report: dict[str, Any]) -> str:
             "",
             *_phase_table(report),
             "",
+            *render_lines(report),
             *layouts,
             *([""] if layouts else []),
             *_closing(report),

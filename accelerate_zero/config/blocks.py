@@ -119,17 +119,22 @@ class OffloadOptimizerConfig(Block):
     pin_memory: bool = True
     """Use page-locked host memory (DeepSpeed 0.16.5 default: False)."""
     pipeline_read: bool = False
-    """Overlap the NVMe read of the next sub-group with the current step."""
+    """Overlap the NVMe read of the next sub-group with the current step. accelerate_zero always reads one sub-group
+    ahead (offload/nvme.py), so either value runs the same overlapped schedule; the results are identical to a
+    serial one."""
     pipeline_write: bool = False
-    """Overlap the NVMe write of the previous sub-group with the current step."""
+    """Overlap the NVMe write of the previous sub-group with the current step; always done, as `pipeline_read`."""
     fast_init: bool = False
-    """Fast optimizer initialization when offloading to NVMe."""
+    """DeepSpeed's faster start with NVMe offload. accelerate_zero always starts the fast way (each sub-group is
+    written once, straight from the parameters), so either value starts the same way."""
     ratio: float = _f(1.0, ge=0, le=1)
     """Fraction of the optimizer states offloaded; < 1 needs stage 3."""
     super_offload: bool = False
-    """DeepSpeed's Superchip offload; refused."""
-    cpuadam_cores_perc: float = _f(0.8, ge=0, le=1)
-    """Fraction of CPU cores the CPU optimizer step may use."""
+    """DeepSpeed's SuperOffload for Superchips; refused (config/schema.py REFUSED_FEATURES)."""
+    cpuadam_cores_perc: float | None = _f(None, ge=0, le=1)
+    """Share of the rank's cores the host optimizer step uses ([Note: threads for host work] in
+    offload/host_threads.py), at least one core; None (DeepSpeed: 0.8, read only under `super_offload`): all of
+    them. Below 1 it leaves cores to the process's other threads while the step runs."""
 
 
 @dataclass(kw_only=True)

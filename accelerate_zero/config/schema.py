@@ -16,6 +16,8 @@ code wins). What changed since 0.16.5 (microsoft/DeepSpeed@38327e07):
 
 Deliberate differences from DeepSpeed 0.19.6:
 
+* `offload_optimizer.cpuadam_cores_perc` defaults to None, all of the rank's cores (DeepSpeed: 0.8, read only by
+  SuperOffload, which is refused): a number sets the share of the rank's cores the host step uses.
 * `bf16.immediate_grad_update` defaults to True (DeepSpeed's code: False): accelerate_zero always accumulates
   gradients as they are produced, so `false` is refused (see `config.schema.REFUSED_FEATURES`).
 * The string `"auto"` (`AUTO`) is accepted for every leaf value and kept until `ZeroConfig.fill_auto` replaces it;
@@ -219,7 +221,11 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
         "MiCS's two-level gather for shard groups that span nodes is not implemented (mics_shard_size is: keep a "
         "shard group within a node, where the gather is one collective)",
     ),
-    "zero_optimization.zenflow": RefusedFeature(None, f"ZenFlow {_NOT_IMPLEMENTED}"),
+    "zero_optimization.zenflow": RefusedFeature(
+        None,
+        f"ZenFlow {_NOT_IMPLEMENTED}: it applies most gradients asynchronously, steps late, so training departs from "
+        "the exact step; offload_optimizer.device cpu runs the exact step",
+    ),
     "zero_optimization.elastic_checkpoint": RefusedFeature(
         False, "DeepSpeed's legacy elastic checkpoints are not implemented (use universal checkpoints)"
     ),
@@ -229,7 +235,9 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
     "zero_optimization.memory_efficient_linear": RefusedFeature(True, _NO_PATCH),
     "zero_optimization.override_module_apply": RefusedFeature(True, _NO_PATCH),
     "zero_optimization.offload_optimizer.super_offload": RefusedFeature(
-        False, f"SuperOffload (DeepSpeed's Superchip CPU Adam) {_NOT_IMPLEMENTED}"
+        False,
+        f"SuperOffload (DeepSpeed's stage 3 for Superchips: a speculative host step, GraceAdam) {_NOT_IMPLEMENTED}; "
+        "offload_optimizer.device cpu steps on the rank's cores, cpuadam_cores_perc sets their share",
     ),
     "fp16.fp16_master_weights_and_grads": RefusedFeature(False, _FP32_MASTER),
     "bf16.bf16_master_weights_and_grads": RefusedFeature(False, _FP32_MASTER),

@@ -47,10 +47,11 @@ from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 from accelerate_zero.offload.host_memory import HostMemory
-from accelerate_zero.offload.host_threads import HostThreads, threads_for_rank
+from accelerate_zero.offload.host_threads import HostThreads, host_threads_for
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import NvmeParamStore
+from accelerate_zero.offload.pipelined_step import PipelinedHostStep
 from accelerate_zero.offload.policy import OffloadPolicy, offload_masters, offload_policy, use_fused_cpu_step
 from accelerate_zero.optim.fused import prefer_fused_step
 
@@ -361,8 +362,11 @@ class _Assembly:
 
     def _nvme_optimizer(self, slices: list[list[ShardSlice]], zero: Any) -> StepRunner:
         """offload_optimizer nvme: masters and state step sub-group by sub-group from files, beside the gradient
-        file. Otherwise: all in memory."""
+        file; cpu: in memory, chunk by chunk ([Note: the pipelined host step] in offload/pipelined_step.py).
+        Otherwise: all in memory, at once."""
         if self.offload.nvme_path is None:
+            if self.offload.optimizer:
+                return PipelinedHostStep(slices, zero.sub_group_size)
             return StepsInMemory([s for group in slices for s in group])
         assert self.grad_store is not None
         folder = check_nvme_path(
@@ -453,4 +457,6 @@ class _Assembly:
 
     def _host_threads(self) -> HostThreads | None:
         """[Note: threads for host work] in offload/host_threads.py: only an offloaded step beside a GPU."""
-        return HostThreads(threads_for_rank()) if self.offload.optimizer and self.device.type != "cpu" else None
+        offload = self.config.zero_optimization.offload_optimizer
+        share = offload.cpuadam_cores_perc if offload is not None else None
+        return host_threads_for(self.device, self.offload.optimizer, share)

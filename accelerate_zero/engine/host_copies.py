@@ -29,8 +29,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
 from accelerate_zero.engine.kept_grads import fold_into
+
+
+TO_HOST, TO_DEVICE = "ZeRO::copy_to_host", "ZeRO::copy_to_device"
+"""Profiler ranges around every copy issued here (on a GPU they cover issuing it; the copy itself is the profiler's
+memcpy event). bench/gpu_timeline.py draws them as lanes."""
 
 
 class CopyDone:
@@ -83,6 +89,10 @@ class HostCopies:
     def to_host(self, source: torch.Tensor, destination: torch.Tensor) -> CopyDone:
         """Copies device `source` into host `destination` (page-locked for the copy to be asynchronous)."""
         self._count(source)
+        with record_function(TO_HOST):
+            return self._to_host(source, destination)
+
+    def _to_host(self, source: torch.Tensor, destination: torch.Tensor) -> CopyDone:
         if self._side is None:
             destination.copy_(source)
             return CopyDone()
@@ -100,6 +110,10 @@ class HostCopies:
         if source.device == self.device or (source.device.type == self.device.type == "cpu"):
             return source, CopyDone()
         self._count(source)
+        with record_function(TO_DEVICE):
+            return self._to_device(source)
+
+    def _to_device(self, source: torch.Tensor) -> tuple[torch.Tensor, CopyDone]:
         if self._side is None:
             return source.to(self.device), CopyDone()
         self._side_used = True
@@ -120,10 +134,10 @@ class HostCopies:
             destination.copy_(source)
             return
         self._count(source)
+        with record_function(TO_DEVICE):
+            destination.copy_(source, non_blocking=self._side is not None)
         if self._side is None:
-            destination.copy_(source)
             return
-        destination.copy_(source, non_blocking=True)
         self._last_on_current = torch.cuda.current_stream(self.device).record_event()
 
     def to_host_in_worker(self, source: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -132,7 +146,7 @@ class HostCopies:
         `source` must not be written until the function returned (the caller hands over a private tensor)."""
         self._count(source)
         if self._side is None:
-            return lambda: source.cpu()
+            return lambda: _labelled_cpu(source)
         produced = torch.cuda.current_stream(self.device).record_event()
         side = self._side
         self._side_used = True
@@ -142,7 +156,7 @@ class HostCopies:
             # stream, creating a context on GPU 0 for every rank (refused outright on exclusive-mode GPUs).
             with torch.cuda.device(side.device), torch.cuda.stream(side):  # the worker's current stream
                 side.wait_event(produced)
-                return source.cpu()
+                return _labelled_cpu(source)
 
         return fetch
 
@@ -154,3 +168,8 @@ class HostCopies:
         if self._last_on_current is not None:
             self._last_on_current.synchronize()
             self._last_on_current = None
+
+
+def _labelled_cpu(source: torch.Tensor) -> torch.Tensor:
+    with record_function(TO_HOST):
+        return source.cpu()

@@ -55,8 +55,9 @@ def check_implemented(config: ZeroConfig) -> None:
         problems.append("zero_optimization.pipeline_loading_checkpoint=true: partitioned loading is not available yet")
     if zero.offload_optimizer is not None and zero.offload_optimizer.ratio < 1.0:
         problems.append(
-            f"zero_optimization.offload_optimizer.ratio={zero.offload_optimizer.ratio}: partial offload is not "
-            "available; remove the key (everything is offloaded)"
+            f"zero_optimization.offload_optimizer.ratio={zero.offload_optimizer.ratio}: partial offload (part of the "
+            "optimizer step on the device) is not available, since memory accounting and offload_states would take "
+            "those device masters for host ones; remove the key to offload all of it, or remove offload_optimizer"
         )
     if not zero.load_from_fp32_weights:
         problems.append(

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats
@@ -23,6 +24,10 @@ from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
 from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
+
+
+OPTIMIZER_STEP = "ZeRO::optimizer_step"
+"""Profiler range around the optimizer step (under offload: the host step lane of bench/gpu_timeline.py)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class ShardedOptimizer:
     # -------------------------------------------------------------------- step
     def step(self) -> StepOutcome:
         """Clips, unscales and steps the shard, copies it into the 16-bit parameters and publishes them."""
-        with self.host_threads:
+        with record_function(OPTIMIZER_STEP), self.host_threads:
             return self._step()
 
     def _step(self) -> StepOutcome:

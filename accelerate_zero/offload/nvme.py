@@ -23,12 +23,16 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.profiler import record_function
 
 from accelerate_zero.engine.shard_slice import ShardSlice
 
 
 if TYPE_CHECKING:
     from accelerate_zero.engine.stores import SliceStepper
+
+FILE_READ, FILE_WRITE = "ZeRO::file_read", "ZeRO::file_write"
+"""Profiler ranges around every swap-file read and write (the file I/O lane of bench/gpu_timeline.py)."""
 
 # exp_avg and exp_avg_sq for Adam-like optimizers: the most any torch optimizer keeps per element.
 _STATES_PER_ELEMENT = 2
@@ -47,7 +51,7 @@ def read_at(path: Path, byte_offset: int, target: torch.Tensor) -> None:
             whatever memory held before, so it is never returned).
     """
     nbytes = target.numel() * target.element_size()
-    with open(path, "rb") as file:
+    with record_function(FILE_READ), open(path, "rb") as file:
         file.seek(byte_offset)
         got = file.readinto(tensor_bytes(target))
     if got != nbytes:
@@ -62,7 +66,7 @@ def read_at(path: Path, byte_offset: int, target: torch.Tensor) -> None:
 def write_at(path: Path, byte_offset: int, values: torch.Tensor) -> None:
     """Writes the raw bytes of `values` into the existing file `path` at `byte_offset`."""
     try:
-        with open(path, "r+b") as file:
+        with record_function(FILE_WRITE), open(path, "r+b") as file:
             file.seek(byte_offset)
             file.write(tensor_bytes(values))
     except OSError as error:
@@ -202,7 +206,8 @@ class NvmeSwapper:
     def _write(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         partial = self.folder / f".subgroup{index:05d}.partial"
         try:
-            save_file(tensors, str(partial))
+            with record_function(FILE_WRITE):
+                save_file(tensors, str(partial))
         except OSError as error:
             raise write_error(partial, sum(t.numel() * t.element_size() for t in tensors.values()), error) from error
         os.replace(partial, self._file(index))
@@ -238,7 +243,9 @@ class NvmeSwapper:
         """A sub-group's masters and optimizer state, and its gradient slices (read from their file when the
         gradients were swapped too: offload/nvme_grads.py)."""
         subgroup = self.subgroups[index]
-        return load_file(str(self._file(index))), [s.bucket.reduced_slice(s.start, s.end) for _, s in subgroup]
+        with record_function(FILE_READ):
+            loaded = load_file(str(self._file(index)))
+        return loaded, [s.bucket.reduced_slice(s.start, s.end) for _, s in subgroup]
 
     def each_resident(self, optimizer: torch.optim.Optimizer, write_back: bool) -> Iterator[list[ShardSlice]]:
         """Brings one sub-group at a time into memory (masters and optimizer state) and yields its slices;

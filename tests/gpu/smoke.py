@@ -20,6 +20,8 @@ exits 1 if any failed. Checks (a CUDA-only check is reported as skipped on the C
   one unit the next unit's gather is issued ahead of its use;
 - CUDA, checked first in the fresh process: the engine bound this rank's device (`torch.cuda.current_device() ==
   LOCAL_RANK`); the host syncs per optimizer step (`torch.cuda.set_sync_debug_mode`) stay within a bound;
+- the offloaded host step cut into chunks (each chunk's upload beside the next chunk's step) trains bit for bit like
+  one step over everything, at stages 2 and 3 (tests/gpu/smoke_pipelined.py);
 - `from_pretrained` under CPU and NVMe parameter offload, a >= 100M-parameter Llama's memory per phase and time per
   step, and (last) the CUDA contexts this process holds: tests/gpu/smoke_offload.py.
 tests/gpu/test_smoke.py runs the same checks on 2 gloo ranks in the test suite.
@@ -52,6 +54,7 @@ from tests.gpu.smoke_offload import (  # noqa: E402
     check_medium,
     check_refused_pinning,
 )
+from tests.gpu.smoke_pipelined import check_pipelined_step  # noqa: E402
 from tests.helpers.models import make_batches, make_model, train_reference  # noqa: E402
 
 
@@ -329,6 +332,7 @@ CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "stages": check_stages,
     "bf16": check_bf16,
     "offload": check_offload,
+    "pipelined_step": check_pipelined_step,
     "resume": check_resume,
     "fp16_overflow": check_fp16_overflow,
     "stage3_schedule": check_stage3_schedule,

@@ -346,7 +346,8 @@ def test_json_has_the_documented_schema(capsys: pytest.CaptureFixture[str], tmp_
     device_kinds = {*est.DEVICE_KINDS, "activations", "total"}
     for row in report["estimates"]:
         keys = {"stage", "offload", "device", "model_states", "host_per_rank", "nvme_per_rank", "fits"}
-        assert set(row) == keys | {"cpu_ram_per_node", "nvme_per_node", "phases"}
+        assert set(row) == keys | {"cpu_ram_per_node", "nvme_per_node", "phases", "step_seconds"}
+        assert row["step_seconds"] is None  # no measured figures given (tests/unit/test_estimate_step_time.py)
         assert list(row["phases"]) == ["init", "forward", "backward", "optimizer_step", "between_steps"]
         assert all(isinstance(v, int) for v in row["phases"].values())
         assert set(row["device"]) == device_kinds and all(isinstance(v, int) for v in row["device"].values())

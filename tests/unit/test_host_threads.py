@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accelerate_zero.offload.host_threads import THREADS_ENV, HostThreads, threads_for_rank
+from accelerate_zero.config import ZeroConfig
+from accelerate_zero.offload.host_threads import THREADS_ENV, HostThreads, host_threads_for, threads_for_rank
 
 
 def test_an_unbound_rank_takes_its_share_of_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,3 +43,28 @@ def test_threads_are_raised_inside_the_step_only_and_never_lowered() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpuadam_cores_perc_takes_its_share_of_the_ranks_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's `offload_optimizer.cpuadam_cores_perc` is honoured: a share of the rank's own cores (at least
+    one); unset, all of them; the variable still decides when set."""
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    cores = set(range(16))
+    assert threads_for_rank({"LOCAL_WORLD_SIZE": "2"}, cores, share=0.75) == 6
+    assert threads_for_rank({}, {4, 5, 6, 7}, share=0.5) == 2
+    assert threads_for_rank({}, cores, share=0.0) == 1
+    assert threads_for_rank({THREADS_ENV: "3"}, cores, share=0.5) == 3
+    monkeypatch.setattr("accelerate_zero.offload.host_threads._affinity", lambda: cores)
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for share, threads in ((None, 16), (0.8, 12)):
+        config = ZeroConfig.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+        offload = config.zero_optimization.offload_optimizer
+        assert offload.cpuadam_cores_perc is None
+        if share is not None:
+            raw = {"zero_optimization": {"offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": share}}}
+            offload = ZeroConfig.from_any(raw).zero_optimization.offload_optimizer
+        chosen = host_threads_for(torch.device("cuda", 0), True, offload.cpuadam_cores_perc)
+        assert chosen is not None and chosen.threads == threads
+    assert host_threads_for(torch.device("cpu"), True, 0.5) is None  # on a CPU device the host work is the training
+    assert host_threads_for(torch.device("cuda", 0), False, 0.5) is None

@@ -1,0 +1,81 @@
+"""PipelinedHostStep: the host optimizer step of `offload_optimizer: cpu`, chunk by chunk, each chunk's upload
+running while the next chunk steps.
+
+[Note: the pipelined host step]
+Stepping every master at once and only then copying them into the device parameters leaves the GPU idle for the
+whole host AdamW and the host idle for the whole upload. Here the slices are cut, in the order of the parameters (the
+order the next forward reads them in), into chunks of at most `sub_group_size` elements (DeepSpeed's tile of the offloaded step, capped at
+`CHUNK_NUMEL` so that a model under a billion parameters is cut too); each chunk is stepped with the user's optimizer
+(its param groups narrowed to the chunk, as the NVMe sub-groups are) and its masters are copied into the parameters
+at once: the copy is asynchronous from pinned memory (engine/host_copies.py `into_device`), so it runs on the GPU
+while the host steps the next chunk. The arithmetic is the same as one step over every slice: each master is stepped
+once, with the same gradient, coefficient and per-parameter state, and per-element optimizers (AdamW, SGD, Adagrad,
+...) do not look across parameters. Optimizer step hooks run once per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from accelerate_zero.engine.shard_slice import ShardSlice
+
+
+if TYPE_CHECKING:
+    from accelerate_zero.engine.stores import SliceStepper
+
+
+CHUNK_NUMEL = 1 << 24
+"""The most elements a chunk holds whatever `sub_group_size` says (64 MiB of fp32 masters; ~60 chunks at 1B)."""
+
+
+def cut_chunks(slices_by_group: list[list[ShardSlice]], chunk_numel: int) -> list[list[tuple[int, ShardSlice]]]:
+    """(param group index, slice) runs of at most `chunk_numel` elements (a larger slice is a chunk of its own), in
+    the order of `slices_by_group`."""
+    chunks: list[list[tuple[int, ShardSlice]]] = []
+    filled = 0
+    for group, slices in enumerate(slices_by_group):
+        for shard_slice in slices:
+            size = shard_slice.end - shard_slice.start
+            if chunks and filled + size <= chunk_numel:
+                chunks[-1].append((group, shard_slice))
+                filled += size
+            else:
+                chunks.append([(group, shard_slice)])
+                filled = size
+    return chunks
+
+
+class PipelinedHostStep:
+    """A `StepRunner` (engine/stores.py) for masters in host memory ([Note: the pipelined host step])."""
+
+    def __init__(self, slices_by_group: list[list[ShardSlice]], sub_group_size: int) -> None:
+        self.slices = [s for group in slices_by_group for s in group]
+        self.chunks = cut_chunks(slices_by_group, max(1, min(sub_group_size, CHUNK_NUMEL)))
+
+    def step(self, sharded: SliceStepper, coefficient: float) -> None:
+        if len(self.chunks) < 2:
+            sharded.step_slices(self.slices, coefficient)
+            return
+        groups = sharded.optimizer.param_groups
+        every = [group["params"] for group in groups]
+        try:
+            for chunk in self.chunks:
+                for index, group in enumerate(groups):
+                    group["params"] = [s.master for g, s in chunk if g == index]
+                # steps the chunk, then issues its upload, which runs while the loop steps the next chunk
+                sharded.step_slices([s for _, s in chunk], coefficient)
+        finally:
+            for group, params in zip(groups, every, strict=True):
+                group["params"] = params
+
+    def each_resident(self, optimizer: torch.optim.Optimizer, write_back: bool) -> Iterator[list[ShardSlice]]:
+        yield self.slices
+
+    def file_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

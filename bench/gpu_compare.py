@@ -1,0 +1,203 @@
+"""Offload side by side on one GPU (issue 40): ours, DeepSpeed and FSDP2, the same model, batch, precision, clipping
+and accumulation, one process each, tokens/s, TFLOPS, device peak and host peak per offload mode.
+
+Usage (from the repository root; bench/gpu_compare.sh is the prepared GPU session):
+    python bench/gpu_compare.py --out out/compare_1b                         # ~1B (hidden 2048 x 16), every mode
+    python bench/gpu_compare.py --hidden 4096 --layers 24 --batch 2 --accumulation 1 --modes cpu+param --label 5B
+    python bench/gpu_compare.py --dry_run --out /tmp/dry                     # tiny, on the CPU: checks the script
+
+Each (system, mode) runs bench/gpu_compare_worker.py in its own process with its own timeout, so one failure or
+hang loses only its own row; the worker's docstring says what each system runs. Modes: none, cpu
+(offload_optimizer), cpu+param (offload_optimizer + offload_param; FSDP2's CPUOffloadPolicy), nvme (both in files;
+not FSDP2). A system that cannot run a mode (FSDP2 has no optimizer-only offload) or is not installed (DeepSpeed on
+a machine without it) gets a row saying so. `ours cpu, OMP_NUM_THREADS=1` repeats ours under the launcher's thread
+setting ([Note: threads for host work] in accelerate_zero/offload/host_threads.py); every other run has
+OMP_NUM_THREADS = the machine's cores, which DeepSpeed's cpu_adam and FSDP2's host step need to use them.
+The timeline of one step (bench/gpu_timeline.py) is drawn for `--timeline_systems` (default: ours) in each mode.
+Output: `<out>/results.json`, `<out>/table.md` (also printed last), `<out>/timeline_<system>_<mode>.svg|png|json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # accelerate_zero from this checkout, installed or not
+    sys.path.insert(0, str(HERE.parent))
+SYSTEMS = ("ours", "deepspeed", "fsdp2")
+MODES = ("none", "cpu", "cpu+param")
+ONE_THREAD = "cpu/omp1"  # ours in mode cpu with OMP_NUM_THREADS=1, as torchrun and accelerate launch set it
+DRY_RUN = {"hidden": 256, "layers": 2, "batch": 2, "seq": 32, "accumulation": 2, "steps": 2}
+
+
+def skip_reason(system: str, mode: str) -> str | None:
+    """Why `system` does not run `mode` here, or None when it does."""
+    if system == "fsdp2" and mode not in ("none", "cpu+param"):
+        return "FSDP2 offloads parameters, gradients and the optimizer together (CPUOffloadPolicy = cpu+param) only"
+    if system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed in this Python (bench/gpu_compare.sh installs the wheel)"
+    return None
+
+
+def tag(system: str, run_mode: str) -> str:
+    """`system` and `run_mode` as a file name part: ours_cpu_param, ours_cpu_omp1."""
+    return f"{system}_{run_mode.replace('+', '_').replace('/', '_')}"
+
+
+def worker_command(args: argparse.Namespace, system: str, run_mode: str) -> list[str]:
+    mode = run_mode.partition("/")[0]
+    command = [sys.executable, str(HERE / "gpu_compare_worker.py"), "--system", system, "--mode", mode]
+    for key in ("hidden", "layers", "batch", "seq", "accumulation", "steps"):
+        command += [f"--{key}", str(getattr(args, key))]
+    if args.nvme_dir:
+        command += ["--nvme_dir", args.nvme_dir]
+    if system in args.timeline_systems:
+        command += ["--timeline", str(args.out / f"timeline_{tag(system, run_mode)}")]
+    if args.dry_run:
+        command.append("--cpu")
+    return command
+
+
+def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, Any]:
+    """One worker process; its result, or a row naming the error or the skip."""
+    mode, _, variant = run_mode.partition("/")
+    row: dict[str, Any] = {"system": system, "mode": run_mode}
+    reason = skip_reason(system, mode)
+    if reason is not None:
+        return {**row, "skipped": reason}
+    timeout = min(args.timeout, int(args.deadline - time.monotonic()))
+    if timeout < 20:
+        return {**row, "skipped": f"out of time: --budget {args.budget} s spent before this run"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if variant == "omp1" else str(args.threads)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    begin = time.perf_counter()
+    try:
+        done = subprocess.run(
+            worker_command(args, system, run_mode), env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr.decode() if isinstance(expired.stderr, bytes) else (expired.stderr or "")
+        return {**row, "error": f"timed out after {timeout} s; stderr ends: {stderr[-1200:]}"}
+    row["wall_seconds"] = round(time.perf_counter() - begin, 1)
+    (args.out / f"log_{tag(system, run_mode)}.txt").write_text(
+        done.stdout[-20000:] + "\n--- stderr ---\n" + done.stderr[-50000:]
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {**row, "error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
+    return {**json.loads(lines[-1]), **row}
+
+
+def add_predictions(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Ours in modes cpu and cpu+param: `accelerate-zero estimate`'s predicted step time from our no-offload step and
+    the copy bandwidth and host step rate the same run measured ([Note: the offload step time model] in
+    accelerate_zero/debug/step_time.py)."""
+    from accelerate_zero.debug.step_time import Measured, offload_step_seconds
+
+    base = next((r for r in rows if r["system"] == "ours" and r["mode"] == "none" and "step_seconds" in r), None)
+    for row in rows:
+        if base is None or row["system"] != "ours" or row["mode"] not in ("cpu", "cpu+param"):
+            continue
+        if "measured" not in row:
+            continue
+        figures = Measured(base["step_seconds"], row["measured"]["copy_gbps"], row["measured"]["host_rate"])
+        row["predicted"] = offload_step_seconds(row["numel"], 3, row["mode"], args.accumulation, figures)
+
+
+def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    """The markdown table: one row per (system, mode), with ours against DeepSpeed's tokens/s in the same mode."""
+    numel = next((r["numel"] for r in rows if "numel" in r), 0)
+    device = next((r["device"] for r in rows if "device" in r), "?")
+    head = (
+        f"{args.label}: Llama hidden {args.hidden} x {args.layers} layers ({numel / 1e9:.2f}B parameters), bf16, "
+        f"clipping 1.0, {args.accumulation} x {args.batch} x {args.seq} tokens per step, 1 process, {device}\n\n"
+        "| system | mode | s/step | tokens/s | TFLOPS | x no offload | ours / DeepSpeed | predicted s/step "
+        "(pred. / meas.) | device peak GiB | host peak GiB | step timeline (busy share) | losses |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+    )
+    lines = [head]
+    by_key = {(r["system"], r["mode"]): r for r in rows}
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            text = r.get("skipped") or r["error"][-300:].replace("\n", " ").replace("|", "/")
+            lines.append(f"| {r['system']} | {r['mode']} | {'skipped' if 'skipped' in r else 'error'}: {text} |")
+            continue
+        base = by_key.get((r["system"], "none"), {})
+        slower = f"{r['step_seconds'] / base['step_seconds']:.2f}" if "step_seconds" in base else "-"
+        theirs = by_key.get(("deepspeed", r["mode"]), {})
+        versus = "-"
+        if r["system"] == "ours" and "tokens_per_second" in theirs:
+            versus = f"{r['tokens_per_second'] / theirs['tokens_per_second']:.2f}"
+        predicted = "-"
+        if r.get("predicted") is not None:
+            predicted = f"{r['predicted']['total']:.3f} ({r['predicted']['total'] / r['step_seconds']:.2f})"
+        busy = r.get("timeline", {}).get("busy", {})
+        lanes = ", ".join(f"{lane} {share:.0%}" for lane, share in busy.items() if share) or "-"
+        lines.append(
+            f"| {r['system']} | {r['mode']} | {r['step_seconds']} | {r['tokens_per_second']:.0f} | {r['tflops']} | "
+            f"{slower} | {versus} | {predicted} | {r['device_peak_gib']} | {r['host_peak_gib']} | {lanes} | "
+            f"{', '.join(str(v) for v in r['losses'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--modes", nargs="+", default=[*MODES, ONE_THREAD])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--timeout", type=int, default=150, help="seconds per (system, mode) process")
+    parser.add_argument("--budget", type=int, default=3600, help="seconds for all runs; later runs are skipped")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OMP_NUM_THREADS of the runs")
+    parser.add_argument("--timeline_systems", nargs="*", default=["ours"], choices=SYSTEMS)
+    parser.add_argument("--nvme_dir", default=None, help="a folder on a local disk for mode nvme")
+    parser.add_argument("--label", default="side by side")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_compare"))
+    parser.add_argument("--dry_run", action="store_true", help="a tiny model on the CPU (checks the script)")
+    args = parser.parse_args(argv)
+    for mode in args.modes:
+        if mode != ONE_THREAD and mode not in (*MODES, "nvme"):
+            parser.error(f"--modes {mode!r}: choose from {', '.join((*MODES, 'nvme', ONE_THREAD))}")
+    if args.dry_run:
+        for key, value in DRY_RUN.items():
+            setattr(args, key, value)
+        args.label = f"dry run ({args.label})"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.deadline = time.monotonic() + args.budget
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mode in args.modes:
+        systems = ["ours"] if mode == ONE_THREAD else args.systems
+        for system in systems:
+            row = run_one(args, system, mode)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "timeline"})[:2000], flush=True)
+    add_predictions(args, rows)
+    settings = {k: str(v) for k, v in vars(args).items()}
+    (args.out / "results.json").write_text(json.dumps({"args": settings, "results": rows}, indent=1))
+    text = table(args, rows)
+    (args.out / "table.md").write_text(text)
+    print(text, end="")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
