@@ -137,9 +137,9 @@ class GradReducer:
             if self.buckets[index].state is BucketState.ACCUMULATING:
                 self._launch(index)
         self._drain()
-        if session.boundary and self.partitioned:
-            # Every bucket of the cycle is reduced: the temporaries kept for the next micro-step have none to serve
-            # ([Note: temporaries reused in host memory]); what runs until the step allocates without them.
+        if self.partitioned:
+            # Every bucket of this micro-step is reduced: only the gradient shard lives on to the next one
+            # ([Note: nothing but the gradient shard survives a micro-step] in engine/scratch.py).
             self.scratch.clear()
 
     def _raise_for_unused(self, session: _Session) -> None:
@@ -236,5 +236,6 @@ class GradReducer:
         return [t for bucket in self.buckets for t in bucket.transient_tensors()]
 
     def cached_tensors(self) -> list[torch.Tensor]:
-        """Temporaries given back and kept for the next micro-step ([Note: temporaries reused in host memory])."""
+        """Temporaries given back and kept for the next bucket of this backward ([Note: temporaries reused in host
+        memory])."""
         return self.scratch.cached_tensors()
