@@ -54,6 +54,10 @@ class ScratchBuffers:
             assert all(kept is not tensor for kept in free), "a scratch buffer was given back twice"
             free.append(tensor)
 
+    def drop(self, numel: int, dtype: torch.dtype) -> None:
+        """Drops the kept buffers of one size (no request of that size is coming)."""
+        self._free.pop((numel, dtype), None)
+
     def cached_tensors(self) -> list[torch.Tensor]:
         """The buffers kept for reuse (for memory accounting)."""
         return [t for free in self._free.values() for t in free]
