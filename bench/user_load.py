@@ -4,16 +4,19 @@ Usage:
     .venv/bin/python bench/user_load.py                                   # W = 4, every entry point (~2 min)
     .venv/bin/python bench/user_load.py --entries initialize --world_size 2
     .venv/bin/python bench/user_load.py --json bench/out/user_load.json
+    .venv/bin/python bench/user_load.py --shape llama69m --entries initialize fsdp2 fsdp2_accelerate   # issue 44
 
-A LlamaForCausalLM of about 69M parameters (276 MB in fp32, untied) is saved once with `save_pretrained` into
+A LlamaForCausalLM of 66.9M parameters (268 MB in fp32, untied; `--shape llama69m`: issue 44's 69.2M, whose decoder
+layers are larger than its embeddings) is saved once with `save_pretrained` into
 `--folder`, then on W gloo ranks (one thread each, `MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back
 to the OS) each rank: reads its baseline after the imports (the Trainer's and accelerate's too) and the process
 group; builds `TrainingArguments` /
 `ZeroAccelerator` with the stage-3 config first when the entry point is the Trainer or the accelerator (as users
 do, and as DeepSpeed needs for `zero.Init`); calls `AutoModelForCausalLM.from_pretrained(folder)` itself; hands
-the model to the entry point (`initialize`, `ZeroAccelerator.prepare`, `Trainer`, or FSDP2's `fully_shard` on
-each decoder layer and the root, the peer); trains 2 steps (phases forward/backward/optimizer of each; the
-Trainer's engine is built inside `train()`, one phase). A thread
+the model to the entry point (`initialize`, `ZeroAccelerator.prepare`, `Trainer`, or the peer FSDP2: `fully_shard`
+on each decoder layer and the root, or accelerate 1.15's own policy, `fsdp2_accelerate`: see `shard_like_fsdp2`);
+trains 2 steps (phases forward/backward/optimizer of each; the Trainer's engine is built inside `train()`, one
+phase). A thread
 polls /proc/self/status every 2 ms and keeps, per phase (load, init, step), the peak of RssAnon (the process's
 own memory) and of RssFile (pages of mapped files: the safetensors file transformers maps lazily; shared with
 the other ranks and the page cache, dropped by the kernel under pressure, so reported apart). The goal (issue
