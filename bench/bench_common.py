@@ -44,8 +44,8 @@ from torch import nn
 
 # The model's size: 16 x Linear(1024, 1024) unless the launcher sets these variables (bench/report runs a smaller
 # stack to fit its time budget); the workers of every system read them, DeepSpeed's included.
-# AZ_BENCH_BATCH: the rows of each micro-batch (default 8: activations are negligible beside the weights; 1024
-# gives 16 x 4 MB of them, where the peak under gradient accumulation shows what lives across micro-steps).
+# AZ_BENCH_BATCH: the rows of each micro-batch (default 8: activations are negligible beside the weights; at 1024
+# each saved activation is 4 MB, and the peak under gradient accumulation shows what lives across micro-steps).
 SIZE_ENV = {"hidden": "AZ_BENCH_HIDDEN", "layers": "AZ_BENCH_LAYERS", "batch": "AZ_BENCH_BATCH"}
 HIDDEN = int(os.environ.get(SIZE_ENV["hidden"], "1024"))
 LAYERS = int(os.environ.get(SIZE_ENV["layers"], "16"))
