@@ -44,10 +44,12 @@ from torch import nn
 
 # The model's size: 16 x Linear(1024, 1024) unless the launcher sets these variables (bench/report runs a smaller
 # stack to fit its time budget); the workers of every system read them, DeepSpeed's included.
-SIZE_ENV = {"hidden": "AZ_BENCH_HIDDEN", "layers": "AZ_BENCH_LAYERS"}
+# AZ_BENCH_BATCH: the rows of each micro-batch (default 8: activations are negligible beside the weights; at 1024
+# each saved activation is 4 MB, and the peak under gradient accumulation shows what lives across micro-steps).
+SIZE_ENV = {"hidden": "AZ_BENCH_HIDDEN", "layers": "AZ_BENCH_LAYERS", "batch": "AZ_BENCH_BATCH"}
 HIDDEN = int(os.environ.get(SIZE_ENV["hidden"], "1024"))
 LAYERS = int(os.environ.get(SIZE_ENV["layers"], "16"))
-MICRO_BATCH, LR = 8, 1e-4
+MICRO_BATCH, LR = int(os.environ.get(SIZE_ENV["batch"], "8")), 1e-4
 MODEL_SEED, DATA_SEED = 0, 1000
 
 

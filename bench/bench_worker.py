@@ -48,6 +48,9 @@ TORCH_SYSTEMS = ("ddp", "ddp_bucket_view", "ddp_zero_r", "fsdp2")
 ENGINE_SYSTEMS = ("az0", "az1", "az2", "az3")
 LOAD_SYSTEMS = ("load_az3", "load_hf")
 
+# Set to "1" by stage3_bench.py --arena_whole: the engine's gradient arenas count whole from their allocation.
+ARENA_WHOLE_ENV = "AZ_BENCH_ARENA_WHOLE"
+
 # Stage 3 as stage3_bench.py measures it: every Linear is its own gather unit, released right after use.
 STAGE3_KEYS: dict[str, Any] = {
     "stage3_param_persistence_threshold": 0,
@@ -257,6 +260,10 @@ def build_engine_system(
 ) -> tuple[System, Any]:
     import accelerate_zero
 
+    if os.environ.get(ARENA_WHOLE_ENV) == "1":
+        from user_load import count_gradient_arenas_whole
+
+        count_gradient_arenas_whole()  # [Note: resident pages against allocated bytes] in user_load.py
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     config = engine_config(int(name[-1]), reduce_bucket_size, grad_accum)
     engine = accelerate_zero.initialize(model, optimizer, config=config)

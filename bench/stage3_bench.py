@@ -7,6 +7,8 @@ Usage:
     .venv/bin/python bench/stage3_bench.py --world_sizes --load_only        # only the loading measurement
     .venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --systems ddp fsdp2 az2 az3 \
         --grad_accums 1 4 --steps 3 --warmup 1                                   # peak memory under accumulation
+    .venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --systems az3 --grad_accums 1 4 \
+        --steps 3 --warmup 1 --arena_whole                     # the same, gradient arenas counted as a GPU does
 
 The training systems run on the same model, data and machinery as engine_bench.py (bench_common.py,
 bench_worker.py, ds_worker.py, report.py: 16 x Linear(1024, 1024), fp32 AdamW, gloo, one thread per rank,
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +40,7 @@ from typing import Any
 
 import engine_bench
 import report
+from bench_worker import ARENA_WHOLE_ENV
 from ds_venv import DEFAULT_DS_VENV
 
 
@@ -91,6 +95,12 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         default=None,
         help="print the accumulation tables of a run saved with --json (and --grad_accums); run nothing",
+    )
+    parser.add_argument(
+        "--arena_whole",
+        action="store_true",
+        help="count the engine's gradient arenas whole from their allocation, as a device allocator does "
+        "([Note: resident pages against allocated bytes] in user_load.py)",
     )
     parser.add_argument("--no_load", action="store_true", help="skip the loading measurement")
     parser.add_argument("--load_only", action="store_true", help="only the loading measurement")
@@ -418,6 +428,8 @@ def accumulation_from_json(path: Path) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.arena_whole:
+        os.environ[ARENA_WHOLE_ENV] = "1"  # the workers inherit it (engine_bench.worker_command)
     if args.accumulation_from_json is not None:
         accumulation_from_json(args.accumulation_from_json)
         return

@@ -4,16 +4,19 @@ Usage:
     .venv/bin/python bench/user_load.py                                   # W = 4, every entry point (~2 min)
     .venv/bin/python bench/user_load.py --entries initialize --world_size 2
     .venv/bin/python bench/user_load.py --json bench/out/user_load.json
+    .venv/bin/python bench/user_load.py --shape llama69m --entries initialize fsdp2 fsdp2_accelerate   # issue 44
 
-A LlamaForCausalLM of about 69M parameters (276 MB in fp32, untied) is saved once with `save_pretrained` into
+A LlamaForCausalLM of 66.9M parameters (268 MB in fp32, untied; `--shape llama69m`: issue 44's 69.2M, whose decoder
+layers are larger than its embeddings) is saved once with `save_pretrained` into
 `--folder`, then on W gloo ranks (one thread each, `MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back
 to the OS) each rank: reads its baseline after the imports (the Trainer's and accelerate's too) and the process
 group; builds `TrainingArguments` /
 `ZeroAccelerator` with the stage-3 config first when the entry point is the Trainer or the accelerator (as users
 do, and as DeepSpeed needs for `zero.Init`); calls `AutoModelForCausalLM.from_pretrained(folder)` itself; hands
-the model to the entry point (`initialize`, `ZeroAccelerator.prepare`, `Trainer`, or FSDP2's `fully_shard` on
-each decoder layer and the root, the peer); trains 2 steps (phases forward/backward/optimizer of each; the
-Trainer's engine is built inside `train()`, one phase). A thread
+the model to the entry point (`initialize`, `ZeroAccelerator.prepare`, `Trainer`, or the peer FSDP2: `fully_shard`
+on each decoder layer and the root, or accelerate 1.15's own policy, `fsdp2_accelerate`: see `shard_like_fsdp2`);
+trains 2 steps (phases forward/backward/optimizer of each; the Trainer's engine is built inside `train()`, one
+phase). A thread
 polls /proc/self/status every 2 ms and keeps, per phase (load, init, step), the peak of RssAnon (the process's
 own memory) and of RssFile (pages of mapped files: the safetensors file transformers maps lazily; shared with
 the other ranks and the page cache, dropped by the kernel under pressure, so reported apart). The goal (issue
@@ -41,7 +44,20 @@ LLAMA = dict(
     vocab_size=32000,
     tie_word_embeddings=False,
 )
-ENTRIES = ["initialize", "accelerator", "trainer", "fsdp2", "ds3"]
+# Issue 44, item 12: wide layers and a small vocabulary, so that a decoder layer (7.1M parameters, 28.3 MB) is larger
+# than either embedding (6.3M, 25.2 MB): 69.2M parameters.
+LLAMA_69M = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    vocab_size=8192,
+    tie_word_embeddings=False,
+)
+SHAPES = {"llama67m": LLAMA, "llama69m": LLAMA_69M}
+FOLDERS = {"llama67m": "/tmp/az_user_load_llama", "llama69m": "/tmp/az_user_load_llama69m"}
+ENTRIES = ["initialize", "accelerator", "trainer", "fsdp2", "fsdp2_accelerate", "ds3"]
 DS_VENV = Path(__file__).resolve().parents[1] / ".ds-venv"
 MB = 1e6
 ZERO3: dict = {
@@ -189,6 +205,24 @@ def count_gradient_arenas_whole() -> None:
     GradArena.take = take_resident
 
 
+def shard_like_fsdp2(model, reshard: bool, accelerate_policy: bool) -> None:
+    """FSDP2 units: `fully_shard` on each decoder layer, then the root (`fsdp2`), or accelerate 1.15's own policy
+    (`fsdp2_accelerate`, what `fsdp2_prepare_model` in its `utils/fsdp_utils.py` does for an untied model): the
+    decoder layers, the input embedding in its own unit with the same `reshard_after_forward`, the final norm and the
+    LM head in one tail unit that is never resharded after forward, and the root with torch's default (not
+    resharded either)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    if not accelerate_policy:
+        fully_shard(model, reshard_after_forward=reshard)
+        return
+    fully_shard(model.get_input_embeddings(), reshard_after_forward=reshard)
+    fully_shard([model.model.norm, model.get_output_embeddings()], reshard_after_forward=False)
+    fully_shard(model)
+
+
 def worker(args: argparse.Namespace) -> None:
     if args.entry == "ds3":
         ds3_worker(args)
@@ -260,13 +294,9 @@ def worker(args: argparse.Namespace) -> None:
             optimizer.step()
             optimizer.zero_grad()
 
-    elif args.entry == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
+    elif args.entry in ("fsdp2", "fsdp2_accelerate"):
         reshard = ZERO3["zero_optimization"].get("stage3_max_reuse_distance", 1e9) == 0
-        for layer in model.model.layers:
-            fully_shard(layer, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+        shard_like_fsdp2(model, reshard, accelerate_policy=args.entry == "fsdp2_accelerate")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(index: int) -> None:
@@ -298,7 +328,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world_size", type=int, default=4)
     parser.add_argument("--entries", nargs="+", default=ENTRIES, choices=ENTRIES)
-    parser.add_argument("--folder", default="/tmp/az_user_load_llama")
+    parser.add_argument("--shape", default="llama67m", choices=sorted(SHAPES), help="the Llama (default: issue 31's)")
+    parser.add_argument("--folder", default=None, help="where the model is saved (default: one folder per shape)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--entry", default="initialize", help=argparse.SUPPRESS)
@@ -311,6 +342,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     ZERO3["zero_optimization"].update(json.loads(args.zero))
+    LLAMA.update(SHAPES[args.shape])  # the shape every function here reads
+    args.folder = args.folder or FOLDERS[args.shape]
     if args.worker:
         worker(args)
         return
@@ -339,7 +372,7 @@ def main() -> None:
             f"--nproc_per_node={args.world_size}",
         ]
         command += [__file__, "--worker", "--entry", entry, "--folder", str(folder), "--out", str(out)]
-        command += ["--zero", args.zero] + (["--arena_whole"] if args.arena_whole else [])
+        command += ["--zero", args.zero, "--shape", args.shape] + (["--arena_whole"] if args.arena_whole else [])
         subprocess.run(command, env=env, check=True)
         ranks = json.loads(out.read_text())
         results["entries"][entry] = ranks

@@ -186,10 +186,12 @@ def reduce_scatter(
     return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
 
 
-# The received partial sums of one round of [Note: reduce-scatter on gloo], at most (16 MiB in fp32): a larger
-# bucket (a 32K-vocabulary embedding and LM head in one unit: 131 MB) is reduced in rounds over column ranges of the
-# W chunks, so the temporary never grows with the bucket and stays below a transformer layer's size.
-GLOO_ROUND_NUMEL = 1 << 22
+# The received partial sums of one round of [Note: reduce-scatter on gloo], at most (4 MiB in fp32): a larger
+# bucket (a decoder layer of 7M parameters, a 32K-vocabulary LM head) is reduced in rounds over column ranges of the
+# W chunks, so the temporary never grows with the bucket. Only the first round overlaps backward (the others run in
+# `wait()`), so a larger round overlaps more and holds more: at 16 MiB a decoder layer of 28 MB held 16.8 MB received
+# beside its own gradient and the next layer's, and the backward peaked above FSDP2's (issue 44, item 12).
+GLOO_ROUND_NUMEL = 1 << 20
 
 
 def _all_to_all_reduce_scatter(

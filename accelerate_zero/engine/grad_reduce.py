@@ -12,6 +12,20 @@ gradient-accumulation boundary, and the buckets' reduce mode decides whether it 
 (`ReduceMode.reduces_every_micro_step`: always at stages 2 and 3, where it is what keeps the gradients and at stage 3
 the gathered units from staying full-size between micro-steps; at stages 0 and 1 only on the boundary). A plain
 `loss.backward()` outside a session still accumulates correctly; its reduction then happens in `finish_step()`.
+
+[Note: full-size gradient buffers alive in backward]
+At stages 2 and 3 a bucket's full-size gradient lives only while the bucket fills and while its reduction is in
+flight (a stage-3 unit's: a decoder layer's size, beside the gathered units). `max_in_flight` bounds those buffers,
+the bucket filling included: when a bucket's first gradient arrives, the oldest reductions finish until at most
+`max_in_flight - 1` are in flight, and a launch finishes the oldest before it starts, not after (one more reduction
+would otherwise hold its buffers for a moment). With 2 this is the double buffering of DeepSpeed's reduction
+buckets: one bucket fills while the previous one is reduced. Before, two reductions stayed in flight while the next
+bucket filled, and a third for a moment at each launch: on a Llama with 28 MB decoder layers that was three layers'
+gradients and three received copies beside the gathered units (issue 44, item 12; bench/README.md, user_load.py).
+A buffer given back is kept for the next bucket of its size ([Note: temporaries reused in host memory] in
+engine/scratch.py) unless no bucket still to fill in this backward (after the furthest one that received a
+gradient, in launch order) has that size, as the last decoder layers' buffers before the embeddings reduce: then it
+goes back at once.
 """
 
 from __future__ import annotations
@@ -71,7 +85,9 @@ class GradReducer:
         Args:
             buckets: every bucket of every param group, in launch order.
             locations: for each trainable parameter, (index into `buckets`, its slot).
-            max_in_flight: reductions allowed in flight at once; 0 waits for each one right away (no overlap).
+            max_in_flight: reductions allowed in flight at once; 0 waits for each one right away (no overlap). Where
+                the full-size gradient is transient (stages 2/3) it bounds the full-size buffers alive, the bucket
+                filling included ([Note: full-size gradient buffers alive in backward]).
             replicate: the ranks holding the same shards (replicate x shard, engine/layout.py): each reduced
                 shard is summed over them too; None: no replicas.
             quantized: qgZ's reduce-scatter for the stage 2/3 buckets (engine/quantized_comm.py).
@@ -99,6 +115,15 @@ class GradReducer:
         self.partitioned = any(mode.reduces_every_micro_step for mode in modes)
         """Every backward reduces (stages 2 and 3); else only the one ending on the accumulation boundary."""
         self.peak_transient_bytes = 0
+        # Per bucket: the (numel, dtype) of the buckets after it in launch order ([Note: full-size gradient buffers
+        # alive in backward]); `_furthest`: the last bucket that received a gradient in this backward.
+        self._sizes_after: list[frozenset[tuple[int, torch.dtype]]] = []
+        later: set[tuple[int, torch.dtype]] = set()
+        for bucket in reversed(self.buckets):
+            self._sizes_after.append(frozenset(later))
+            later.add((bucket.plan.numel, bucket.grad_dtype))
+        self._sizes_after.reverse()
+        self._furthest = -1
 
     def register_hooks(self) -> None:
         for param in self.locations:
@@ -114,6 +139,7 @@ class GradReducer:
         """Starts a session; `boundary`: this backward ends the accumulation cycle (the next step steps)."""
         if self._session is not None:
             raise RuntimeError("begin_backward() called twice without end_backward(): is a backward still running?")
+        self._furthest = -1
         self._session = _Session(
             boundary=boundary,
             eager=boundary or self.partitioned,
@@ -137,9 +163,9 @@ class GradReducer:
             if self.buckets[index].state is BucketState.ACCUMULATING:
                 self._launch(index)
         self._drain()
-        if session.boundary and self.partitioned:
-            # Every bucket of the cycle is reduced: the temporaries kept for the next micro-step have none to serve
-            # ([Note: temporaries reused in host memory]); what runs until the step allocates without them.
+        if self.partitioned:
+            # Every bucket of this micro-step is reduced: only the gradient shard lives on to the next one
+            # ([Note: nothing but the gradient shard survives a micro-step] in engine/scratch.py).
             self.scratch.clear()
 
     def _raise_for_unused(self, session: _Session) -> None:
@@ -162,6 +188,12 @@ class GradReducer:
         param.grad = None
         index, slot = self.locations[param]
         bucket = self.buckets[index]
+        self._furthest = max(self._furthest, index)
+        if self.partitioned and bucket.grad is None:
+            # A full-size buffer comes alive (this gradient, or the one it is copied into): the reductions in flight
+            # beyond the bound finish first and give theirs back ([Note: full-size gradient buffers alive in
+            # backward]).
+            self._finish_beyond(max(self.max_in_flight - 1, 0))
         bucket.add_grad(slot, grad)
         self._track_transient_bytes()
         session = self._session
@@ -178,6 +210,9 @@ class GradReducer:
                 session.next_launch += 1
 
     def _launch(self, index: int) -> None:
+        # At most `max_in_flight` reductions hold their buffers at any moment: the oldest is finished before the next
+        # one starts (and gives its buffers back for it to reuse), not after.
+        self._finish_beyond(max(self.max_in_flight - 1, 0))
         bucket = self.buckets[index]
         bucket.start_reduce(
             self.dp,
@@ -191,12 +226,20 @@ class GradReducer:
         if self._session is not None:
             self._session.launched.add(index)
         self._in_flight.append(bucket)
-        while len(self._in_flight) > self.max_in_flight:
-            self._in_flight.popleft().finish_reduce()
+        if self.max_in_flight == 0:
+            self._drain()
+
+    def _finish_beyond(self, count: int) -> None:
+        """Finishes the oldest reductions until at most `count` are in flight."""
+        while len(self._in_flight) > count:
+            bucket = self._in_flight.popleft()
+            bucket.finish_reduce()
+            key = (bucket.plan.numel, bucket.grad_dtype)
+            if self.partitioned and self._furthest >= 0 and key not in self._sizes_after[self._furthest]:
+                self.scratch.drop(*key)  # every bucket still to fill has another size
 
     def _drain(self) -> None:
-        while self._in_flight:
-            self._in_flight.popleft().finish_reduce()
+        self._finish_beyond(0)
 
     def _track_transient_bytes(self) -> None:
         if self.partitioned:
@@ -236,5 +279,6 @@ class GradReducer:
         return [t for bucket in self.buckets for t in bucket.transient_tensors()]
 
     def cached_tensors(self) -> list[torch.Tensor]:
-        """Temporaries given back and kept for the next micro-step ([Note: temporaries reused in host memory])."""
+        """Temporaries given back and kept for the next bucket of this backward ([Note: temporaries reused in host
+        memory])."""
         return self.scratch.cached_tensors()

@@ -3,22 +3,24 @@
 [Note: temporaries reused in host memory]
 At stages 2 and 3 every micro-step fills a full-size gradient buffer per bucket and, on gloo, receives a full-size
 copy of the partial sums in each reduce-scatter ([Note: reduce-scatter on gloo]); both are dropped once the bucket
-is reduced, so that between micro-steps only the gradient shard is held. On CUDA, torch's caching allocator hands
-the same blocks back on the next micro-step. In host memory nothing does: the C allocator serves a large block
-(glibc: above its mmap threshold, 32 MiB at most) with fresh pages every time, which the kernel faults in and zeroes
-on first touch, a pass over the buffer that DDP, whose buckets live for the whole run, does not pay. So on the CPU
-device the engine keeps these buffers when they are given back and hands them out again to a request of the same
-size and dtype: within a backward (units of the same size reduce one after the other) and from one micro-step to
-the next (the buckets are the same every micro-step, so sizes repeat exactly). What it keeps is at most what was in
-use at once (like CUDA's reserved memory), reported by `memory_breakdown()` as `cached_buffers` apart from the bytes
-held for training state, and it is dropped once the accumulation cycle has reduced everything (GradReducer
-`finish_step`, `zero_grad`): the optimizer step, and what runs between steps (evaluation, generation, checkpoints),
-allocate without it. The price is on the step's peak: between micro-steps the kept buffers sit beside the next
-forward's activations, which a CUDA allocator could carve them into and this cache cannot (bench/README.md,
-trainer_bench.py, gives the numbers). Host memory has no streams: a buffer given back is
-no longer read or written by anything (collectives on gloo are waited for before their buffers are given back). On
-any other device `take` allocates and `give` drops the reference: the device's allocator does the caching, and
-knows the streams.
+is reduced. On CUDA, torch's caching allocator hands the same blocks to the next bucket. In host memory nothing
+does: the C allocator serves a large block (glibc: above its mmap threshold, 32 MiB at most) with fresh pages every
+time, which the kernel faults in and zeroes on first touch, a pass over the buffer that DDP, whose buckets live for
+the whole run, does not pay. So on the CPU device the engine keeps these buffers when they are given back and hands
+them out again to a request of the same size and dtype within one backward (units of the same size reduce one after
+the other). What it keeps is at most what was in use at once (like CUDA's reserved memory), reported by
+`memory_breakdown()` as `cached_buffers` apart from the bytes held for training state. Host memory has no streams: a
+buffer given back is no longer read or written by anything (collectives on gloo are waited for before their buffers
+are given back). On any other device `take` allocates and `give` drops the reference: the device's allocator does
+the caching, and knows the streams.
+
+[Note: nothing but the gradient shard survives a micro-step]
+The cache is dropped when every bucket of a backward is reduced (GradReducer `end_backward`), at every micro-step,
+not only at the end of the accumulation cycle: between micro-steps the engine holds its shards, the optimizer state
+and the gradient shard the micro-steps accumulate into, and nothing else. Kept across micro-steps, the cache sat
+beside the next forward's activations and its gathered units, where accumulation 1 has none of it, so the peak grew
+with `gradient_accumulation_steps` (issue 44, item 11; bench/README.md, stage3_bench.py). Each micro-step now pays
+the first-touch faults that a step pays at accumulation 1, once per backward.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class ScratchBuffers:
             free = self._free.setdefault((tensor.numel(), tensor.dtype), [])
             assert all(kept is not tensor for kept in free), "a scratch buffer was given back twice"
             free.append(tensor)
+
+    def drop(self, numel: int, dtype: torch.dtype) -> None:
+        """Drops the kept buffers of one size (no request of that size is coming)."""
+        self._free.pop((numel, dtype), None)
 
     def cached_tensors(self) -> list[torch.Tensor]:
         """The buffers kept for reuse (for memory accounting)."""

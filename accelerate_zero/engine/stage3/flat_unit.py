@@ -57,7 +57,14 @@ Scatter = Callable[[torch.Tensor, "list[torch.Tensor] | None"], None]
 # `from_pretrained` mapped lazily stay unread there, and their parameters may even be on the meta device (the
 # loading accelerate's FSDP `cpu_ram_efficient_loading` uses: rank 0 loads, the others only build). On rank 0 a
 # unit that is one parameter already in the compute dtype and layout (embeddings, an LM head: the largest tensors)
-# is scattered from views of it, without a copy; any other unit is flattened into one buffer first (one unit).
+# is scattered from views of it, without a copy. Any other unit is scattered in rounds: each round rank 0 copies
+# the same column range of every rank's shard out of the parameters into one small buffer (at most
+# `SCATTER_ROUND_NUMEL` elements for the W pieces) and scatters it, so no rank ever holds a unit whole, rank 0
+# included (rank 0 held one flattened unit beside the shards: 20 MB above FSDP2's init peak on a Llama whose
+# decoder layers are 28 MB, issue 44, item 12). Without a scatter each rank copies its own range the same way.
+SCATTER_ROUND_NUMEL = 1 << 20
+
+
 def build_flat(
     params: list[nn.Parameter],
     rank: int,
@@ -73,14 +80,17 @@ def build_flat(
     plan = plan_group([tuple(p.shape) for p in params], sys.maxsize, num_shards)
     (bucket,) = plan.buckets
     lo, hi = bucket.shard_range(rank)
-    if scatter is None or (cuts if cuts is not None else rank == 0):
-        shards = _shards_of(params, bucket, num_shards, dtype, device)
-        shard = shards[rank].clone()
-        if scatter is not None:
-            scatter(shard, shards)
+    cutting = scatter is None or (cuts if cuts is not None else rank == 0)
+    shard_views = _views_of(params, bucket, num_shards, dtype, device) if cutting else None
+    if scatter is None:
+        shard = (
+            shard_views[rank].clone() if shard_views is not None else torch.empty(hi - lo, dtype=dtype, device=device)
+        )
+        if shard_views is None:
+            _copy_range(shard, params, bucket, lo)
     else:
         shard = torch.empty(hi - lo, dtype=dtype, device=device)
-        scatter(shard, None)
+        _scatter_in_rounds(shard, params if cutting else None, shard_views, bucket, num_shards, scatter)
     # The full buffer is never written here (on a CPU its pages are never touched): it only gives the parameters
     # their views, and its storage is freed at once.
     full = torch.empty(bucket.numel, dtype=dtype, device=device)
@@ -104,16 +114,51 @@ def set_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
         torch.utils.swap_tensors(tensor, value)
 
 
-def _shards_of(
+def _views_of(
     params: list[nn.Parameter], bucket: BucketPlan, num_shards: int, dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
-    ranges = [bucket.shard_range(r) for r in range(num_shards)]
+) -> list[torch.Tensor] | None:
+    """The W shards as views of the unit's only parameter, when it needs no cast, move or padding; else None."""
     only = params[0].detach() if len(params) == 1 else None
-    if only is not None and bucket.padding == 0 and only.dtype == dtype and only.device == device:
-        if only.is_contiguous():
-            flat = only.reshape(-1)
-            return [flat[lo:hi] for lo, hi in ranges]
-    full = torch.zeros(bucket.numel, dtype=dtype, device=device)
+    if only is None or bucket.padding or only.dtype != dtype or only.device != device or not only.is_contiguous():
+        return None
+    flat = only.reshape(-1)
+    return [flat[lo:hi] for lo, hi in (bucket.shard_range(r) for r in range(num_shards))]
+
+
+def _copy_range(out: torch.Tensor, params: list[nn.Parameter], bucket: BucketPlan, start: int) -> None:
+    """Elements [start, start + out.numel()) of the unit flattened by `bucket` into `out` (zeros in the padding)."""
+    end = start + out.numel()
+    out.zero_()
     for slot in bucket.slots:
-        full[slot.offset : slot.offset + slot.numel].copy_(params[slot.param_index].detach().reshape(-1))
-    return [full[lo:hi] for lo, hi in ranges]
+        lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+        if lo < hi:
+            values = params[slot.param_index].detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
+            out[lo - start : hi - start].copy_(values)
+
+
+def _scatter_in_rounds(
+    shard: torch.Tensor,
+    params: list[nn.Parameter] | None,
+    shard_views: list[torch.Tensor] | None,
+    bucket: BucketPlan,
+    num_shards: int,
+    scatter: Scatter,
+) -> None:
+    """[Note: rank 0's weights, cut on rank 0]: `params` on the rank that cuts, None on the others, which only
+    receive; `shard_views`: the W shards as views of the parameter, sent without a copy. Every rank runs the same
+    rounds (the plan is the same everywhere, whichever way rank 0 cuts)."""
+    width = max(1, SCATTER_ROUND_NUMEL // num_shards)
+    pieces = None
+    if params is not None and shard_views is None:
+        pieces = torch.empty(num_shards, min(width, shard.numel()), dtype=shard.dtype, device=shard.device)
+    for column in range(0, shard.numel(), width):
+        out = shard[column : column + width]
+        if shard_views is not None:
+            scatter(out, [view[column : column + out.numel()] for view in shard_views])
+        elif pieces is not None and params is not None:
+            round_pieces = pieces[:, : out.numel()]
+            for r in range(num_shards):
+                _copy_range(round_pieces[r], params, bucket, bucket.shard_range(r)[0] + column)
+            scatter(out, list(round_pieces.unbind(0)))
+        else:
+            scatter(out, None)

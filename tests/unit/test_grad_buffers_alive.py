@@ -1,0 +1,79 @@
+"""[Note: full-size gradient buffers alive in backward] (engine/grad_reduce.py): at stages 2/3 the bucket filling and
+the reductions in flight hold at most `max_in_flight` full-size gradient buffers together, and a buffer given back
+is not kept once no bucket still to fill has its size (issue 44, item 12). One rank, so a reduction is a copy; what
+is checked is which buffers are alive at each gradient's arrival."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
+from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.grad_reduce import GradReducer
+from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.engine.scratch import ScratchBuffers
+from accelerate_zero.engine.shard_plan import plan_group
+
+
+CPU = torch.device("cpu")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    # Backward meets the three 8x8 layers first, then the 5x8 one: two bucket sizes, the odd one last. Each layer is a
+    # bucket of two parameters, so a bucket fills over two gradient hooks.
+    return nn.Sequential(nn.Linear(5, 8), *[nn.Linear(8, 8) for _ in range(3)])
+
+
+def _run(max_in_flight: int) -> list[tuple[int, int, set[int]]]:
+    model = _model()
+    params = list(model.parameters())  # plan_group lays the buckets out in the order backward fills them
+    plan = plan_group([tuple(p.shape) for p in params], 72, 1)
+    scratch = ScratchBuffers(CPU)
+    mode = ReduceMode.SCATTER_TO_SHARD
+    buckets = [
+        GradBucket(b, mode, 0, torch.float32, torch.float32, CPU, None, params, None, scratch) for b in plan.buckets
+    ]
+    locations = {params[s.param_index]: (i, s) for i, b in enumerate(plan.buckets) for s in b.slots}
+    reducer = GradReducer(
+        buckets,
+        locations,
+        DataParallelGroup(group=None, rank=0, world_size=1),
+        CommStats(),
+        GradScaling(1, False, 1.0, torch.float32),
+        use_reduce_scatter=True,
+        max_in_flight=max_in_flight,
+        scratch=scratch,
+    )
+    reducer.register_hooks()
+    seen: list[tuple[int, int, set[int]]] = []  # (bucket, full-size buffers alive, sizes kept for reuse)
+
+    def record(param: torch.Tensor) -> None:  # runs after the reducer's hook on the same parameter
+        alive = sum(bucket.grad is not None for bucket in buckets)
+        seen.append((locations[param][0], alive, {t.numel() for t in scratch.cached_tensors()}))
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(record)
+    # Hold every reduction in flight until it is finished by the reducer (one rank completes them at once).
+    for _ in range(2):
+        reducer.begin_backward(boundary=True)
+        model(torch.randn(3, 5)).pow(2).sum().backward()
+        reducer.end_backward()
+        reducer.finish_step()
+        reducer.zero_grad()
+    assert [b.plan.numel for b in buckets] == [72, 72, 72, 48]
+    return seen
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_the_bucket_filling_counts_against_the_reductions_in_flight(max_in_flight: int) -> None:
+    seen = _run(max_in_flight)
+    assert max(alive for _, alive, _ in seen) == max_in_flight, seen
+
+
+def test_a_size_no_bucket_still_needs_is_not_kept() -> None:
+    for bucket, _, kept in _run(2):
+        if bucket == 3:  # the 5x8 layer fills: every 8x8 layer is done
+            assert 72 not in kept, kept
