@@ -290,6 +290,28 @@ def all_to_all(
     dist.all_to_all_single(output, input, group=dp.group)
 
 
+def all_to_all_uneven(
+    input: torch.Tensor,
+    send_counts: list[int],
+    receive_counts: list[int],
+    dp: DataParallelGroup,
+    stats: CommStats,
+    *,
+    kind: str = "all_to_all",
+) -> torch.Tensor:
+    """The first `send_counts[i]` rows of `input` (after those for ranks below i) to group rank i; returns the rows
+    received, `receive_counts[j]` from group rank j, in rank order (synchronous; counts may be 0)."""
+    output = input.new_empty((sum(receive_counts), *input.shape[1:]))
+    if dp.world_size == 1:
+        output.copy_(input)
+        return output
+    row_bytes = input[:1].numel() * input.element_size()
+    nbytes = (sum(send_counts) - send_counts[dp.rank]) * row_bytes  # what leaves this rank
+    stats.record(kind, nbytes, 1.0, between_nodes(dp, "all_to_all", nbytes))
+    dist.all_to_all_single(output, input.contiguous(), receive_counts, send_counts, group=dp.group)
+    return output
+
+
 def broadcast(
     tensor: torch.Tensor, src_rank: int, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
 ) -> Pending:

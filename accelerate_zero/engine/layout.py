@@ -40,6 +40,9 @@ class LayoutPlan:
     """qgZ: the node and across-node groups of the two-level reduce-scatter (engine/quantized_comm.py)."""
     sequence_size: int = 1
     """Ulysses: ranks sharing each sequence, consecutive (accelerate_zero/sequence); 1: none."""
+    expert_size: int = 1
+    """Expert parallelism: consecutive ranks that split each MoE layer's experts between them and exchange tokens
+    (accelerate_zero/experts); 1: every rank holds every expert."""
 
     def __post_init__(self) -> None:
         world = self.nodes.world_size
@@ -47,6 +50,7 @@ class LayoutPlan:
             ("shard size", self.shard_size),
             ("secondary partition size", self.secondary_size),
             ("sequence-parallel size", self.sequence_size),
+            ("expert-parallel size", self.expert_size),
         )
         for key, size in sizes:
             if size < 1 or world % size:
@@ -87,6 +91,14 @@ class LayoutPlan:
     def sequence_groups(self) -> list[tuple[int, ...]]:
         return _blocks(self.world_size, self.sequence_size)
 
+    def expert_groups(self) -> list[tuple[int, ...]]:
+        return _blocks(self.world_size, self.expert_size)
+
+    def expert_peer_groups(self) -> list[tuple[int, ...]]:
+        """Ranks holding the same experts: the same position in each expert group ([Note: gradients of split
+        experts] in experts/parallel.py)."""
+        return [tuple(range(i, self.world_size, self.expert_size)) for i in range(self.expert_size)]
+
     def node_groups(self) -> list[tuple[int, ...]]:
         return [self.nodes.ranks_of_node(node) for node in range(self.nodes.num_nodes)]
 
@@ -126,6 +138,10 @@ class ShardingLayout:
     sequence: DataParallelGroup | None = None
     """Ulysses: the ranks sharing this rank's sequences (None: sequences are not cut). ZeRO partitions over all of
     `world` all the same, as DeepSpeed does ([Note: the loss over a sequence-parallel group])."""
+    expert: DataParallelGroup | None = None
+    """Expert parallelism: the ranks splitting each MoE layer's experts with this one (None: no split)."""
+    expert_peers: DataParallelGroup | None = None
+    """The ranks holding the same experts as this one, one per expert group (None: a single expert group)."""
 
     def shard_index_of(self, rank: int) -> int:
         return self.plan.shard_index_of(rank)
@@ -145,7 +161,7 @@ def flat_layout(world: DataParallelGroup, nodes: NodeLayout | None = None) -> Sh
 
 def build_sharding_layout(world: DataParallelGroup, plan: LayoutPlan) -> ShardingLayout:
     """Creates the plan's groups (every rank must call it, in the same order) and picks this rank's."""
-    if plan.kind == "flat" and not plan.two_level and plan.sequence_size == 1:
+    if plan.kind == "flat" and not plan.two_level and plan.sequence_size == 1 and plan.expert_size == 1:
         return flat_layout(world, plan.nodes)
     if world.group is not None:
         raise ValueError(
@@ -154,18 +170,28 @@ def build_sharding_layout(world: DataParallelGroup, plan: LayoutPlan) -> Shardin
         )
     world = _with_nodes(world, plan.nodes)
     sequence = _my_group(plan.sequence_groups(), world.rank, plan.nodes) if plan.sequence_size > 1 else None
+    expert, peers = _expert_groups(plan, world.rank)
     two_level = None
     if plan.two_level:
         node = _my_group(plan.node_groups(), world.rank, plan.nodes)
         two_level = TwoLevelGroups(node, _my_group(plan.across_node_groups(), world.rank, plan.nodes))
     if plan.kind == "flat":
-        return ShardingLayout(plan, world, world, None, None, two_level, sequence)
+        return ShardingLayout(plan, world, world, None, None, two_level, sequence, expert, peers)
     if plan.kind == "hpz":
         secondary = _my_group(plan.secondary_groups(), world.rank, plan.nodes)
-        return ShardingLayout(plan, world, world, None, secondary, two_level, sequence)
+        return ShardingLayout(plan, world, world, None, secondary, two_level, sequence, expert, peers)
     shard = _my_group(plan.shard_groups(), world.rank, plan.nodes)
     replicate = _my_group(plan.replicate_groups(), world.rank, plan.nodes)
-    return ShardingLayout(plan, world, shard, replicate, None, None, sequence)
+    return ShardingLayout(plan, world, shard, replicate, None, None, sequence, expert, peers)
+
+
+def _expert_groups(plan: LayoutPlan, rank: int) -> tuple[DataParallelGroup | None, DataParallelGroup | None]:
+    if plan.expert_size == 1:
+        return None, None
+    expert = _my_group(plan.expert_groups(), rank, plan.nodes)
+    if plan.expert_size == plan.world_size:
+        return expert, None
+    return expert, _my_group(plan.expert_peer_groups(), rank, plan.nodes)
 
 
 def _with_nodes(group: DataParallelGroup, nodes: NodeLayout) -> DataParallelGroup:
