@@ -320,6 +320,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         tag: str | None = None,
         client_state: dict | None = None,
         exclude_frozen_parameters: bool = True,
+        async_save: bool = False,
     ) -> str:
         """Saves the full training state (every rank its shard); every rank must call it.
 
@@ -332,14 +333,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
             client_state: a dict of tensors and plain values saved alongside and returned by `load_checkpoint`.
             exclude_frozen_parameters: leave out parameters with `requires_grad=False` (a LoRA base); loading then
                 takes them from the model after checking they are the ones trained with ([Note: frozen parameters
-                are not saved] in checkpoint/engine_io.py). DeepSpeed's default is False: pass False for a
+                are not saved] in checkpoint/frozen.py). DeepSpeed's default is False: pass False for a
                 checkpoint that holds the whole model.
+            async_save: return once the state is copied to host memory; a background thread writes and publishes
+                it while training goes on ([Note: asynchronous saves] in checkpoint/async_save.py). The next save or
+                load waits for it (and raises its error, on every rank); until then `latest` names the previous
+                checkpoint. Pass the same value on every rank.
 
         Returns:
-            The checkpoint folder.
+            The checkpoint folder (with `async_save`, where it will be once published).
         """
         self.sleeping.check_awake("save_checkpoint()")
-        return str(save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters))
+        return str(save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters, async_save))
 
     def load_checkpoint(
         self,
