@@ -10,7 +10,8 @@ writer leaves a marker `.rank<R>.done` (or `.rank<R>.failed` with its error) in 
 writer, having seen a marker from every rank, writes meta.json and publishes the folder as a synchronous save does
 (checkpoint/io.py): a job killed while any writer runs leaves `latest` naming the previous checkpoint.
 
-Every rank joins its writer before the next save or load starts (a second save waits for the first), and the ranks
+Every rank joins its writers before the next save or load starts (a second save waits for the first; a load by
+another engine of the process waits too), and the ranks
 then exchange the writers' errors in one small all-gather, so a failed write is raised on every rank at that call,
 naming the rank. The snapshot costs the rank's share of the checkpoint in host memory until its writer is done.
 """
@@ -91,7 +92,7 @@ _IN_FLIGHT: weakref.WeakKeyDictionary[object, _Writer] = weakref.WeakKeyDictiona
 
 
 def start(engine: object, job: Callable[[], None]) -> None:
-    """Runs `job` (one save's writing) in a background thread; `finish` must have been called since the last one."""
+    """Runs `job` (one save of `engine`) in a background thread; `finish` must have been called since the last one."""
     if engine in _IN_FLIGHT:
         raise RuntimeError("an asynchronous checkpoint save is still in flight: call finish() before starting another")
     _IN_FLIGHT[engine] = _Writer(job, "accelerate_zero checkpoint writer")
@@ -102,19 +103,22 @@ def in_flight(engine: object) -> bool:
     return engine in _IN_FLIGHT
 
 
-def finish(engine: object, world: DataParallelGroup) -> None:
-    """Waits for `engine`'s writer (if a save is in flight); every rank must call it. Once it returns, the checkpoint
-    is published.
+def finish(world: DataParallelGroup) -> None:
+    """Waits for every save in flight in this process (any engine's: a new engine may load what an old one was
+    saving); every rank must call it. Once it returns, those checkpoints are published.
 
     Raises:
         OSError: some rank's writer failed (on every rank, naming the rank and its error); the previous checkpoint is
             still the one `latest` names.
     """
-    writer = _IN_FLIGHT.pop(engine, None)
-    if writer is None:  # every rank started the same saves: none of them has one in flight
+    writers = list(_IN_FLIGHT.values())
+    _IN_FLIGHT.clear()
+    if not writers:  # every rank started the same saves: none of them has one in flight
         return
-    writer.thread.join()
-    error = None if writer.error is None else f"{type(writer.error).__name__}: {writer.error}"
+    for writer in writers:
+        writer.thread.join()
+    failed_here = next((writer.error for writer in writers if writer.error is not None), None)
+    error = None if failed_here is None else f"{type(failed_here).__name__}: {failed_here}"
     errors = collectives.all_gather_object(error, world)
     failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
     if failed:
@@ -122,4 +126,4 @@ def finish(engine: object, world: DataParallelGroup) -> None:
         raise OSError(
             f"the asynchronous checkpoint save failed on rank {rank} ({text}); `latest` still names the previous "
             "checkpoint. Fix the cause and save again"
-        ) from writer.error
+        ) from failed_here

@@ -103,7 +103,7 @@ def save_engine(
     publishes it ([Note: asynchronous saves] in checkpoint/async_save.py). Any save or load first waits for the
     one in flight.
     """
-    async_save_io.finish(engine, engine.layout.world)  # a second save waits for the first
+    async_save_io.finish(engine.layout.world)  # a second save waits for the first
     save_dir = Path(save_dir)
     tag = check_tag(tag or f"global_step{engine.checkpoint_state().counters.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
@@ -270,7 +270,7 @@ def load_engine(
         ValueError: the checkpoint is corrupted (naming the file), its parameter shapes differ from the model's, or
             it was saved with another optimizer class and `load_optimizer_states` is True.
     """
-    async_save_io.finish(engine, engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
+    async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
     files = check_file_set(folder, meta)

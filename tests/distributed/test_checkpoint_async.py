@@ -3,8 +3,8 @@
 One 2-rank body, at stages 0, 2 and 3: a save with `async_save=True` returns while its writer is held, training
 goes on for a step during the write (the writer is released by that step), `latest` names the previous checkpoint
 until the writer publishes, and the files published are byte for byte those of a synchronous save taken at the same
-step (the same SHA-256s in meta.json). A second save waits for the first; a load waits for the save in flight and
-restores it exactly; a writer that fails on one rank makes the next save raise on every rank, naming the rank,
+step (the same SHA-256s in meta.json). A second save waits for the first; a load (by another engine) waits for the
+save in flight and restores it exactly; a writer that fails on one rank makes the next save raise on every rank, naming the rank,
 with `latest` unchanged. A job killed while the writer runs is tests/integration/test_killed_save.py's "async" case.
 """
 
@@ -78,18 +78,22 @@ def _one_stage(rank: int, world_size: int, root: Path, stage: int) -> dict[str, 
         _steps(engine, rank, world_size, range(2, 3))  # training goes on while the writer is held
         out["params_step3"] = gathered_flat(model)
         held.release.set()
+        held_second = _HeldWriter(held.real)  # the first writer is past its only call of save_file
+        engine_io.save_file = held_second
         # A second save waits for the first: once it returns, global_step2 is published.
         engine.save_checkpoint(str(root / "async"), tag="second", async_save=True)
         out["first_published_when_second_returned"] = (folder / "meta.json").is_file()
+        out["writer_released_by_training"] = held.released_in_time
+        out["same_files_as_sync"] = _files(folder) == _files(root / "sync" / "global_step2")
+        _steps(engine, rank, world_size, range(3, STEPS))
+        out["params_end"] = gathered_flat(model)
+        # Another engine's load waits for the save in flight ("second", at step 3) and restores it exactly.
+        threading.Timer(1.0, held_second.release.set).start()
+        fresh, fresh_model = _engine(stage, seed=5)
+        fresh.load_checkpoint(str(root / "async"))
     finally:
         engine_io.save_file = held.real
-    out["writer_released_by_training"] = held.released_in_time
-    out["same_files_as_sync"] = _files(folder) == _files(root / "sync" / "global_step2")
-    _steps(engine, rank, world_size, range(3, STEPS))
-    out["params_end"] = gathered_flat(model)
-    # A load waits for the save in flight ("second", at step 3) and restores it exactly.
-    fresh, fresh_model = _engine(stage, seed=5)
-    fresh.load_checkpoint(str(root / "async"))
+        held.release.set()
     out["loaded_steps"] = fresh.global_steps
     out["loaded_params"] = gathered_flat(fresh_model)
     _steps(fresh, rank, world_size, range(3, STEPS))

@@ -402,10 +402,12 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
         Args:
             output_dir: the folder (accelerate's `automatic_checkpoint_naming` works as usual).
             safe_serialization: as accelerate's.
-            **save_model_func_kwargs: passed to `ZeroEngine.save_checkpoint` (e.g. `client_state`).
+            **save_model_func_kwargs: passed to `ZeroEngine.save_checkpoint` (e.g. `client_state`, or
+                `async_save=True`: the engines' shards are written by background threads while training goes on;
+                the next `save_state` or `load_state` waits for them).
 
         Returns:
-            The folder written.
+            The folder written (with `async_save`, the engine shards are published under it once written).
         """
 
         return checkpointing.save_state(

@@ -15,6 +15,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import load
 
+from accelerate_zero.checkpoint import async_save
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import (
@@ -52,6 +53,10 @@ def save_state(
         for tag, entry in checkpointed(prepared):
             entry.engine.save_checkpoint(folder, tag=tag, **engine_kwargs)
 
+    # With `async_save=True` the engines' writers run on after this returns. accelerate's `total_limit` removes the
+    # oldest folders before it saves, which may be the one still written: its writer is waited for first.
+    for _, entry in checkpointed(prepared)[:1]:
+        async_save.finish(entry.engine.layout.world)
     with accelerate_state_only(accelerator, prepared, "_save_model_state_pre_hook", save_engines):
         return save(output_dir, safe_serialization)
 
