@@ -13,16 +13,22 @@ writer, having seen a marker from every rank, writes meta.json and publishes the
 Every rank joins its writers before the next save or load starts (a second save waits for the first; a load by
 another engine of the process waits too), and the ranks
 then exchange the writers' errors in one small all-gather, so a failed write is raised on every rank at that call,
-naming the rank. The snapshot costs the rank's share of the checkpoint in host memory until its writer is done.
+naming the rank. The snapshot is copied into host buffers kept for the next save (`stage`): the rank's share of the
+checkpoint stays in host memory between saves (`release_staging` frees it), as torch's `async_save` caches its
+staged state dict.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import torch
 
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.groups import DataParallelGroup
@@ -81,14 +87,53 @@ class _Writer:
         self.thread.start()
 
     def _run(self, job: Callable[[], None]) -> None:
+        _lower_priority()
         try:
             job()
         except BaseException as error:  # raised on the training thread by `finish`
             self.error = error
 
 
+WRITER_NICENESS = 19
+"""The writer thread's `nice` value (Linux: per thread): serializing and hashing cost CPU time, which training
+threads get first."""
+
+
+def _lower_priority() -> None:
+    if hasattr(os, "setpriority"):  # Linux: PRIO_PROCESS with a thread id sets that thread's niceness
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+
+
 # The writer in flight per engine (a side table: the engine's checkpoint methods reach it through `start`/`finish`).
 _IN_FLIGHT: weakref.WeakKeyDictionary[object, _Writer] = weakref.WeakKeyDictionary()
+
+
+# Host buffers a save's snapshot is copied into, per engine, kept between saves: a fresh allocation costs a page
+# fault per 4 KiB page on first touch (measured on a 2-core VM:
+# 96 MiB copied into new memory in 0.19 s, into reused memory in 0.09 s).
+_STAGING: weakref.WeakKeyDictionary[object, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def stage(engine: object, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Copies every (key, tensor) into `engine`'s host staging buffer for that key (made or remade when the shape or
+    dtype differs); the buffers of keys this save does not have are dropped. Call only once the previous save's
+    writer is done (`finish`): it reads the same buffers."""
+    cache = _STAGING.setdefault(engine, {})
+    staged = []
+    for key, tensor in tensors:
+        buffer = cache.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        buffer.copy_(tensor)
+        staged.append((key, buffer))
+    _STAGING[engine] = dict(staged)
+    return staged
+
+
+def release_staging(engine: object) -> None:
+    """Frees `engine`'s staging buffers (the host memory of its last asynchronous save); after `finish`."""
+    _STAGING.pop(engine, None)
 
 
 def start(engine: object, job: Callable[[], None]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -88,6 +88,10 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()
+
+
 # --------------------------------------------------------------------------- save
 def save_engine(
     engine: ZeroEngine,
@@ -122,7 +126,8 @@ def save_engine(
     # At stage 0 every rank holds the same full state: rank 0's file is enough; with replicas of the shards
     # (engine/layout.py) the first replica's files are.
     writes = (engine.stage > 0 and engine.layout.writes_shards) or is_main
-    tensors = _rank_tensors(state, is_main, set(excluded)) if writes else None
+    host = _detached if async_save else _to_host  # an asynchronous save copies into its staging buffers
+    tensors = _rank_tensors(state, is_main, set(excluded), host) if writes else None
     main_files = _main_files(engine, client_state, excluded) if is_main else None
     if not async_save:
         if tensors is not None:
@@ -132,7 +137,7 @@ def save_engine(
             _write_main_files(work, *main_files)
         return publish_dir(save_dir, tag, lambda: _barrier(engine), is_main)
     # [Note: asynchronous saves]: the snapshot is taken here, on the training thread.
-    snapshot = None if tensors is None else list(tensors)
+    snapshot = None if tensors is None else async_save_io.stage(engine, tensors)
     main_files = copy.deepcopy(main_files)
 
     def write() -> None:
@@ -142,8 +147,6 @@ def save_engine(
         except BaseException as error:
             async_save_io.mark_failed(work, rank, error)
             raise
-        if snapshot is not None:
-            snapshot.clear()  # the host copies are freed as soon as they are on disk
         async_save_io.mark_done(work, rank)
         if main_files is not None:
             async_save_io.wait_for_ranks(work, world.world_size)
@@ -188,25 +191,28 @@ def _collect_digests(work: Path) -> dict[str, str]:
     return digests
 
 
-def _rank_tensors(state: CheckpointState, is_main: bool, excluded: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, host copy) of everything this rank saves, one fragment at a time."""
+def _rank_tensors(
+    state: CheckpointState, is_main: bool, excluded: set[str], host: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, `host(value)`) of everything this rank saves, one fragment at a time (`host`: `_to_host`, or
+    `_detached` for a consumer that copies each value before taking the next)."""
     names = _names(state)
     # Under NVMe optimizer offload the masters and their state are in memory one sub-group at a time.
     for batch in state.trainable_batches(write_back=False):
         for trainable in batch:
-            yield from _trainable_tensors(state, trainable, names)
+            yield from _trainable_tensors(state, trainable, names, host)
     for frozen in state.frozen_shards():
         shard = state.read_frozen(frozen)
         for frag in _fragments(frozen.range, names):
             if frag.name not in excluded:
-                yield frag.key("param"), _to_host(shard[frag.offset : frag.offset + frag.numel])
+                yield frag.key("param"), host(shard[frag.offset : frag.offset + frag.numel])
     if is_main:
         covered = state.sharded_parameters()
         for name, param in state.module.named_parameters():
             if id(param) not in covered and name not in excluded:
-                yield whole_key(name, "full"), _to_host(param)
+                yield whole_key(name, "full"), host(param)
         for name, buffer in _persistent_buffers(state.module):
-            yield whole_key(name, "buffer"), _to_host(buffer)
+            yield whole_key(name, "buffer"), host(buffer)
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -221,17 +227,20 @@ def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
 
 
 def _trainable_tensors(
-    state: CheckpointState, trainable: TrainableRange, names: dict[int, str]
+    state: CheckpointState,
+    trainable: TrainableRange,
+    names: dict[int, str],
+    host: Callable[[torch.Tensor], torch.Tensor],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     optimizer_state = state.optimizer.state.get(trainable.master, {})
     for frag in _fragments(trainable.range, names):
         piece = slice(frag.offset, frag.offset + frag.numel)
-        yield frag.key("master"), _to_host(trainable.master[piece]).float()
+        yield frag.key("master"), host(trainable.master[piece]).float()
         for kind, value in optimizer_state.items():
             if torch.is_tensor(value) and value.numel() == trainable.master.numel() and value.ndim > 0:
-                yield frag.key(kind), _to_host(value[piece])
+                yield frag.key(kind), host(value[piece])
             elif torch.is_tensor(value) and value.numel() == 1:
-                yield frag.key(kind), _to_host(value.reshape(()))
+                yield frag.key(kind), host(value.reshape(()))
 
 
 def _meta(engine: ZeroEngine) -> dict[str, Any]:
