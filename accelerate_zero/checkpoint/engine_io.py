@@ -29,7 +29,8 @@ import torch
 from safetensors.torch import save_file
 
 from accelerate_zero.checkpoint import async_save as async_save_io
-from accelerate_zero.checkpoint import rank_parts
+from accelerate_zero.checkpoint import dcp_read, rank_parts
+from accelerate_zero.checkpoint.dcp_load import load_dcp
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
 from accelerate_zero.checkpoint.frozen import check_frozen, frozen_fingerprints, frozen_names
 from accelerate_zero.checkpoint.io import (
@@ -272,14 +273,21 @@ def load_engine(
     tag: str | None,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
-) -> dict:
-    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage.
+) -> tuple[Path, dict]:
+    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage, or from
+    a DCP checkpoint written by FSDP2 or torchtitan (`load_dir`, or `load_dir/tag`, holding `.metadata`).
+
+    Returns:
+        (the checkpoint folder, the client state saved with it).
 
     Raises:
         ValueError: the checkpoint is corrupted (naming the file), its parameter shapes differ from the model's, or
             it was saved with another optimizer class and `load_optimizer_states` is True.
     """
     async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
+    named = Path(load_dir) if tag is None else Path(load_dir) / check_tag(tag, "tag")
+    if dcp_read.is_dcp_folder(named):  # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
+        return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
     files = check_file_set(folder, meta)
@@ -305,7 +313,7 @@ def load_engine(
         engine.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     state.restore_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
     engine.zero_grad()
-    return torch.load(folder / "client_state.pt", weights_only=True)
+    return folder, torch.load(folder / "client_state.pt", weights_only=True)
 
 
 def _verify_what_this_rank_reads(

@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
-from accelerate_zero.checkpoint.io import resolve_tag
 from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, resolve_config
 from accelerate_zero.debug.memory import engine_memory
 from accelerate_zero.engine import collectives
@@ -353,7 +352,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
     ) -> tuple[str, dict]:
-        """Restores a checkpoint written by `save_checkpoint`, re-partitioning it for this world size and stage.
+        """Restores a checkpoint written by `save_checkpoint`, re-partitioning it for this world size and stage; or a
+        DCP checkpoint written by FSDP2 or torchtitan (`load_dir`, or `load_dir/tag`, holding `.metadata`; [Note: DCP
+        checkpoints in] in checkpoint/dcp_load.py).
 
         Returns:
             (the checkpoint folder, the client_state saved with it).
@@ -364,8 +365,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.host_copies.drain()
         if self.scheduler is not None:
             self.scheduler.release_all()  # gathered copies (and hpZ's secondary ones) of the values replaced
-        client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
-        return str(resolve_tag(Path(load_dir), tag)), client_state
+        folder, client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        return str(folder), client_state
 
     def checkpoint_state(self) -> CheckpointState:
         """What a checkpoint reads of this engine and restores into it (engine/checkpoint_state.py)."""

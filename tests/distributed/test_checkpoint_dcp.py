@@ -1,0 +1,172 @@
+"""DCP checkpoints written by a real FSDP2 run load into our engines ([Note: DCP checkpoints in] in
+accelerate_zero/checkpoint/dcp_load.py).
+
+On 2 and on 3 gloo ranks, FSDP2 (`fully_shard` per Linear and on the root, AdamW, StepLR) trains 2 steps, saves
+`{"model": get_model_state_dict, "optim": get_optimizer_state_dict, "lr_scheduler": ...}` with `dcp.save`, and trains 2
+more: the run that never moved. Our engines at stages 1, 2 and 3 then load that folder (and the 3-rank group also
+the 2-rank folder) with `engine.load_checkpoint(folder)` and train the same 2 steps: the weights must match FSDP2's
+to fp32 rounding, with the step counter and learning rate carried over. A folder of another model (missing, extra
+and reshaped keys) and a folder missing a rank's file are refused naming the keys and the file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import gathered_flat, make_batches, make_model, train_steps
+
+
+STEPS, GLOBAL_BATCH, SAVED_AT = 4, 6, 2
+
+
+def _scheduler(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def _fsdp2_run(rank: int, world_size: int, folder: str) -> torch.Tensor:
+    """FSDP2 trains STEPS steps, saving a DCP checkpoint after SAVED_AT; returns its full weights at the end."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model = make_model(seed=0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in (model.inp, model.mid, model.out):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = _scheduler(optimizer)
+    batches = make_batches(STEPS, 1, GLOBAL_BATCH)
+    for step in range(STEPS):
+        if step == SAVED_AT:
+            state = {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, optimizer),
+                "lr_scheduler": scheduler.state_dict(),
+            }
+            dcp.save(state, checkpoint_id=folder)
+        x, y = batches.rank_slice(step, 0, rank, world_size)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Every rank gets the full state dict here (cpu_offload alone keeps it on rank 0 only).
+    return torch.cat([full[name].float().reshape(-1) for name, _ in make_model().named_parameters()]) if full else None
+
+
+def _engine(stage: int) -> tuple[Any, nn.Module]:
+    import accelerate_zero
+
+    model = make_model(seed=5)  # other weights than FSDP2's: the load must replace them
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    zero = {"stage": stage, "reduce_bucket_size": 60}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 20
+    config = {"zero_optimization": zero, "gradient_clipping": 0.0}  # FSDP2's run does not clip
+    return accelerate_zero.initialize(model, optimizer, config=config, lr_scheduler=_scheduler(optimizer)), model
+
+
+def _ours(rank: int, world_size: int, folder: str, stage: int) -> dict[str, Any]:
+    engine, model = _engine(stage)
+    loaded, _ = engine.load_checkpoint(folder)
+    out = {"loaded": loaded, "steps": engine.global_steps, "lr": engine.get_lr()}
+    train_steps(engine, make_batches(STEPS, 1, GLOBAL_BATCH), rank, world_size, range(SAVED_AT, STEPS))
+    out["params"] = gathered_flat(model)
+    return out
+
+
+def _refusals(rank: int, world_size: int, root: str) -> dict[str, str]:
+    out = {}
+    for case in ("other_model", "missing_file"):
+        engine, _ = _engine(2) if case == "missing_file" else _other_engine()
+        try:
+            engine.load_checkpoint(f"{root}/{case}")
+            out[case] = "loaded"
+        except ValueError as error:
+            out[case] = str(error)
+    return out
+
+
+class _Other(nn.Module):
+    """ToyModel's names but for `mid` (another shape) and `norm` (absent), and an extra layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 15)
+        self.mid = nn.Linear(15, 9)
+        self.out = nn.Linear(9, 3)
+        self.head = nn.Linear(3, 3)
+
+
+def _other_engine() -> tuple[Any, nn.Module]:
+    import accelerate_zero
+
+    model = _Other()
+    engine = accelerate_zero.initialize(
+        model, torch.optim.AdamW(model.parameters()), config={"zero_optimization": {"stage": 2}}
+    )
+    return engine, model
+
+
+def _body(rank: int, world_size: int, root: str, other_folder: str | None) -> dict[str, Any]:
+    folder = f"{root}/fsdp2_w{world_size}"
+    out: dict[str, Any] = {"reference": _fsdp2_run(rank, world_size, folder)}
+    for stage in (1, 2, 3):
+        out[stage] = _ours(rank, world_size, folder, stage)
+    if other_folder is not None:
+        out["from_other_world_size"] = _ours(rank, world_size, other_folder, 3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list, list]:
+    root = tmp_path_factory.mktemp("dcp")
+    two = run_distributed(_body, 2, str(root), None)
+    three = run_distributed(_body, 3, str(root), str(root / "fsdp2_w2"))
+    return root, two, three
+
+
+def test_fsdp2_checkpoint_resumes_in_our_engines(runs: tuple) -> None:
+    _, two, three = runs
+    for world_size, results in ((2, two), (3, three)):
+        reference = results[0]["reference"]
+        assert reference is not None
+        for rank, result in enumerate(results):
+            for stage in (1, 2, 3):
+                got = result[stage]
+                where = f"W={world_size} stage {stage} rank {rank}"
+                assert got["steps"] == SAVED_AT, where
+                assert got["lr"] == [pytest.approx(1e-2 * 0.5**SAVED_AT)], where
+                torch.testing.assert_close(got["params"], reference, rtol=0, atol=1e-6, msg=where)
+    # The 2-rank FSDP2 checkpoint, resumed on 3 ranks at stage 3, continues as the 2-rank FSDP2 run did.
+    for result in three:
+        torch.testing.assert_close(result["from_other_world_size"]["params"], two[0]["reference"], rtol=0, atol=1e-6)
+
+
+def test_foreign_or_partial_dcp_folders_are_refused_by_name(runs: tuple) -> None:
+    root, _, _ = runs
+    shutil.copytree(root / "fsdp2_w2", root / "other_model")
+    shutil.copytree(root / "fsdp2_w2", root / "missing_file")
+    (root / "missing_file" / "__1_0.distcp").unlink()
+    results = run_distributed(_refusals, 1, str(root))[0]
+    other = results["other_model"]
+    assert "missing 2 parameters of the model: head.bias, head.weight" in other, other
+    assert "mid.weight: checkpoint [15, 15], model [9, 15]" in other, other
+    assert "tensors the model lacks: norm.bias, norm.weight" in other, other
+    assert "__1_0.distcp is missing" in results["missing_file"], results["missing_file"]
