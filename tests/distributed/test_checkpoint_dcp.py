@@ -5,7 +5,8 @@ On 2 and on 3 gloo ranks, FSDP2 (`fully_shard` per Linear and on the root, AdamW
 `{"model": get_model_state_dict, "optim": get_optimizer_state_dict, "lr_scheduler": ...}` with `dcp.save`, and trains 2
 more: the run that never moved. Our engines at stages 1, 2 and 3 then load that folder (and the 3-rank group also
 the 2-rank folder) with `engine.load_checkpoint(folder)` and train the same 2 steps: the weights must match FSDP2's
-to fp32 rounding, with the step counter and learning rate carried over. A folder of another model (missing, extra
+to fp32 rounding, with the step counter and learning rate carried over; the 2-rank group also through
+`ZeroAccelerator.load_state(folder)`. A folder of another model (missing, extra
 and reshaped keys) and a folder missing a rank's file are refused naming the keys and the file.
 """
 
@@ -91,6 +92,33 @@ def _ours(rank: int, world_size: int, folder: str, stage: int) -> dict[str, Any]
     return out
 
 
+def _through_accelerator(rank: int, world_size: int, folder: str) -> torch.Tensor:
+    """`ZeroAccelerator.load_state(folder)` of the FSDP2 folder, then the same 2 steps through accelerate."""
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+    from tests.helpers.dist import plain_torchrun_environment
+
+    plain_torchrun_environment()
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size, "gradient_clipping": 0.0}
+    config["zero_optimization"] = {"stage": 2}
+    # One scheduler step per optimizer step, as in the FSDP2 run (accelerate otherwise steps it once per process).
+    accelerator = ZeroAccelerator(ZeroPlugin(config=config), step_scheduler_with_optimizer=False)
+    model = make_model(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, _scheduler(optimizer))
+    accelerator.load_state(folder)
+    batches = make_batches(STEPS, 1, GLOBAL_BATCH)
+    for step in range(SAVED_AT, STEPS):
+        x, y = batches.rank_slice(step, 0, rank, world_size)
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    params = gathered_flat(model)
+    accelerator.free_memory()
+    return params
+
+
 def _refusals(rank: int, world_size: int, root: str) -> dict[str, str]:
     out = {}
     for case in ("other_model", "missing_file"):
@@ -138,6 +166,9 @@ def _body(rank: int, world_size: int, root: str, other_folder: str | None) -> di
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list, list]:
     root = tmp_path_factory.mktemp("dcp")
     two = run_distributed(_body, 2, str(root), None)
+    # A body of its own: accelerate must not have been initialised before the ZeroAccelerator.
+    for rank, params in enumerate(run_distributed(_through_accelerator, 2, str(root / "fsdp2_w2"))):
+        two[rank]["accelerator"] = params
     three = run_distributed(_body, 3, str(root), str(root / "fsdp2_w2"))
     return root, two, three
 
@@ -154,6 +185,8 @@ def test_fsdp2_checkpoint_resumes_in_our_engines(runs: tuple) -> None:
                 assert got["steps"] == SAVED_AT, where
                 assert got["lr"] == [pytest.approx(1e-2 * 0.5**SAVED_AT)], where
                 torch.testing.assert_close(got["params"], reference, rtol=0, atol=1e-6, msg=where)
+    for result in two:  # ZeroAccelerator.load_state of the FSDP2 folder
+        torch.testing.assert_close(result["accelerator"], two[0]["reference"], rtol=0, atol=1e-6)
     # The 2-rank FSDP2 checkpoint, resumed on 3 ranks at stage 3, continues as the 2-rank FSDP2 run did.
     for result in three:
         torch.testing.assert_close(result["from_other_world_size"]["params"], two[0]["reference"], rtol=0, atol=1e-6)
@@ -170,3 +203,25 @@ def test_foreign_or_partial_dcp_folders_are_refused_by_name(runs: tuple) -> None
     assert "mid.weight: checkpoint [15, 15], model [9, 15]" in other, other
     assert "tensors the model lacks: norm.bias, norm.weight" in other, other
     assert "__1_0.distcp is missing" in results["missing_file"], results["missing_file"]
+
+
+class _Runs:
+    """Unpickling it would run `os.system`: what a crafted `.metadata` could do to a plain `pickle.load`."""
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, ("true",))
+
+
+def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    import pickle
+
+    from accelerate_zero.checkpoint import dcp_read
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Runs()))
+    assert dcp_read.is_dcp_folder(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"\.metadata is not a DCP metadata file \(.*system is not a DCP metadata type"
+    ):
+        dcp_read.read_metadata(tmp_path)

@@ -420,7 +420,8 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
         """Restores what `save_state` wrote: models, optimizers, fp16 loss scale, schedulers, RNG, dataloaders.
 
         The engine checkpoints are universal (any world size or stage can load them); only safetensors, JSON and
-        `torch.load(weights_only=True)` files are read for them.
+        `torch.load(weights_only=True)` files are read for them. A DCP checkpoint folder written by FSDP2 or
+        torchtitan loads into the one trained model's engine (weights, optimizer state, steps; no accelerate state).
 
         Args:
             input_dir: the folder `save_state` wrote (None: the latest with `automatic_checkpoint_naming`).
