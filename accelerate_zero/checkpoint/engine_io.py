@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from accelerate_zero.checkpoint import async_save as async_save_io
 from accelerate_zero.checkpoint import dcp_read, rank_parts
 from accelerate_zero.checkpoint.dcp_load import load_dcp
+from accelerate_zero.checkpoint.dcp_save import save_dcp
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
 from accelerate_zero.checkpoint.frozen import check_frozen, frozen_fingerprints, frozen_names
 from accelerate_zero.checkpoint.io import (
@@ -101,6 +102,7 @@ def save_engine(
     client_state: dict | None,
     exclude_frozen_parameters: bool = True,
     async_save: bool = False,
+    checkpoint_format: str = "universal",
 ) -> Path:
     """Writes every rank's shard and the rank-independent state; returns the checkpoint folder.
 
@@ -112,6 +114,12 @@ def save_engine(
     save_dir = Path(save_dir)
     tag = check_tag(tag or f"global_step{engine.checkpoint_state().counters.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
+    if checkpoint_format == "dcp":
+        if async_save or client_state:
+            raise ValueError("checkpoint_format='dcp' saves synchronously and without client_state: drop them")
+        return save_dcp(engine, save_dir, tag)  # [Note: DCP checkpoints out] in checkpoint/dcp_save.py
+    if checkpoint_format != "universal":
+        raise ValueError(f"checkpoint_format={checkpoint_format!r}: expected 'universal' or 'dcp'")
     rank, is_main = engine.dp.rank, engine.layout.world.rank == 0
     state = engine.checkpoint_state()
     excluded = frozen_fingerprints(engine) if exclude_frozen_parameters and frozen_names(state) else {}

@@ -320,6 +320,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         client_state: dict | None = None,
         exclude_frozen_parameters: bool = True,
         async_save: bool = False,
+        checkpoint_format: str = "universal",
     ) -> str:
         """Saves the full training state (every rank its shard); every rank must call it.
 
@@ -338,12 +339,17 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 it while training goes on ([Note: asynchronous saves] in checkpoint/async_save.py). The next save or
                 load waits for it (and raises its error, on every rank); until then `latest` names the previous
                 checkpoint. Pass the same value on every rank.
+            checkpoint_format: "universal" (ours), or "dcp": a `torch.distributed.checkpoint` folder FSDP2 loads
+                with `set_model_state_dict` / `set_optimizer_state_dict` ([Note: DCP checkpoints out] in
+                checkpoint/dcp_save.py; no client_state, not asynchronous).
 
         Returns:
             The checkpoint folder (with `async_save`, where it will be once published).
         """
         self.sleeping.check_awake("save_checkpoint()")
-        return str(save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters, async_save))
+        return str(
+            save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters, async_save, checkpoint_format)
+        )
 
     def load_checkpoint(
         self,

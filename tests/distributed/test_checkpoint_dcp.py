@@ -1,5 +1,5 @@
-"""DCP checkpoints written by a real FSDP2 run load into our engines ([Note: DCP checkpoints in] in
-accelerate_zero/checkpoint/dcp_load.py).
+"""DCP checkpoints between a real FSDP2 run and our engines, both ways ([Note: DCP checkpoints in] in
+accelerate_zero/checkpoint/dcp_load.py, [Note: DCP checkpoints out] in dcp_save.py).
 
 On 2 and on 3 gloo ranks, FSDP2 (`fully_shard` per Linear and on the root, AdamW, StepLR) trains 2 steps, saves
 `{"model": get_model_state_dict, "optim": get_optimizer_state_dict, "lr_scheduler": ...}` with `dcp.save`, and trains 2
@@ -7,7 +7,10 @@ more: the run that never moved. Our engines at stages 1, 2 and 3 then load that 
 the 2-rank folder) with `engine.load_checkpoint(folder)` and train the same 2 steps: the weights must match FSDP2's
 to fp32 rounding, with the step counter and learning rate carried over; the 2-rank group also through
 `ZeroAccelerator.load_state(folder)`. A folder of another model (missing, extra
-and reshaped keys) and a folder missing a rank's file are refused naming the keys and the file.
+and reshaped keys) and a folder missing a rank's file are refused naming the keys and the file. Out: our engines
+(stages 2 and 3) train SAVED_AT steps, save with `checkpoint_format="dcp"` and train on; FSDP2 on the same ranks
+(and on 3 ranks, what our 2-rank stage-3 engine saved) loads it with `dcp.load` + `set_model_state_dict` /
+`set_optimizer_state_dict` and the scheduler's `load_state_dict`, and must end where our run ended.
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ def _fsdp2_run(rank: int, world_size: int, folder: str) -> torch.Tensor:
     return torch.cat([full[name].float().reshape(-1) for name, _ in make_model().named_parameters()]) if full else None
 
 
-def _engine(stage: int) -> tuple[Any, nn.Module]:
+def _engine(stage: int, seed: int = 5) -> tuple[Any, nn.Module]:
+    """seed 5: other weights than FSDP2's (a load must replace them); seed 0: FSDP2's initial weights."""
     import accelerate_zero
 
-    model = make_model(seed=5)  # other weights than FSDP2's: the load must replace them
+    model = make_model(seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     zero = {"stage": stage, "reduce_bucket_size": 60}
     if stage == 3:
@@ -119,6 +123,59 @@ def _through_accelerator(rank: int, world_size: int, folder: str) -> torch.Tenso
     return params
 
 
+def _ours_out(rank: int, world_size: int, folder: str, stage: int) -> torch.Tensor:
+    """Our engine trains SAVED_AT steps, saves a DCP checkpoint, trains on: the run that never moved."""
+    engine, model = _engine(stage, seed=0)
+    batches = make_batches(STEPS, 1, GLOBAL_BATCH)
+    train_steps(engine, batches, rank, world_size, range(SAVED_AT))
+    engine.save_checkpoint(folder, tag="dcp", checkpoint_format="dcp")
+    train_steps(engine, batches, rank, world_size, range(SAVED_AT, STEPS))
+    return gathered_flat(model)
+
+
+def _fsdp2_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """FSDP2 loads our DCP checkpoint with the standard calls and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(seed=5)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in (model.inp, model.mid, model.out):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = _scheduler(optimizer)
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+        "lr_scheduler": scheduler.state_dict(),
+    }
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    scheduler.load_state_dict(state["lr_scheduler"])
+    out = {"lr": scheduler.get_last_lr()}
+    batches = make_batches(STEPS, 1, GLOBAL_BATCH)
+    for step in range(SAVED_AT, STEPS):
+        x, y = batches.rank_slice(step, 0, rank, world_size)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    names = [name for name, _ in make_model().named_parameters()]
+    out["params"] = torch.cat([full[name].float().reshape(-1) for name in names]) if full else None
+    return out
+
+
 def _refusals(rank: int, world_size: int, root: str) -> dict[str, str]:
     out = {}
     for case in ("other_model", "missing_file"):
@@ -159,6 +216,12 @@ def _body(rank: int, world_size: int, root: str, other_folder: str | None) -> di
         out[stage] = _ours(rank, world_size, folder, stage)
     if other_folder is not None:
         out["from_other_world_size"] = _ours(rank, world_size, other_folder, 3)
+    for stage in (2, 3):  # and out: FSDP2 resumes what our engines saved
+        saved = f"{root}/ours_w{world_size}_s{stage}"
+        out[f"out{stage}"] = {"ours": _ours_out(rank, world_size, saved, stage)}
+        out[f"out{stage}"]["fsdp2"] = _fsdp2_resume(rank, world_size, f"{saved}/dcp")
+    if other_folder is not None:  # saved by our 2-rank stage-3 engine, resumed by FSDP2 on 3 ranks
+        out["out_other_world_size"] = _fsdp2_resume(rank, world_size, f"{root}/ours_w2_s3/dcp")
     return out
 
 
@@ -190,6 +253,18 @@ def test_fsdp2_checkpoint_resumes_in_our_engines(runs: tuple) -> None:
     # The 2-rank FSDP2 checkpoint, resumed on 3 ranks at stage 3, continues as the 2-rank FSDP2 run did.
     for result in three:
         torch.testing.assert_close(result["from_other_world_size"]["params"], two[0]["reference"], rtol=0, atol=1e-6)
+
+
+def test_our_dcp_checkpoint_resumes_in_fsdp2(runs: tuple) -> None:
+    _, two, three = runs
+    for world_size, results in ((2, two), (3, three)):
+        for stage in (2, 3):
+            ours = results[0][f"out{stage}"]["ours"]
+            fsdp2 = results[0][f"out{stage}"]["fsdp2"]
+            where = f"W={world_size} stage {stage}"
+            assert fsdp2["lr"] == [pytest.approx(1e-2 * 0.5**SAVED_AT)], where
+            torch.testing.assert_close(fsdp2["params"], ours, rtol=0, atol=1e-6, msg=where)
+    torch.testing.assert_close(three[0]["out_other_world_size"]["params"], two[0]["out3"]["ours"], rtol=0, atol=1e-6)
 
 
 def test_foreign_or_partial_dcp_folders_are_refused_by_name(runs: tuple) -> None:
