@@ -2,11 +2,13 @@
 
 [Note: parallel Hugging Face export]
 The 16-bit save gathers the whole model onto rank 0, which writes it: rank 0's host memory holds the model. Here the
-files are planned first from the engine's meta state dict (keys, shapes, dtypes: no gather), in state-dict order,
-each at most `max_shard_bytes` (as `save_pretrained` splits them), and file i is written by rank i % W. The
-parameters are then streamed full one at a time (`named_full_parameters`, every rank takes part in every gather);
-each rank keeps only the tensors of its files and writes a file as soon as it is complete, so no rank holds more
-than the file it is filling plus the parameter in flight. Rank 0 writes `model.safetensors.index.json` last, once
+files are planned first from the engine's meta state dict (keys, shapes, dtypes: no gather), each at most
+`max_shard_bytes` (as `save_pretrained` splits them), and file i is written by rank i % W. The parameters are then
+streamed full, one stage-3 unit at a time (`named_full_parameters`; every rank takes part in every gather), and each
+rank keeps only the tensors of its files. The files follow the order the stream yields the tensors in (units in
+order, then the parameters no unit holds, then the buffers), so a file is complete, and written, as soon as its last
+tensor arrives: no rank holds more than the file it is filling plus the unit in flight (in state-dict order a file
+waited for the small persistent parameters the stream yields last: measured, half the model per rank). Rank 0 writes `model.safetensors.index.json` last, once
 every rank's files are in place. A tied parameter is written once, under its first name, as `save_pretrained` does.
 """
 
@@ -70,7 +72,7 @@ def save_pretrained_parallel(
     aliases = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)} - kept
     meta = {k: v for k, v in engine.meta_state_dict().items() if k not in aliases}
     out_dtype = {k: dtype if v.is_floating_point() else v.dtype for k, v in meta.items()}
-    sizes = {k: math.prod(v.shape) * out_dtype[k].itemsize for k, v in meta.items()}
+    sizes = {k: math.prod(meta[k].shape) * out_dtype[k].itemsize for k in _stream_order(engine, meta)}
     files = plan_files(sizes, max_shard_bytes)
     names = file_names(len(files))
     mine = {key: index for index, keys in enumerate(files) if index % world.world_size == world.rank for key in keys}
@@ -104,6 +106,18 @@ def save_pretrained_parallel(
         partial.replace(folder / INDEX_NAME)
     collectives.barrier(world)
     return written
+
+
+def _stream_order(engine: Any, meta: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of `meta` in the order the weights stream yields them: stage-3 units in order, then the parameters
+    no unit holds, then the buffers (engine/full_weights.py)."""
+    names: dict[int, str] = {}
+    for name, param in engine.module.named_parameters():
+        names.setdefault(id(param), name)
+    order = [names[id(p)] for group in engine.gather_groups() for p in group if id(p) in names]
+    order += [name for name, _ in engine.module.named_parameters()]
+    order += list(meta)
+    return [key for key in dict.fromkeys(order) if key in meta]
 
 
 def _write(folder: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
