@@ -105,8 +105,9 @@ def _lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
 
 
-# The writer in flight per engine (a side table: the engine's checkpoint methods reach it through `start`/`finish`).
-_IN_FLIGHT: weakref.WeakKeyDictionary[object, _Writer] = weakref.WeakKeyDictionary()
+# The writer in flight per engine, by the engine's id: held strongly, so that an engine dropped while its writer
+# runs (a new engine then loads what it saved) still has its writer waited for by `finish`.
+_IN_FLIGHT: dict[int, _Writer] = {}
 
 
 # Host buffers a save's snapshot is copied into, per engine, kept between saves: a fresh allocation costs a page
@@ -138,14 +139,14 @@ def release_staging(engine: object) -> None:
 
 def start(engine: object, job: Callable[[], None]) -> None:
     """Runs `job` (one save of `engine`) in a background thread; `finish` must have been called since the last one."""
-    if engine in _IN_FLIGHT:
+    if id(engine) in _IN_FLIGHT:
         raise RuntimeError("an asynchronous checkpoint save is still in flight: call finish() before starting another")
-    _IN_FLIGHT[engine] = _Writer(job, "accelerate_zero checkpoint writer")
+    _IN_FLIGHT[id(engine)] = _Writer(job, "accelerate_zero checkpoint writer")
 
 
 def in_flight(engine: object) -> bool:
     """Whether a save of `engine` was started and not finished (its writer may be done)."""
-    return engine in _IN_FLIGHT
+    return id(engine) in _IN_FLIGHT
 
 
 def finish(world: DataParallelGroup) -> None:
