@@ -10,7 +10,7 @@ Layout of `<save_dir>/<tag>/`:
     scheduler.pt, client_state.pt   (rank 0) read back with torch.load(weights_only=True)
 Frozen parameters (`requires_grad=False`: a LoRA base) are left out unless `exclude_frozen_parameters=False`; meta.json
 then records a fingerprint of each and loading takes them from the model after checking it ([Note: frozen
-parameters are not saved]). Every value is copied to host memory one fragment at a time, never cloned on the device.
+parameters are not saved] in checkpoint/frozen.py). Every value is copied to host memory one fragment at a time, never cloned on the device.
 Nothing is ever unpickled beyond tensors and plain containers. Under NVMe offload the file format is the same:
 the masters and optimizer state are read from (and on load written back to) the swap files one sub-group at a
 time, and swapped parameter shards through the parameter store; a rank's file is written in parts as the fragments
@@ -19,16 +19,21 @@ come ([Note: a save streams its rank file in parts] in rank_parts.py), so a chec
 
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import save_file
 
-from accelerate_zero.checkpoint import rank_parts
+from accelerate_zero.checkpoint import async_save as async_save_io
+from accelerate_zero.checkpoint import dcp_read, rank_parts
+from accelerate_zero.checkpoint.dcp_load import load_dcp
+from accelerate_zero.checkpoint.dcp_save import save_dcp
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
+from accelerate_zero.checkpoint.frozen import check_frozen, frozen_fingerprints, frozen_names
 from accelerate_zero.checkpoint.io import (
     FragmentReader,
     check_shared_folder,
@@ -80,85 +85,13 @@ def _fragments(shard_range: ShardRange, names: dict[int, str]) -> list[Fragment]
     return range_fragments(shard_range.plan, shard_range.params, names, shard_range.lo, shard_range.hi)
 
 
-# [Note: frozen parameters are not saved]
-# A LoRA run's base is most of the model and never changes: writing it into every checkpoint (rank 0 at stages 0-2,
-# every rank's shard at stage 3) costs a copy of the base per save for nothing the model does not already hold. So
-# by default frozen parameters are left out (DeepSpeed and the Trainer call this `exclude_frozen_parameters`; the
-# Trainer passes it for PEFT models). What makes that safe is the fingerprint: meta.json records, per frozen
-# parameter, its shape and the float64 sum and absolute sum of its values (summed over the ranks' shards), and
-# loading recomputes them on the model it restores into. A model built from another base (or not loaded at all)
-# fails with the parameter's name instead of training on silently wrong weights. Sums in float64 differ across
-# world sizes by summation order only (~1e-15 relative); the check allows 1e-6 of the absolute sum.
-FINGERPRINT_RTOL = 1e-6
-
-
-def _frozen_names(state: CheckpointState) -> list[str]:
-    return [n for n, p in state.module.named_parameters() if not p.requires_grad]
-
-
-def _frozen_fingerprints(engine: ZeroEngine) -> dict[str, list[float]]:
-    """Per frozen parameter [sum, sum of |values|] in float64 over the whole parameter; every rank must call it."""
-    state = engine.checkpoint_state()
-    names = _frozen_names(state)
-    index = {name: i for i, name in enumerate(names)}
-    sums = torch.zeros(len(names), 2, dtype=torch.float64)
-    in_flats: set[str] = set()
-    by_id = _names(state)
-    for frozen in state.frozen_shards():
-        shard = state.read_frozen(frozen)
-        for frag in _fragments(frozen.range, by_id):
-            sums[index[frag.name]] += _sums(shard[frag.offset : frag.offset + frag.numel])
-        in_flats.update(by_id[id(p)] for p in frozen.range.params)
-    if engine.dp.rank == 0:  # parameters held whole on every rank: counted once
-        for name, param in state.module.named_parameters():
-            if name in index and name not in in_flats:
-                sums[index[name]] += _sums(param)
-    sums = sums.to(engine.device)
-    collectives.all_reduce(sums, engine.dp, engine.comm_stats_counter, kind="checkpoint")
-    return {name: sums[i].tolist() for name, i in index.items()}
-
-
-_SUM_CHUNK = 1 << 24
-
-
-def _sums(values: torch.Tensor) -> torch.Tensor:
-    """[sum, sum of |values|] in float64 on the CPU, a chunk at a time where the values are: a float64 copy of a
-    whole frozen weight (an 8B model's embedding: 4 GB on the GPU) is never made."""
-    out = torch.zeros(2, dtype=torch.float64, device=values.device)
-    for chunk in values.detach().reshape(-1).split(_SUM_CHUNK):
-        out[0] += chunk.sum(dtype=torch.float64)
-        out[1] += chunk.abs().sum(dtype=torch.float64)
-    return out.cpu()
-
-
-def _check_frozen(engine: ZeroEngine, meta: dict[str, Any], folder: Path) -> set[str]:
-    """The frozen parameters the checkpoint left out, after checking the model holds the saved values."""
-    saved: dict[str, list[float]] = meta.get("frozen_fingerprints") or {}
-    if not saved:
-        return set()
-    now = _frozen_fingerprints(engine)
-    wrong = []
-    for name, (total, absolute) in saved.items():
-        if name not in now:
-            continue  # _check_shapes reports parameters the model lacks or trains
-        got_total, got_absolute = now[name]
-        tolerance = FINGERPRINT_RTOL * max(absolute, 1e-30)
-        if abs(got_total - total) > tolerance or abs(got_absolute - absolute) > tolerance:
-            wrong.append(f"{name} (sum {got_total:.9g}, saved {total:.9g})")
-    if wrong:
-        raise ValueError(
-            f"{folder} was saved without its {len(saved)} frozen parameters (exclude_frozen_parameters), which must "
-            f"come from the model, but {len(wrong)} of the model's differ from the ones trained with: "
-            + "; ".join(wrong[:5])
-            + ("; ..." if len(wrong) > 5 else "")
-            + ". Build the model from the same base weights (e.g. the same from_pretrained folder) before loading."
-        )
-    return set(saved)
-
-
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy of one fragment: a save never duplicates the shard on the device."""
     return tensor.detach().to("cpu", copy=True)
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()
 
 
 # --------------------------------------------------------------------------- save
@@ -168,14 +101,28 @@ def save_engine(
     tag: str | None,
     client_state: dict | None,
     exclude_frozen_parameters: bool = True,
+    async_save: bool = False,
+    checkpoint_format: str = "universal",
 ) -> Path:
-    """Writes every rank's shard and the rank-independent state; returns the checkpoint folder."""
+    """Writes every rank's shard and the rank-independent state; returns the checkpoint folder.
+
+    With `async_save`, returns once the state is snapshotted to host memory; a background thread writes and
+    publishes it ([Note: asynchronous saves] in checkpoint/async_save.py). Any save or load first waits for the
+    one in flight.
+    """
+    async_save_io.finish(engine.layout.world)  # a second save waits for the first
     save_dir = Path(save_dir)
     tag = check_tag(tag or f"global_step{engine.checkpoint_state().counters.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
+    if checkpoint_format == "dcp":
+        if async_save or client_state:
+            raise ValueError("checkpoint_format='dcp' saves synchronously and without client_state: drop them")
+        return save_dcp(engine, save_dir, tag)  # [Note: DCP checkpoints out] in checkpoint/dcp_save.py
+    if checkpoint_format != "universal":
+        raise ValueError(f"checkpoint_format={checkpoint_format!r}: expected 'universal' or 'dcp'")
     rank, is_main = engine.dp.rank, engine.layout.world.rank == 0
     state = engine.checkpoint_state()
-    excluded = _frozen_fingerprints(engine) if exclude_frozen_parameters and _frozen_names(state) else {}
+    excluded = frozen_fingerprints(engine) if exclude_frozen_parameters and frozen_names(state) else {}
     work = fresh_partial_dir(save_dir, tag) if is_main else save_dir / f".{tag}.partial"
     world = engine.layout.world
     check_shared_folder(
@@ -187,19 +134,59 @@ def save_engine(
     )
     # At stage 0 every rank holds the same full state: rank 0's file is enough; with replicas of the shards
     # (engine/layout.py) the first replica's files are.
-    if (engine.stage > 0 and engine.layout.writes_shards) or is_main:
-        # [Note: a save streams its rank file in parts] in checkpoint/rank_parts.py
-        writer = RankPartWriter(work, rank, lambda tensors, path: save_file(tensors, path), rank_parts.SAVE_PART_BYTES)
-        for key, tensor in _rank_tensors(state, is_main, set(excluded)):
-            writer.add(key, tensor)
-        writer.flush()
-    _barrier(engine)
-    if is_main:
-        if engine.lr_scheduler is not None:
-            torch.save(engine.lr_scheduler.state_dict(), work / "scheduler.pt")
-        torch.save(client_state or {}, work / "client_state.pt")
-        write_meta(work, {**_meta(engine), "frozen_fingerprints": excluded}, _collect_digests(work))
-    return publish_dir(save_dir, tag, lambda: _barrier(engine), is_main)
+    writes = (engine.stage > 0 and engine.layout.writes_shards) or is_main
+    host = _detached if async_save else _to_host  # an asynchronous save copies into its staging buffers
+    tensors = _rank_tensors(state, is_main, set(excluded), host) if writes else None
+    main_files = _main_files(engine, client_state, excluded) if is_main else None
+    if not async_save:
+        if tensors is not None:
+            _write_rank_file(work, rank, tensors)
+        _barrier(engine)
+        if main_files is not None:
+            _write_main_files(work, *main_files)
+        return publish_dir(save_dir, tag, lambda: _barrier(engine), is_main)
+    # [Note: asynchronous saves]: the snapshot is taken here, on the training thread.
+    snapshot = None if tensors is None else async_save_io.stage(engine, tensors)
+    main_files = copy.deepcopy(main_files)
+
+    def write() -> None:
+        try:
+            if snapshot is not None:
+                _write_rank_file(work, rank, iter(snapshot))
+        except BaseException as error:
+            async_save_io.mark_failed(work, rank, error)
+            raise
+        async_save_io.mark_done(work, rank)
+        if main_files is not None:
+            async_save_io.wait_for_ranks(work, world.world_size)
+            _write_main_files(work, *main_files)
+            publish_dir(save_dir, tag, lambda: None, is_main)  # every rank is done: no barrier needed
+
+    async_save_io.start(engine, write)
+    return save_dir / tag
+
+
+def _write_rank_file(work: Path, rank: int, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    # [Note: a save streams its rank file in parts] in checkpoint/rank_parts.py
+    writer = RankPartWriter(work, rank, lambda tensors, path: save_file(tensors, path), rank_parts.SAVE_PART_BYTES)
+    for key, tensor in tensors:
+        writer.add(key, tensor)
+    writer.flush()
+
+
+def _main_files(
+    engine: ZeroEngine, client_state: dict | None, excluded: dict[str, list[float]]
+) -> tuple[dict | None, dict, dict[str, Any]]:
+    """Rank 0's files beside the rank files: the scheduler's state, the client state and meta.json's fields."""
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    return scheduler, client_state or {}, {**_meta(engine), "frozen_fingerprints": excluded}
+
+
+def _write_main_files(work: Path, scheduler: dict | None, client_state: dict, meta: dict[str, Any]) -> None:
+    if scheduler is not None:
+        torch.save(scheduler, work / "scheduler.pt")
+    torch.save(client_state, work / "client_state.pt")
+    write_meta(work, meta, _collect_digests(work))
 
 
 def _collect_digests(work: Path) -> dict[str, str]:
@@ -213,25 +200,28 @@ def _collect_digests(work: Path) -> dict[str, str]:
     return digests
 
 
-def _rank_tensors(state: CheckpointState, is_main: bool, excluded: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, host copy) of everything this rank saves, one fragment at a time."""
+def _rank_tensors(
+    state: CheckpointState, is_main: bool, excluded: set[str], host: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, `host(value)`) of everything this rank saves, one fragment at a time (`host`: `_to_host`, or
+    `_detached` for a consumer that copies each value before taking the next)."""
     names = _names(state)
     # Under NVMe optimizer offload the masters and their state are in memory one sub-group at a time.
     for batch in state.trainable_batches(write_back=False):
         for trainable in batch:
-            yield from _trainable_tensors(state, trainable, names)
+            yield from _trainable_tensors(state, trainable, names, host)
     for frozen in state.frozen_shards():
         shard = state.read_frozen(frozen)
         for frag in _fragments(frozen.range, names):
             if frag.name not in excluded:
-                yield frag.key("param"), _to_host(shard[frag.offset : frag.offset + frag.numel])
+                yield frag.key("param"), host(shard[frag.offset : frag.offset + frag.numel])
     if is_main:
         covered = state.sharded_parameters()
         for name, param in state.module.named_parameters():
             if id(param) not in covered and name not in excluded:
-                yield whole_key(name, "full"), _to_host(param)
+                yield whole_key(name, "full"), host(param)
         for name, buffer in _persistent_buffers(state.module):
-            yield whole_key(name, "buffer"), _to_host(buffer)
+            yield whole_key(name, "buffer"), host(buffer)
 
 
 def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -246,17 +236,20 @@ def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor
 
 
 def _trainable_tensors(
-    state: CheckpointState, trainable: TrainableRange, names: dict[int, str]
+    state: CheckpointState,
+    trainable: TrainableRange,
+    names: dict[int, str],
+    host: Callable[[torch.Tensor], torch.Tensor],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     optimizer_state = state.optimizer.state.get(trainable.master, {})
     for frag in _fragments(trainable.range, names):
         piece = slice(frag.offset, frag.offset + frag.numel)
-        yield frag.key("master"), _to_host(trainable.master[piece]).float()
+        yield frag.key("master"), host(trainable.master[piece]).float()
         for kind, value in optimizer_state.items():
             if torch.is_tensor(value) and value.numel() == trainable.master.numel() and value.ndim > 0:
-                yield frag.key(kind), _to_host(value[piece])
+                yield frag.key(kind), host(value[piece])
             elif torch.is_tensor(value) and value.numel() == 1:
-                yield frag.key(kind), _to_host(value.reshape(()))
+                yield frag.key(kind), host(value.reshape(()))
 
 
 def _meta(engine: ZeroEngine) -> dict[str, Any]:
@@ -288,13 +281,21 @@ def load_engine(
     tag: str | None,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
-) -> dict:
-    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage.
+) -> tuple[Path, dict]:
+    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage, or from
+    a DCP checkpoint written by FSDP2 or torchtitan (`load_dir`, or `load_dir/tag`, holding `.metadata`).
+
+    Returns:
+        (the checkpoint folder, the client state saved with it).
 
     Raises:
         ValueError: the checkpoint is corrupted (naming the file), its parameter shapes differ from the model's, or
             it was saved with another optimizer class and `load_optimizer_states` is True.
     """
+    async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
+    named = Path(load_dir) if tag is None else Path(load_dir) / check_tag(tag, "tag")
+    if dcp_read.is_dcp_folder(named):  # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
+        return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
     files = check_file_set(folder, meta)
@@ -302,7 +303,7 @@ def load_engine(
     _check_shapes(state, meta, folder)
     if load_optimizer_states:
         _check_optimizer(state, meta, folder)
-    from_model = _check_frozen(engine, meta, folder)
+    from_model = check_frozen(engine, meta, folder)
     reader = FragmentReader(files)
     names = _names(state)
     _verify_what_this_rank_reads(engine, state, reader, names, from_model, folder, meta)
@@ -320,7 +321,7 @@ def load_engine(
         engine.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     state.restore_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
     engine.zero_grad()
-    return torch.load(folder / "client_state.pt", weights_only=True)
+    return folder, torch.load(folder / "client_state.pt", weights_only=True)
 
 
 def _verify_what_this_rank_reads(

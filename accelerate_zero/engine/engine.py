@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
-from accelerate_zero.checkpoint.io import resolve_tag
 from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, resolve_config
 from accelerate_zero.debug.memory import engine_memory
 from accelerate_zero.engine import collectives
@@ -320,6 +319,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         tag: str | None = None,
         client_state: dict | None = None,
         exclude_frozen_parameters: bool = True,
+        async_save: bool = False,
+        checkpoint_format: str = "universal",
     ) -> str:
         """Saves the full training state (every rank its shard); every rank must call it.
 
@@ -332,14 +333,23 @@ class ZeroEngine(DeepSpeedEngineAPI):
             client_state: a dict of tensors and plain values saved alongside and returned by `load_checkpoint`.
             exclude_frozen_parameters: leave out parameters with `requires_grad=False` (a LoRA base); loading then
                 takes them from the model after checking they are the ones trained with ([Note: frozen parameters
-                are not saved] in checkpoint/engine_io.py). DeepSpeed's default is False: pass False for a
+                are not saved] in checkpoint/frozen.py). DeepSpeed's default is False: pass False for a
                 checkpoint that holds the whole model.
+            async_save: return once the state is copied to host memory; a background thread writes and publishes
+                it while training goes on ([Note: asynchronous saves] in checkpoint/async_save.py). The next save or
+                load waits for it (and raises its error, on every rank); until then `latest` names the previous
+                checkpoint. Pass the same value on every rank.
+            checkpoint_format: "universal" (ours), or "dcp": a `torch.distributed.checkpoint` folder FSDP2 loads
+                with `set_model_state_dict` / `set_optimizer_state_dict` ([Note: DCP checkpoints out] in
+                checkpoint/dcp_save.py; no client_state, not asynchronous).
 
         Returns:
-            The checkpoint folder.
+            The checkpoint folder (with `async_save`, where it will be once published).
         """
         self.sleeping.check_awake("save_checkpoint()")
-        return str(save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters))
+        return str(
+            save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters, async_save, checkpoint_format)
+        )
 
     def load_checkpoint(
         self,
@@ -348,7 +358,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
     ) -> tuple[str, dict]:
-        """Restores a checkpoint written by `save_checkpoint`, re-partitioning it for this world size and stage.
+        """Restores a checkpoint written by `save_checkpoint`, re-partitioning it for this world size and stage; or a
+        DCP checkpoint written by FSDP2 or torchtitan (`load_dir`, or `load_dir/tag`, holding `.metadata`; [Note: DCP
+        checkpoints in] in checkpoint/dcp_load.py).
 
         Returns:
             (the checkpoint folder, the client_state saved with it).
@@ -359,8 +371,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.host_copies.drain()
         if self.scheduler is not None:
             self.scheduler.release_all()  # gathered copies (and hpZ's secondary ones) of the values replaced
-        client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
-        return str(resolve_tag(Path(load_dir), tag)), client_state
+        folder, client_state = load_engine(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        return str(folder), client_state
 
     def checkpoint_state(self) -> CheckpointState:
         """What a checkpoint reads of this engine and restores into it (engine/checkpoint_state.py)."""

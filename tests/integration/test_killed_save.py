@@ -2,8 +2,9 @@
 
 tests/unit/test_checkpoint_io.py raises an exception at every rename of a one-process save; here real `torchrun` jobs
 (tests/integration/scripts/killed_save.py) train a stage-3 engine, save checkpoint A, train on and start saving B,
-and stop inside B's save at one of three points: a rank half-way through writing its file (the other waiting for
-it), B's folder in place before `latest` names it, and B replacing A under the same tag. The test kills every
+and stop inside B's save at one of four points: a rank half-way through writing its file (the other waiting for
+it), B's folder in place before `latest` names it, B replacing A under the same tag, and an asynchronous save of B
+whose writer thread is half-way through a rank file while training goes on. The test kills every
 process of the job with SIGKILL (no exception handler, exit handler or destructor runs) and starts a fresh job,
 which must load A, bit-identical and with A's counters, from `latest`; and whose next save must publish and
 clear what the killed one left.
@@ -28,7 +29,7 @@ from tests.helpers.dist import free_port, scaled_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "killed_save.py"
-POINTS = ("rank_file", "publish", "resave")
+POINTS = ("rank_file", "publish", "resave", "async")
 JOB_SECONDS = 120  # a few seconds idle: a job that hangs fails this test, not the session
 
 
@@ -123,6 +124,7 @@ LEFT_BEHIND = {
     "rank_file": ("global_step2", [".global_step4.partial", "global_step2", "latest"]),
     "publish": ("global_step2", ["global_step2", "global_step4", "latest"]),
     "resave": (".last.old", [".last.old", ".last.trash", "last", "latest"]),
+    "async": ("global_step2", [".global_step4.partial", "global_step2", "latest"]),
 }
 
 
@@ -132,7 +134,7 @@ def test_the_job_died_inside_the_save_of_b(runs: Any, point: str) -> None:
     assert killed[point]["alive"] == []
     latest, entries = LEFT_BEHIND[point]
     assert (killed[point]["latest"], killed[point]["entries"]) == (latest, entries)
-    if point == "rank_file":  # rank 1 died half-way through its file, rank 0 waiting for it: no meta.json yet
+    if point in ("rank_file", "async"):  # rank 1 died half-way through its file, rank 0 waiting: no meta.json yet
         assert "rank00001.safetensors" in killed[point]["partial"] and "meta.json" not in killed[point]["partial"]
 
 
@@ -145,7 +147,7 @@ def test_a_fresh_job_loads_checkpoint_a_from_latest(runs: Any, point: str) -> No
         assert result["client_state"] == {"checkpoint": "A"}
         assert result["global_steps"] == 2
         assert result["equals_a"]  # every rank's gathered weights are A's, bit for bit
-    if point == "rank_file":
+    if point in ("rank_file", "async"):
         for result in loaded[point]:
             assert result["load_b"].startswith("FileNotFoundError: checkpoint folder"), result["load_b"]
 
@@ -159,5 +161,6 @@ def test_the_next_save_publishes_and_clears_what_the_killed_one_left(runs: Any, 
         "rank_file": ("global_step3", ["global_step2", "global_step3", "latest"]),
         "publish": ("global_step3", ["global_step2", "global_step3", "global_step4", "latest"]),
         "resave": ("last", ["last", "latest"]),
+        "async": ("global_step3", ["global_step2", "global_step3", "latest"]),
     }[point]
     assert (after["latest"], after["entries"]) == expected

@@ -84,6 +84,9 @@ def test_save_state_load_state_continues_bit_identically(ranks: Any) -> None:
     for rank in ranks:
         first, second = rank["resume"]["first"], rank["resume"]["second"]
         assert first["fp16"] and second["fp16"]
+        for key in ("params", "masters", "adam"):  # an asynchronous save resumes to the same values
+            for run in ("first_async", "second_async"):
+                assert all(torch.equal(a, b) for a, b in zip(first[key], rank["resume"][run][key], strict=True))
         for key in ("params", "masters", "adam"):
             assert len(first[key]) == len(second[key]) > 0
             assert all(torch.equal(a, b) for a, b in zip(first[key], second[key], strict=True)), key

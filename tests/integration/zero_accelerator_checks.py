@@ -62,7 +62,7 @@ def run_part(rank: int, world_size: int, folder: str, part: str) -> Any:
     if part.startswith("stage"):
         return _parity(rank, world_size, int(part.removeprefix("stage")))
     if part == "resume":
-        return _resume(rank, world_size, Path(folder) / "state")
+        return _resume(rank, world_size, Path(folder))
     if part == "save_model":
         return _save_model(rank, world_size, Path(folder) / "model")
     if part == "bf16":
@@ -146,17 +146,20 @@ def _parity(rank: int, world_size: int, stage: int) -> dict[str, Any]:
 
 def _resume(rank: int, world_size: int, folder: Path) -> dict[str, Any]:
     """fp16 (from ACCELERATE_MIXED_PRECISION) at stage 3, AdamW + LambdaLR: run 8 micro-steps saving after 4, then
-    a new accelerator loads the state and runs the last 4; both must end bit-identical."""
+    a new accelerator loads the state and runs the last 4; both must end bit-identical. The same with
+    `save_state(..., async_save=True)` (the load waits for the writers)."""
     os.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"
     try:
-        first = _resume_run(rank, world_size, folder, save=True)
-        second = _resume_run(rank, world_size, folder, save=False)
+        first = _resume_run(rank, world_size, folder / "state", save=True)
+        second = _resume_run(rank, world_size, folder / "state", save=False)
+        first_async = _resume_run(rank, world_size, folder / "state_async", save=True, async_save=True)
+        second_async = _resume_run(rank, world_size, folder / "state_async", save=False)
     finally:
         del os.environ["ACCELERATE_MIXED_PRECISION"]
-    return {"first": first, "second": second}
+    return {"first": first, "second": second, "first_async": first_async, "second_async": second_async}
 
 
-def _resume_run(rank: int, world_size: int, folder: Path, save: bool) -> dict[str, Any]:
+def _resume_run(rank: int, world_size: int, folder: Path, save: bool, async_save: bool = False) -> dict[str, Any]:
     from accelerate_zero import GatheredParameters
 
     config = zero_config(3)
@@ -176,7 +179,7 @@ def _resume_run(rank: int, world_size: int, folder: Path, save: bool) -> dict[st
             out["error"] = str(error)
         _run(accelerator, model, optimizer, scheduler, batches[:4])
         out["skipped_at_save"] = accelerator.zero_engines[0].skipped_steps
-        accelerator.save_state(str(folder))
+        accelerator.save_state(str(folder), **({"async_save": True} if async_save else {}))
         out["files"] = sorted(p.name for p in folder.iterdir())
     else:
         accelerator.load_state(str(folder))

@@ -402,10 +402,12 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
         Args:
             output_dir: the folder (accelerate's `automatic_checkpoint_naming` works as usual).
             safe_serialization: as accelerate's.
-            **save_model_func_kwargs: passed to `ZeroEngine.save_checkpoint` (e.g. `client_state`).
+            **save_model_func_kwargs: passed to `ZeroEngine.save_checkpoint` (e.g. `client_state`, or
+                `async_save=True`: the engines' shards are written by background threads while training goes on;
+                the next `save_state` or `load_state` waits for them).
 
         Returns:
-            The folder written.
+            The folder written (with `async_save`, the engine shards are published under it once written).
         """
 
         return checkpointing.save_state(
@@ -418,7 +420,8 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
         """Restores what `save_state` wrote: models, optimizers, fp16 loss scale, schedulers, RNG, dataloaders.
 
         The engine checkpoints are universal (any world size or stage can load them); only safetensors, JSON and
-        `torch.load(weights_only=True)` files are read for them.
+        `torch.load(weights_only=True)` files are read for them. A DCP checkpoint folder written by FSDP2 or
+        torchtitan loads into the one trained model's engine (weights, optimizer state, steps; no accelerate state).
 
         Args:
             input_dir: the folder `save_state` wrote (None: the latest with `automatic_checkpoint_naming`).

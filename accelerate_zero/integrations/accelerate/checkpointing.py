@@ -10,11 +10,13 @@ import os
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import load
 
+from accelerate_zero.checkpoint import async_save, dcp_read
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import (
@@ -52,6 +54,10 @@ def save_state(
         for tag, entry in checkpointed(prepared):
             entry.engine.save_checkpoint(folder, tag=tag, **engine_kwargs)
 
+    # With `async_save=True` the engines' writers run on after this returns. accelerate's `total_limit` removes the
+    # oldest folders before it saves, which may be the one still written: its writer is waited for first.
+    for _, entry in checkpointed(prepared)[:1]:
+        async_save.finish(entry.engine.layout.world)
     with accelerate_state_only(accelerator, prepared, "_save_model_state_pre_hook", save_engines):
         return save(output_dir, safe_serialization)
 
@@ -70,6 +76,9 @@ def load_state(
     keys = ("load_optimizer_states", "load_lr_scheduler_states")
     engine_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key in keys}
     accelerate_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key not in keys}
+    if input_dir is not None and dcp_read.is_dcp_folder(Path(input_dir)):
+        _load_dcp(prepared, input_dir, engine_kwargs)
+        return
     with custom_objects_hidden(accelerator) as custom_objects:
 
         def load_engines(models: list, folder: str) -> None:
@@ -80,6 +89,25 @@ def load_state(
 
         with accelerate_state_only(accelerator, prepared, "_load_model_state_pre_hook", load_engines):
             load(input_dir, load_kwargs, **accelerate_kwargs)
+
+
+def _load_dcp(prepared: list[PreparedModel], folder: str, engine_kwargs: dict[str, Any]) -> None:
+    """A DCP checkpoint written by FSDP2 or torchtitan ([Note: DCP checkpoints in] in checkpoint/dcp_load.py): the
+    one trained model's engine loads it (weights, optimizer state, steps, an engine-owned scheduler); the folder
+    holds no accelerate state (RNG, dataloaders), so none is restored.
+
+    Raises:
+        ValueError: not exactly one model is prepared with an optimizer.
+    """
+    trained = checkpointed(prepared)
+    if len(trained) != 1:
+        raise ValueError(
+            f"{folder} is a DCP checkpoint (one model's state) but {len(trained)} models are prepared with an "
+            "optimizer: load it with engine.load_checkpoint(folder) on the engine it belongs to"
+        )
+    entry = trained[0][1]
+    entry.engine.load_checkpoint(folder, **engine_kwargs)
+    entry.optimizer._step_was_skipped = False
 
 
 def check_16bit_weights_gathered(engine: ZeroEngine, plugin: ZeroPlugin) -> None:

@@ -11,6 +11,8 @@ DIR/POINT/ckpt; POINT is where B's save stops:
     publish    B's folder is in place; rank 0 is about to point `latest` at it
     resave     A and B are both saved under the tag "last": B has replaced A's folder, `latest` still names the
                hard-linked copy of A that the save made first
+    async      B is saved with async_save=True: rank 1's writer thread has written half of its rank file (rank 0's
+               writer waits for it) while both ranks' training threads train another step and then wait
 The stopping rank writes DIR/POINT/paused (atomically) and sleeps: the test then SIGKILLs every process of the
 job. Only the moment of death is arranged here, by wrapping a function the save calls; the death itself is a real
 kill.
@@ -76,7 +78,7 @@ def _pause(out: Path, rank: int) -> None:
 
 def _stop_inside_the_save(point: str, out: Path, rank: int) -> None:
     """Wraps the function of the checkpoint code that `point` stops in (on the rank that stops there)."""
-    if point == "rank_file" and rank == 1:
+    if point in ("rank_file", "async") and rank == 1:
 
         def half_written(tensors: dict[str, torch.Tensor], path: str, *args: Any, **kwargs: Any) -> None:
             from safetensors.torch import save
@@ -116,7 +118,11 @@ def save_then_stop(point: str, out: Path) -> None:
         torch.save(params, out / "a_params.pt")
     _train(engine, range(STEPS_A, STEPS_B))
     _stop_inside_the_save(point, out, rank)
-    engine.save_checkpoint(str(folder), tag=_tag(point), client_state={"checkpoint": "B"})
+    engine.save_checkpoint(str(folder), tag=_tag(point), client_state={"checkpoint": "B"}, async_save=point == "async")
+    if point == "async":  # the save returned: training goes on while the writers run, until the job is killed
+        _train(engine, range(STEPS_B, STEPS_B + 1))
+        time.sleep(PAUSE_SECONDS)
+        os._exit(3)
     raise RuntimeError(f"the save of B was not stopped at {point!r}: the test expects this job to be killed in it")
 
 
@@ -136,7 +142,7 @@ def load_after_kill(out: Path) -> dict[str, Any]:
         "global_steps": engine.global_steps,
         "equals_a": torch.equal(_params(model), torch.load(out / "a_params.pt", weights_only=True)),
     }
-    if point == "rank_file":  # B's folder was never published
+    if point in ("rank_file", "async"):  # B's folder was never published
         try:
             engine.load_checkpoint(str(folder), tag=f"global_step{STEPS_B}")
         except FileNotFoundError as error:
@@ -153,7 +159,7 @@ def load_after_kill(out: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--pause", choices=("rank_file", "publish", "resave"))
+    parser.add_argument("--pause", choices=("rank_file", "publish", "resave", "async"))
     parser.add_argument("--load", nargs="+", type=Path, default=[])
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
