@@ -27,6 +27,7 @@ JSON output (`--json`), schema_version 1:
         "num_gpus": int, "num_nodes": int, "world_size": int,
         "mixed_precision": "no" | "fp16" | "bf16", "optimizer": str,
         "micro_batch": int, "seq_len": int, "gradient_checkpointing": bool, "eager_attention": bool,
+        "cpu_checkpointing": bool,        # the layers' saved activations in host memory (host_per_rank)
         "sequence_parallel": int, "tile_tokens": int | null,   # activations per rank with Ulysses / tiling
         "gpu_memory": int | null,         # bytes per GPU as given
         "headroom": float,                # fraction of gpu_memory kept free
@@ -47,7 +48,7 @@ JSON output (`--json`), schema_version 1:
           },
           "model_states": int,            # parameters + gradients + master_weights + optimizer_states
           "host_per_rank": {"parameters": int, "gradients": int, "master_weights": int,
-                            "optimizer_states": int, "total": int},
+                            "optimizer_states": int, "total": int},  # + "activations" with --cpu_checkpointing
           "nvme_per_rank": {same keys as host_per_rank},
           "cpu_ram_per_node": int,        # host_per_rank.total * num_gpus
           "nvme_per_node": int,           # nvme_per_rank.total * num_gpus
@@ -89,6 +90,7 @@ from typing import Any
 from accelerate_zero.cli import estimate_time
 from accelerate_zero.cli.estimate_render import render
 from accelerate_zero.debug import estimate as est
+from accelerate_zero.debug.activations_host import cpu_checkpointed_bytes
 from accelerate_zero.debug.layouts import layout_rows, recommend_layout
 from accelerate_zero.debug.phases import phase_peaks
 
@@ -148,6 +150,7 @@ what is counted (per GPU unless said otherwise):
   activations rough: 34*s*b*h bytes per layer in 16-bit (Korthikanti et al. 2022, no recomputation;
               + 5*a*s^2*b with --eager_attention), doubled in fp32; with --gradient_checkpointing
               2*s*b*h per layer + one layer recomputed; + the logits s*b*V*(c+8). Needs a config (not --params).
+              --cpu_checkpointing: all but one layer's (the checkpoints) move to host_per_rank "activations".
 offload modes: cpu = optimizer states, fp32 master and grads on CPU (stages 1-3); cpu+param = also the stage 3
   parameter shards on CPU; nvme = optimizer states, master and parameter shards on NVMe (stage 3).
 """
@@ -175,6 +178,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gradient_checkpointing", action="store_true", help="activations with every layer checkpointed"
     )
+    parser.add_argument("--cpu_checkpointing", action="store_true", help="saved activations in host memory")
     parser.add_argument(
         "--eager_attention", action="store_true", help="count the attention score matrices (not SDPA/flash)"
     )
@@ -242,12 +246,15 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     loaded = _load_model(args)
     setup, zero_notes = _setup_from(args, num_gpus * args.num_nodes, loaded.architecture if loaded else None)
     shapes = loaded.shapes(setup.zero) if loaded else est.shapes_from_count(args.params, setup.zero)
-    activations = _activations(shapes, setup, args)
+    activations, host_activations = _activations(shapes, setup, args)
     usable = None if gpu_memory is None else int(gpu_memory * (1 - args.headroom))
     budget = est.Budget(usable, args.cpu_memory, args.nvme_space, gpus_per_node=num_gpus)
     rows, verdicts = [], {}
     for stage, offload in _combinations(args.offload):
         estimate = est.estimate_stage(shapes, setup, stage, offload)
+        if args.cpu_checkpointing:  # [Note: activations in host memory, estimated]
+            estimate.host["activations"] = host_activations
+            estimate.host["total"] += host_activations
         verdicts[(stage, offload)] = est.fits(estimate, activations or 0, budget)
         rows.append(_row(estimate, activations or 0, num_gpus, verdicts[(stage, offload)]))
         rows[-1]["phases"] = phase_peaks(estimate, activations or 0, _largest_gradient(shapes, setup, stage))
@@ -377,11 +384,10 @@ def _combinations(offload: str) -> list[tuple[int, str]]:
     return [(stage, mode) for stage in est.STAGES for mode in modes if est.is_applicable(stage, mode)]
 
 
-def _activations(shapes: est.ModelShapes, setup: est.TrainingSetup, args: argparse.Namespace) -> int | None:
+def _activations(shapes: est.ModelShapes, setup: est.TrainingSetup, args: argparse.Namespace) -> tuple:
     if shapes.architecture is None:
-        return None
-    return est.activation_bytes(
-        shapes.architecture,
+        return None, 0
+    setup_args = dict(
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         compute_bytes=setup.compute_bytes,
@@ -390,6 +396,9 @@ def _activations(shapes: est.ModelShapes, setup: est.TrainingSetup, args: argpar
         sequence_parallel=args.sequence_parallel,
         tile_tokens=args.tile_tokens,
     )
+    total = est.activation_bytes(shapes.architecture, **setup_args)
+    host = cpu_checkpointed_bytes(shapes.architecture, **setup_args) if args.cpu_checkpointing else 0
+    return total - host, host
 
 
 def _largest_gradient(shapes: est.ModelShapes, setup: est.TrainingSetup, stage: int) -> int:
@@ -422,17 +431,10 @@ def _model_section(shapes: est.ModelShapes, loaded: Any, args: argparse.Namespac
         "name": loaded.name if loaded else "--params",
         "num_parameters": shapes.numel,
         "stage3_units": sum(1 for unit in shapes.units if unit),
-        "persistent_parameters": sum(_numel(shape) for shape in shapes.persistent),
+        "persistent_parameters": sum(math.prod(shape) for shape in shapes.persistent),
         "exact_layout": shapes.exact_units,
         "architecture": None if arch is None else dict(vars(arch)),
     }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for size in shape:
-        out *= size
-    return out
 
 
 def _setup_section(
@@ -447,6 +449,7 @@ def _setup_section(
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "cpu_checkpointing": args.cpu_checkpointing,
         "eager_attention": args.eager_attention,
         "sequence_parallel": args.sequence_parallel,
         "tile_tokens": args.tile_tokens,

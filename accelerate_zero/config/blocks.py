@@ -330,6 +330,30 @@ class SequenceTilingConfig(Block):
         return self.logits_tile_tokens is not None or self.mlp_tile_tokens is not None or self.activations_on_host
 
 
+@dataclass(kw_only=True)
+class ActivationCheckpointingConfig(Block):
+    """`activation_checkpointing` (DeepSpeed 0.19.8's keys and defaults): only `cpu_checkpointing` is implemented;
+    the other keys drive DeepSpeed's own `deepspeed.checkpointing.checkpoint` function and are refused unless they
+    keep their default (config/schema.py REFUSED_FEATURES says why for each)."""
+
+    _PATH: ClassVar[str] = "activation_checkpointing"
+
+    partition_activations: bool = False
+    """DeepSpeed: split each checkpoint across the tensor-model-parallel ranks; `true` is refused."""
+    contiguous_memory_optimization: bool = False
+    """DeepSpeed: copy partitioned checkpoints into one preallocated buffer; `true` is refused."""
+    number_checkpoints: int | None = _f(None, ge=1)
+    """DeepSpeed: the number of checkpoints, which only sizes that buffer; a number is refused."""
+    cpu_checkpointing: bool = False
+    """What autograd saves for backward during the model's forward waits in host memory (page-locked beside a
+    GPU) until backward: with the model's gradient checkpointing on, the layer inputs ([Note: activations in host
+    memory] in engine/activation_offload.py)."""
+    synchronize_checkpoint_boundary: bool = False
+    """DeepSpeed: synchronize the device around each checkpointed layer; `true` is refused."""
+    profile: bool = False
+    """DeepSpeed: log the time of each checkpointed layer; `true` is refused."""
+
+
 # [Note: fp32 gradients under mixed precision]
 # Under bf16 (or fp16) the engine accumulates gradients across micro-steps and ranks in fp32 unless the user sets
 # `data_types.grad_accum_dtype`. bf16 keeps 8 bits of mantissa: summing 4 micro-steps or 8 ranks in bf16 rounds

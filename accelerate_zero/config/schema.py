@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from accelerate_zero.config.blocks import (
     DEFAULT_GRAD_ACCUM_DTYPE,
     DEFAULT_REDUCE_BUCKET_SIZE,
+    ActivationCheckpointingConfig,
     AioConfig,
     BF16Config,
     Block,
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO",
+    "ActivationCheckpointingConfig",
     "DEFAULT_GRAD_ACCUM_DTYPE",
     "DEFAULT_REDUCE_BUCKET_SIZE",
     "REFUSED_FEATURES",
@@ -153,6 +155,8 @@ class ZeroConfig(Block):
     """DeepSpeed's own dataloader option; `true` is refused."""
     aio: AioConfig = _f(factory=AioConfig)
     """Asynchronous file IO for NVMe offload."""
+    activation_checkpointing: ActivationCheckpointingConfig = _f(factory=ActivationCheckpointingConfig)
+    """DeepSpeed's activation checkpointing block: `cpu_checkpointing` keeps what backward needs in host memory."""
 
     @classmethod
     def from_any(cls, source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
@@ -247,6 +251,30 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
     ),
     "dataloader_drop_last": RefusedFeature(
         False, "accelerate_zero.initialize takes no training_data; set drop_last on your DataLoader"
+    ),
+    # DeepSpeed reads the keys below only inside its own `deepspeed.checkpointing.checkpoint`; here the model's
+    # gradient checkpointing (transformers' `gradient_checkpointing_enable`) checkpoints the layers.
+    "activation_checkpointing.partition_activations": RefusedFeature(
+        False,
+        "it splits each checkpoint across tensor-model-parallel ranks and accelerate_zero has no tensor "
+        "parallelism; Ulysses (sequence_parallel_size) already splits every activation along the sequence, and "
+        "cpu_checkpointing moves the checkpoints to host memory",
+    ),
+    "activation_checkpointing.contiguous_memory_optimization": RefusedFeature(
+        False, "DeepSpeed allows it only with partition_activations, which is refused"
+    ),
+    "activation_checkpointing.number_checkpoints": RefusedFeature(
+        None, "it only sizes contiguous_memory_optimization's buffer, which is refused"
+    ),
+    "activation_checkpointing.synchronize_checkpoint_boundary": RefusedFeature(
+        False,
+        "it synchronizes the device around each layer of DeepSpeed's own checkpoint function, which accelerate_zero "
+        "does not run; to serialize CUDA work while debugging, run with CUDA_LAUNCH_BLOCKING=1",
+    ),
+    "activation_checkpointing.profile": RefusedFeature(
+        False,
+        "it times each layer of DeepSpeed's own checkpoint function, which accelerate_zero does not run; use "
+        "wall_clock_breakdown or torch.profiler",
     ),
 }
 """Key path -> the accepted value and why anything else is refused. Extend it to refuse another DeepSpeed option."""

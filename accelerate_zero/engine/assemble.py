@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from accelerate_zero.config import ResolvedZeroConfig
 from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
 from accelerate_zero.engine import collectives, quantized_comm
+from accelerate_zero.engine.activation_offload import ActivationsToHost
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
@@ -80,6 +81,9 @@ class EngineParts:
     step_runner: StepRunner
     grad_store: NvmeGradStore | None
     host_staging: HostStaging | None
+    activation_offload: ActivationsToHost | None = None
+    """`activation_checkpointing.cpu_checkpointing`: the hooks keeping saved activations in host memory and what
+    they moved (its handles are in `hooks`)."""
 
 
 def assemble(
@@ -177,6 +181,11 @@ class _Assembly:
         reducer.register_hooks()
         sharded_optimizer = self._build_sharded_optimizer(optimizer, slices, step_runner, progress)
         sharded_optimizer.switch_param_groups()
+        activations = None
+        if config.activation_checkpointing.cpu_checkpointing:  # [Note: activations in host memory]
+            # Attached last: its pre-hook goes first and its post-hook runs last, around every other hook.
+            activations = ActivationsToHost(self.device, pin_memory=True)
+            self.hooks += activations.attach(self.module)
         return EngineParts(
             optimizer=optimizer,
             offload=self.offload,
@@ -193,6 +202,7 @@ class _Assembly:
             step_runner=sharded_optimizer.step_runner,
             grad_store=self.grad_store,
             host_staging=self.host_staging,
+            activation_offload=activations,
         )
 
     # ------------------------------------------------------------ stages 0-2

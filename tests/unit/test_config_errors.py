@@ -85,6 +85,11 @@ REFUSED_SAMPLES = {
     "bf16.bf16_optimizer_states": True,
     "bf16.immediate_grad_update": False,
     "dataloader_drop_last": True,
+    "activation_checkpointing.partition_activations": True,
+    "activation_checkpointing.contiguous_memory_optimization": True,
+    "activation_checkpointing.number_checkpoints": 24,
+    "activation_checkpointing.synchronize_checkpoint_boundary": True,
+    "activation_checkpointing.profile": True,
 }
 
 
@@ -129,3 +134,38 @@ def test_dynamic_loss_scale_needs_positive_window() -> None:
         "fp16.loss_scale_window=0: must be > 0 when dynamic loss scaling is enabled (loss_scale=0)"
     ]
     ZeroConfig.from_any({"fp16": {"enabled": True, "loss_scale": 128, "loss_scale_window": 0}})  # static: unused
+
+
+def test_activation_checkpointing_block_loads_its_defaults_and_cpu_checkpointing() -> None:
+    # The block as DeepSpeed's docs and transformers' examples write it: every default, cpu_checkpointing on.
+    block = {
+        "partition_activations": False,
+        "cpu_checkpointing": True,
+        "contiguous_memory_optimization": False,
+        "number_checkpoints": None,
+        "synchronize_checkpoint_boundary": False,
+        "profile": False,
+    }
+    config = ZeroConfig.from_any({"activation_checkpointing": block})
+    assert config.activation_checkpointing.cpu_checkpointing is True
+    assert config.to_dict()["activation_checkpointing"] == block
+    assert ZeroConfig.from_any({}).activation_checkpointing.cpu_checkpointing is False
+
+
+def test_activation_checkpointing_bad_keys_are_named() -> None:
+    problems = problems_of(
+        {"activation_checkpointing": {"cpu_checkpoint": True, "cpu_checkpointing": "yes", "number_checkpoints": 0}}
+    )
+    assert problems == [
+        "unknown key 'activation_checkpointing.cpu_checkpoint' (did you mean 'cpu_checkpointing'?): remove it or fix "
+        "its spelling",
+        "activation_checkpointing.cpu_checkpointing='yes': expected true or false",
+        "activation_checkpointing.number_checkpoints=0: expected an integer >= 1 or null",
+    ]
+    problems = problems_of({"activation_checkpointing": {"partition_activations": True}})
+    assert problems == [
+        "activation_checkpointing.partition_activations=True is not supported (it splits each checkpoint across "
+        "tensor-model-parallel ranks and accelerate_zero has no tensor parallelism; Ulysses (sequence_parallel_size) "
+        "already splits every activation along the sequence, and cpu_checkpointing moves the checkpoints to host "
+        "memory): remove the key or set it to false"
+    ]
