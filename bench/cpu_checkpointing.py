@@ -18,7 +18,6 @@ import os
 import torch
 
 import accelerate_zero
-from accelerate_zero.engine.activation_offload import ActivationsToHost
 
 
 def _saved_outside(model: torch.nn.Module) -> tuple[list[int], torch.autograd.graph.saved_tensors_hooks]:
@@ -61,8 +60,7 @@ def measure(args: argparse.Namespace, checkpointing: bool, cpu: bool) -> dict[st
     counts, hooks = _saved_outside(engine.module)
     with hooks:
         loss = engine(input_ids=tokens, labels=tokens).loss
-    owners = [getattr(h.hooks_dict_ref()[h.id], "__self__", None) for h in engine._hooks if h.hooks_dict_ref()]
-    stats = next((o.stats for o in owners if isinstance(o, ActivationsToHost)), None)
+    stats = engine.activation_offload.stats if engine.activation_offload is not None else None
     out = {"device_activations": counts[0], "device_parameters": counts[1]}
     out["host_activations"] = stats.held_bytes if stats is not None else 0
     out["kept_parameters"] = stats.kept_bytes if stats is not None else 0

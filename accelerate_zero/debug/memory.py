@@ -35,6 +35,7 @@ class EngineState(Protocol):
     shard_store: ShardStore
     host_memory: HostMemory
     sleeping: Any  # engine/sleep.py's SleepingState: host copies of what offload_states() moved
+    activation_offload: Any  # engine/activation_offload.py's ActivationsToHost, or None
 
 
 def bytes_by_kind(kinds: Mapping[str, Iterable[torch.Tensor]], chunks: Iterable[torch.Tensor] = ()) -> dict[str, int]:
@@ -127,6 +128,9 @@ def engine_memory(engine: EngineState) -> dict[str, int]:
         host[kind] = host[kind] + copies
     out = bytes_by_kind(device_tensors(engine))
     host_bytes = bytes_by_kind(host, engine.host_memory.chunks)
+    if engine.activation_offload is not None:  # cpu_checkpointing: saved activations, held until backward
+        host_bytes["host_activations"] = engine.activation_offload.stats.held_bytes
+        host_bytes["total"] += host_bytes["host_activations"]
     host_bytes["host_total"] = host_bytes.pop("total")
     out.update(host_bytes)
     out["nvme_bytes"] = engine.sharded_optimizer.step_runner.file_bytes() + engine.shard_store.file_bytes()

@@ -159,6 +159,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.reducer, self.sharded_optimizer = parts.reducer, parts.sharded_optimizer
         self.shard_store, self.grad_store, self.host_staging = parts.shard_store, parts.grad_store, parts.host_staging
         self._state_dict_guard, self._hooks = parts.state_dict_guard, parts.hooks
+        self.activation_offload = parts.activation_offload
+        """`activation_checkpointing.cpu_checkpointing`: what autograd saved in the forwards, kept in host memory
+        (engine/activation_offload.py); None when off."""
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
         self.step_log = StepLog(config, rank=self.layout.world.rank, device=device)
         register_engine_params(self)
@@ -431,7 +434,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         reuse in host memory as cached_buffers ([Note: temporaries reused in host memory]; like CUDA's reserved
         memory, what the allocator keeps rather than what training holds): neither is part of total. Offloaded
         state is reported as host_parameters, host_gradients, host_master_weights, host_optimizer_states and
-        host_total.
+        host_total; with `cpu_checkpointing`, the activations held in host memory until backward as
+        host_activations (part of host_total).
         """
         return engine_memory(self)
 
