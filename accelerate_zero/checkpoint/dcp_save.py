@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from accelerate_zero.checkpoint.fragments import range_fragments
+from accelerate_zero.checkpoint.fragments import persistent_buffers, range_fragments
 from accelerate_zero.checkpoint.io import check_shared_folder, fresh_partial_dir, publish_dir
 from accelerate_zero.engine import collectives
 
@@ -127,7 +127,7 @@ def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
                 optim_state.setdefault(name, {})[kind] = block
         if name in all_steps:
             optim_state.setdefault(name, {})["step"] = torch.tensor(all_steps[name], dtype=torch.float32)
-    for name, buffer in _persistent_buffers(state.module):
+    for name, buffer in persistent_buffers(state.module):
         model_sd[name] = buffer.detach().cpu().clone()
     order = [name for name, _ in state.module.named_parameters()]
     param_groups = [
@@ -146,12 +146,3 @@ def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
         to_save["lr_scheduler"] = engine.lr_scheduler.state_dict()
     dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(work)), process_group=world.group)
     return publish_dir(save_dir, tag, barrier, is_main)
-
-
-def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for prefix, owner in module.named_modules():
-        for name, buffer in owner.named_buffers(recurse=False):
-            if buffer is not None and name not in owner._non_persistent_buffers_set:
-                out.append((f"{prefix}.{name}" if prefix else name, buffer))
-    return out

@@ -32,7 +32,7 @@ from accelerate_zero.checkpoint import async_save as async_save_io
 from accelerate_zero.checkpoint import dcp_read, rank_parts
 from accelerate_zero.checkpoint.dcp_load import load_dcp
 from accelerate_zero.checkpoint.dcp_save import save_dcp
-from accelerate_zero.checkpoint.fragments import Fragment, range_fragments, whole_key
+from accelerate_zero.checkpoint.fragments import Fragment, persistent_buffers, range_fragments, whole_key
 from accelerate_zero.checkpoint.frozen import check_frozen, frozen_fingerprints, frozen_names
 from accelerate_zero.checkpoint.io import (
     FragmentReader,
@@ -220,19 +220,8 @@ def _rank_tensors(
         for name, param in state.module.named_parameters():
             if id(param) not in covered and name not in excluded:
                 yield whole_key(name, "full"), host(param)
-        for name, buffer in _persistent_buffers(state.module):
+        for name, buffer in persistent_buffers(state.module):
             yield whole_key(name, "buffer"), host(buffer)
-
-
-def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers `state_dict` holds: non-persistent ones (rotary `inv_freq`) are rebuilt by the model itself, and
-    `save_pretrained` never writes them."""
-    out = []
-    for prefix, owner in module.named_modules():
-        for name, buffer in owner.named_buffers(recurse=False):
-            if buffer is not None and name not in owner._non_persistent_buffers_set:
-                out.append((f"{prefix}.{name}" if prefix else name, buffer))
-    return out
 
 
 def _trainable_tensors(

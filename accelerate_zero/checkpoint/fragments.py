@@ -63,3 +63,15 @@ def range_fragments(
             name = names[id(params[slot.param_index])]
             fragments.append(Fragment(name, start - slot.offset, end - slot.offset, start - lo))
     return sorted(fragments, key=lambda f: f.offset)
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers `state_dict` holds, by name: what a checkpoint saves whole beside the parameters' ranges.
+    Non-persistent ones (rotary `inv_freq`) are rebuilt by the model itself, and `save_pretrained` never writes
+    them."""
+    out = []
+    for prefix, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return out
