@@ -104,8 +104,11 @@ DPO_LOSS_TYPES = (["sigmoid"], ["ipo", "sft"])
 adds the chosen tokens' mean, per rank: TRL's DPO on two ranks differs from one process there, sp or not)."""
 
 
-def _dpo(folder: Path, world_size: int, sp: int | None, loss_type: list[str]) -> dict[str, Any]:
-    """DPO on 2 steps of 2 accumulated batches; sp None: TRL's own DPOTrainer in one process on the whole batch."""
+def _dpo(
+    folder: Path, world_size: int, sp: int | None, loss_type: list[str], resume: str | None = None, name: str = ""
+) -> dict[str, Any]:
+    """DPO on 2 steps of 2 accumulated batches; sp None: TRL's own DPOTrainer in one process on the whole batch.
+    `resume`: from that checkpoint folder; `name` "saving": a checkpoint after each step."""
     import trl
     from accelerate import ParallelismConfig
     from transformers import AutoTokenizer
@@ -114,7 +117,7 @@ def _dpo(folder: Path, world_size: int, sp: int | None, loss_type: list[str]) ->
     from tests.integration import trl_numerics
 
     values: dict[str, Any] = dict(
-        output_dir=str(folder / f"dpo-{world_size}-{sp}-{'-'.join(loss_type)}"),
+        output_dir=str(folder / f"dpo-{world_size}-{sp}-{'-'.join(loss_type)}{name}"),
         max_steps=STEPS,
         per_device_train_batch_size=PER_RANK if sp is not None else PER_RANK * world_size,
         gradient_accumulation_steps=ACCUMULATION,
@@ -128,7 +131,8 @@ def _dpo(folder: Path, world_size: int, sp: int | None, loss_type: list[str]) ->
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        save_strategy="no",
+        save_strategy="steps" if name == "saving" else "no",
+        save_steps=1,
         disable_tqdm=True,
         seed=0,
     )
@@ -145,7 +149,7 @@ def _dpo(folder: Path, world_size: int, sp: int | None, loss_type: list[str]) ->
         train_dataset=trl_numerics.dataset("dpo"),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     params = (
         _gathered(trainer.model)
         if sp is not None
@@ -167,6 +171,11 @@ def _runs(rank: int, world_size: int, folder: str, grpo: list[tuple[str, dict | 
     for loss_type in dpo:
         for sp in (1, 2):
             out[("dpo", *loss_type, sp)] = _dpo(root, world_size, sp, loss_type)
+    if world_size == 2:  # resumed inside the epoch, at sp 2 and at sp 1, from a checkpoint saved at sp 2
+        _dpo(root, world_size, 2, dpo[0], name="saving")
+        checkpoint = str(root / f"dpo-{world_size}-2-{'-'.join(dpo[0])}saving" / "checkpoint-1")
+        for sp in (1, 2):
+            out[("resumed", sp)] = _dpo(root, world_size, sp, dpo[0], resume=checkpoint, name=f"resumed{sp}")
     return out
 
 
@@ -216,6 +225,14 @@ def test_grpo_and_dpo_under_sequence_parallelism_equal_them_without(
             ours, theirs = runs[("dpo", *loss_type, 2)], runs[("dpo", *loss_type, 1)]
             assert "all_to_all_sequence_values" in ours["traffic"]
             _compare(ours, theirs, f"rank {rank} DPO {loss_type}", DPO_COMPARED)
+            if ("resumed", 2) in runs and loss_type == dpo[0]:
+                for sp in (1, 2):  # the step after the checkpoint, as in the run that never stopped
+                    resumed = runs[("resumed", sp)]
+                    # the checkpoint's log history holds step 1; step 2 is the resumed run's
+                    assert len(resumed["logs"]) == STEPS, resumed["logs"]
+                    assert resumed["logs"][1]["loss"] == pytest.approx(ours["logs"][1]["loss"], abs=1e-5), sp
+                    error = max((resumed["params"][n] - p).abs().max().item() for n, p in ours["params"].items())
+                    assert error <= 1e-5, (rank, f"resumed at sp {sp}", error)
             if one_process and "sft" not in loss_type:  # TRL's DPOTrainer on the whole batch
                 reference = one_process[("dpo", *loss_type)]
                 error = max((ours["params"][n] - p).abs().max().item() for n, p in reference["params"].items())

@@ -166,6 +166,11 @@ class SequenceParallelTRLMixin:
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, **kwargs: Any) -> Any:
         return self._trl_class().compute_loss(self, model, inputs, return_outputs=return_outputs, **kwargs)
 
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        # TRL's loader is not cut: transformers skips into a resumed epoch as without sp (the Trainer's sequence path
+        # refuses that, its cut loader could not be skipped into)
+        return self._trl_class()._init_training_state(self, *args, **kwargs)
+
     def _trl_class(self) -> type:
         raise NotImplementedError
 
