@@ -108,7 +108,8 @@ def _dpo(
     folder: Path, world_size: int, sp: int | None, loss_type: list[str], resume: str | None = None, name: str = ""
 ) -> dict[str, Any]:
     """DPO on 2 steps of 2 accumulated batches; sp None: TRL's own DPOTrainer in one process on the whole batch.
-    `resume`: from that checkpoint folder; `name` "saving": a checkpoint after each step."""
+    `resume`: from that checkpoint folder; `name` "saving": a checkpoint after each step, "eval": evaluated after
+    training (over cut sequences at sp 2: `sequence_parallel_evaluation`)."""
     import trl
     from accelerate import ParallelismConfig
     from transformers import AutoTokenizer
@@ -141,12 +142,17 @@ def _dpo(
     else:
         zero = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
         parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=sp) if sp > 1 else None
-        config, cls = ZeroDPOConfig(zero_config=zero, parallelism_config=parallelism, **values), ZeroDPOTrainer
+        cut_eval = name == "eval" and sp > 1
+        config = ZeroDPOConfig(
+            zero_config=zero, parallelism_config=parallelism, sequence_parallel_evaluation=cut_eval, **values
+        )
+        cls = ZeroDPOTrainer
     model_dir = str(folder / "model")
     trainer = cls(
         model=trl_numerics.load(model_dir),
         args=config,
         train_dataset=trl_numerics.dataset("dpo"),
+        eval_dataset=trl_numerics.dataset("dpo").select(range(6)) if name == "eval" else None,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
     trainer.train(resume_from_checkpoint=resume)
@@ -156,7 +162,16 @@ def _dpo(
         else {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     )
     traffic = sorted(trainer.zero_engine.comm_stats()) if sp is not None else []
-    return {"logs": [log for log in trainer.state.log_history if "loss" in log], "params": params, "traffic": traffic}
+    out = {"logs": [log for log in trainer.state.log_history if "loss" in log], "params": params, "traffic": traffic}
+    if name == "eval":
+        before = _value_exchanges(trainer)
+        out["eval"] = trainer.evaluate()
+        out["eval_exchanges"] = _value_exchanges(trainer) - before
+    return out
+
+
+def _value_exchanges(trainer: Any) -> int:
+    return int(trainer.zero_engine.comm_stats().get("all_to_all_sequence_values", {}).get("calls", 0))
 
 
 def _runs(rank: int, world_size: int, folder: str, grpo: list[tuple[str, dict | None]], dpo: list) -> dict[str, Any]:
@@ -168,9 +183,10 @@ def _runs(rank: int, world_size: int, folder: str, grpo: list[tuple[str, dict | 
     for loss_type, tiling in grpo:
         for sp in (1, 2):
             out[(loss_type, sp)] = _grpo(root, world_size, sp, loss_type, tiling if sp > 1 else None)
-    for loss_type in dpo:
+    for index, loss_type in enumerate(dpo):
         for sp in (1, 2):
-            out[("dpo", *loss_type, sp)] = _dpo(root, world_size, sp, loss_type)
+            name = "eval" if index == 0 else ""
+            out[("dpo", *loss_type, sp)] = _dpo(root, world_size, sp, loss_type, name=name)
     if world_size == 2:  # resumed inside the epoch, at sp 2 and at sp 1, from a checkpoint saved at sp 2
         _dpo(root, world_size, 2, dpo[0], name="saving")
         checkpoint = str(root / f"dpo-{world_size}-2-{'-'.join(dpo[0])}saving" / "checkpoint-1")
@@ -225,6 +241,11 @@ def test_grpo_and_dpo_under_sequence_parallelism_equal_them_without(
             ours, theirs = runs[("dpo", *loss_type, 2)], runs[("dpo", *loss_type, 1)]
             assert "all_to_all_sequence_values" in ours["traffic"]
             _compare(ours, theirs, f"rank {rank} DPO {loss_type}", DPO_COMPARED)
+            if loss_type == dpo[0]:  # evaluated over cut sequences at sp 2, whole at sp 1: the same numbers
+                assert ours["eval_exchanges"] > 0 and theirs["eval_exchanges"] == 0
+                for key, value in theirs["eval"].items():
+                    if key.startswith(("eval_loss", "eval_rewards", "eval_logps")):
+                        assert ours["eval"][key] == pytest.approx(value, abs=1e-5), (rank, key)
             if ("resumed", 2) in runs and loss_type == dpo[0]:
                 for sp in (1, 2):  # the step after the checkpoint, as in the run that never stopped
                     resumed = runs[("resumed", sp)]

@@ -6,13 +6,17 @@ normalisation run as without sequence parallelism, so sp changes no number.
 
 [Note: GRPO under sequence parallelism]
 Each rank keeps its own prompts and completions (TRL's sampler, rewards and advantages are untouched), so the
-Trainer's batch arithmetic is TRL's: the train loader is not cut and the total batch counts every rank. Only while
-the policy trains does the group cut (the Ulysses attention is on then, [Note: Ulysses attention]); in evaluation,
-every rank scores its own whole sequences, as TRL does. The reference model (frozen, prepared without an optimizer)
-gets the same Ulysses attention at its first cut forward, and runs that forward in training mode, which changes
-nothing but the attention when the model has no dropout; one with dropout is refused (TRL's `disable_dropout=True`
-removes it). TRL's fused LM head scores the slice's positions in chunks, so the logits of a long completion never
-exist whole (neither do the slice's: its chunks are recomputed in backward).
+Trainer's batch arithmetic is TRL's: the train loader is not cut, the total batch counts every rank, and a run
+resumes inside an epoch as without sp. The group cuts while the policy trains (the Ulysses attention is on then,
+[Note: Ulysses attention]) and, with `sequence_parallel_evaluation=True`, while it evaluates; otherwise every rank
+scores its own whole sequences in evaluation, as TRL does. Either way eval_loss is TRL's arithmetic on whole values,
+never multiplied or divided by sp. A model scored outside training mode (the frozen reference, prepared without an
+optimizer, which gets the policy's Ulysses attention at its first cut forward; the policy evaluating) runs that
+forward in training mode, which changes nothing but the attention when the model has no dropout; one with dropout is
+refused (TRL's `disable_dropout=True` removes it). DPO follows the same scheme (DPO's `_compute_loss` calls the
+policy and `self.ref_model`; both are scored through `CutScoring`). TRL's fused LM head scores the slice's positions
+in chunks, so the logits of a long completion never exist whole (neither do the slice's: its chunks are recomputed
+in backward).
 """
 
 from __future__ import annotations
@@ -119,6 +123,12 @@ class CutScoring:
                 out = model(**batch, fused_lm_head=True)
             return {name: getattr(out, name, None) for name in FUSED_FIELDS}
 
+        if not model.training and _has_dropout(self.trainer.accelerator.unwrap_model(model)):
+            raise ValueError(
+                f"{type(self.trainer).__name__} with sequence_parallel_size={accelerator.sequence_parallel_size}: a "
+                "model not training (the reference model, or the policy evaluating) is scored over cut sequences in "
+                "training mode (its Ulysses attention on), and it has dropout: set disable_dropout=True in the config"
+            )
         if not self.trainer._is_trained_policy(model):
             self.trainer._ulysses_on(model)
         group, stats = accelerator._sequence_group()
@@ -134,10 +144,14 @@ class CutScoring:
 class SequenceParallelTRLMixin:
     """What `ZeroGRPOTrainer` and `ZeroDPOTrainer` share under sequence parallelism ([Note: GRPO under sequence
     parallelism]): the loader, the total batch and the loss stay TRL's, and the models are scored through
-    `CutScoring` while the policy trains."""
+    `CutScoring` while the policy trains (and evaluates, with `sequence_parallel_evaluation`)."""
+
+    evaluates_over_cut_sequences = True
 
     def _cuts_for_scoring(self) -> bool:
-        return self.accelerator.sequence_parallel_size > 1 and self.model.training
+        """While the policy trains, or while it evaluates with `sequence_parallel_evaluation`."""
+        asked = self.model.training or getattr(self.args, "sequence_parallel_evaluation", False)
+        return self.accelerator.sequence_parallel_size > 1 and asked
 
     def _is_trained_policy(self, model: Any) -> bool:
         return model is self.model or model is self.model_wrapped
@@ -147,12 +161,6 @@ class SequenceParallelTRLMixin:
         inner = self.accelerator.unwrap_model(model)
         if str(getattr(inner.config, "_attn_implementation", "")).startswith(ULYSSES_PREFIX):
             return
-        if _has_dropout(inner):
-            raise ValueError(
-                f"{type(inner).__name__} (the reference model) has dropout, and under sequence_parallel_size="
-                f"{self.accelerator.sequence_parallel_size} its forward runs in training mode (its Ulysses attention "
-                "on): set disable_dropout=True in the trainer's config"
-            )
         group, stats = self.accelerator._sequence_group()
         inner.set_attn_implementation(register_ulysses_attention(group, stats))
 
@@ -188,7 +196,7 @@ class SequenceParallelGRPOMixin(SequenceParallelTRLMixin):
             return super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
 
     def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-        """TRL's, its model scored over cut sequences (`CutScoring`) while the policy trains."""
+        """TRL's, its model scored over cut sequences (`CutScoring`) when `_cuts_for_scoring`."""
         scoring = CutScoring(self, model) if self._cuts_for_scoring() else model
         return super()._get_per_token_logps_and_entropies(scoring, *args, **kwargs)  # type: ignore[misc]
 
