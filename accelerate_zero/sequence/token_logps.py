@@ -19,7 +19,11 @@ long lengths (the activations, the attention, the `[rows, tokens, vocabulary]` l
    would differ.
 2. The group pads its rows to one length (the longest over the group, a multiple of p) and cuts them as the loader
    does ([Note: batches of a sequence-parallel group] in sequence/loader.py): each rank holds slice k of every
-   member's rows, stacked into one batch, and runs one forward with Ulysses attention.
+   member's rows. The group runs one forward (Ulysses attention) per member's rows, each under activation
+   checkpointing: autograd keeps only the `[rows, L/p]` values, and backward recomputes one member's forward at a
+   time. So a rank's peak is one member's slice (its rows x L/p tokens), as at sp 1 with L/p tokens: a forward of
+   all members' rows at once would keep p x rows x L/p = rows x L tokens' activations, what sp 1 keeps, and the
+   longest trainable completion would not grow with p. The cost is one more forward per training step.
 3. One all-to-all returns member j's rows to member j, each rank's slice in its place (`_ToOwners`); its backward is
    the all-to-all the other way, so the gradient of a rank's own loss reaches every slice of its rows, on every rank
    of the group. A rank's parameter gradient is then the sum, over the group's rows, of its slices' parts of each
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.collectives import CommStats
@@ -152,18 +157,35 @@ def sequence_parallel_token_values(
     }
     pieces = cut_for_group(batch, group, stats)
     counts = [piece["input_ids"].shape[0] for piece in pieces]
-    stacked = {
-        key: torch.cat([piece[key] for piece in pieces]) for key in ("input_ids", "position_ids", "shift_labels")
-    }
+    scored_pieces = [_score_member(score, piece) for piece in pieces]  # [Note: ...], step 2: one member at a time
     out: dict[str, torch.Tensor | None] = {}
-    for name, values in score(stacked).items():
-        if values is None:
+    for name in scored_pieces[0]:
+        if scored_pieces[0][name] is None:
             out[name] = None
             continue
+        values = torch.cat([member[name] for member in scored_pieces])
         # the exchange moves floating-point values; a flag (TRL's `is_top1`) travels as one and comes back as itself
         owned = _ToOwners.apply(values if values.is_floating_point() else values.float(), counts, group, stats)
         out[name] = _at_columns(owned, attention_mask, scored).to(values.dtype)
     return out
+
+
+def _score_member(score: Scorer, piece: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """`score` on one member's rows, under activation checkpointing while gradients are on: autograd keeps only the
+    values, and backward recomputes this member's forward alone ([Note: per-token values under sequence
+    parallelism], step 2)."""
+    keys = ("input_ids", "position_ids", "shift_labels")
+    names: list[str] = []
+    given: list[bool] = []
+
+    def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = score(dict(zip(keys, inputs, strict=True)))
+        names[:], given[:] = list(out), [value is not None for value in out.values()]
+        return tuple(value for value in out.values() if value is not None)
+
+    inputs = [piece[key] for key in keys]
+    values = iter(checkpoint(run, *inputs, use_reentrant=False) if torch.is_grad_enabled() else run(*inputs))
+    return {name: next(values) if present else None for name, present in zip(names, given, strict=True)}
 
 
 def _at_columns(values: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
