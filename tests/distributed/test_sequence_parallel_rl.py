@@ -6,10 +6,11 @@ accelerate_zero/sequence/token_logps.py).
 parallelism on as many ranks, the same completions (tests/integration/trl_numerics.py's fixed ones: uneven lengths,
 left-padded prompts of several lengths), fp32, ZeRO-3, a reference model (beta > 0) and a generation batch of two
 steps (so that the old policy's log-probabilities are computed too): every compared logged number and the trained
-weights within 1e-5, for TRL's `loss_type` normalisations (sp 2) and at sp 2 x dp 2 with tiled MLPs. `ZeroDPOTrainer`
-likewise (chosen and rejected of uneven lengths), and at sp 2 against TRL's own `DPOTrainer` in one process on the
-whole batch. The runs without sp are TRL's arithmetic on each rank (tests/integration/test_trl_numerics.py checks them
-against TRL in one process), so sp 2 equals one process on the same completions wherever TRL's dp does.
+weights within 1e-5, for TRL's `loss_type` normalisations (sp 2) and at sp 2 x dp 2 with tiled MLPs and LM head.
+`ZeroDPOTrainer` likewise (chosen and rejected of uneven lengths), at sp 2 also against TRL's own `DPOTrainer` in one
+process on the whole batch, evaluated over cut sequences, and resumed inside the epoch at sp 2 and sp 1. The runs
+without sp are TRL's arithmetic on each rank (tests/integration/test_trl_numerics.py checks them against TRL in one
+process), so sp 2 equals one process on the same completions wherever TRL's dp does.
 """
 
 from __future__ import annotations
@@ -105,7 +106,13 @@ adds the chosen tokens' mean, per rank: TRL's DPO on two ranks differs from one 
 
 
 def _dpo(
-    folder: Path, world_size: int, sp: int | None, loss_type: list[str], resume: str | None = None, name: str = ""
+    folder: Path,
+    world_size: int,
+    sp: int | None,
+    loss_type: list[str],
+    resume: str | None = None,
+    name: str = "",
+    tiling: dict | None = None,
 ) -> dict[str, Any]:
     """DPO on 2 steps of 2 accumulated batches; sp None: TRL's own DPOTrainer in one process on the whole batch.
     `resume`: from that checkpoint folder; `name` "saving": a checkpoint after each step, "eval": evaluated after
@@ -141,6 +148,8 @@ def _dpo(
         config, cls = trl.DPOConfig(**values), trl.DPOTrainer
     else:
         zero = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        if tiling and sp > 1:
+            zero["sequence_tiling"] = tiling
         parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=sp) if sp > 1 else None
         cut_eval = name == "eval" and sp > 1
         config = ZeroDPOConfig(
@@ -174,6 +183,10 @@ def _value_exchanges(trainer: Any) -> int:
     return int(trainer.zero_engine.comm_stats().get("all_to_all_sequence_values", {}).get("calls", 0))
 
 
+TILED = {"mlp_tile_tokens": 2, "logits_tile_tokens": 3}
+"""MLPs and the LM head in tiles ([Note: tiling along the sequence]): the logits of 3 positions at a time."""
+
+
 def _runs(rank: int, world_size: int, folder: str, grpo: list[tuple[str, dict | None]], dpo: list) -> dict[str, Any]:
     from tests.helpers.dist import plain_torchrun_environment
 
@@ -186,7 +199,8 @@ def _runs(rank: int, world_size: int, folder: str, grpo: list[tuple[str, dict | 
     for index, loss_type in enumerate(dpo):
         for sp in (1, 2):
             name = "eval" if index == 0 else ""
-            out[("dpo", *loss_type, sp)] = _dpo(root, world_size, sp, loss_type, name=name)
+            tiling = grpo[0][1] if grpo else None  # the group's tiling, as its GRPO runs'
+            out[("dpo", *loss_type, sp)] = _dpo(root, world_size, sp, loss_type, name=name, tiling=tiling)
     if world_size == 2:  # resumed inside the epoch, at sp 2 and at sp 1, from a checkpoint saved at sp 2
         _dpo(root, world_size, 2, dpo[0], name="saving")
         checkpoint = str(root / f"dpo-{world_size}-2-{'-'.join(dpo[0])}saving" / "checkpoint-1")
@@ -219,7 +233,7 @@ def _compare(ours: dict[str, Any], theirs: dict[str, Any], where: str, keys: tup
     ("world_size", "grpo", "dpo"),
     [
         pytest.param(2, [(loss_type, None) for loss_type in LOSS_TYPES], DPO_LOSS_TYPES, id="sp2"),
-        pytest.param(4, [("dapo", {"mlp_tile_tokens": 2})], [["sigmoid"]], id="sp2xdp2-tiled_mlp"),
+        pytest.param(4, [("dapo", TILED)], [["sigmoid"]], id="sp2xdp2-tiled"),
     ],
 )
 def test_grpo_and_dpo_under_sequence_parallelism_equal_them_without(

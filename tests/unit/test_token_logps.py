@@ -10,6 +10,7 @@ import torch
 
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
+from accelerate_zero.sequence.tiling import tiled_token_values
 from accelerate_zero.sequence.token_logps import sequence_parallel_token_values
 from tests.helpers.models import tiny_llama_config
 
@@ -37,7 +38,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, int]:
     return ids, mask, completion_mask.shape[1]
 
 
-def test_values_of_justified_rows_equal_the_fused_head_on_the_padded_batch() -> None:
+@pytest.mark.parametrize("tiled", [False, True], ids=["fused_head", "tiles_of_2"])
+def test_values_of_justified_rows_equal_the_fused_head_on_the_padded_batch(tiled: bool) -> None:
     model = _model()
     ids, mask, keep = _batch()
     labels = ids.masked_fill(mask == 0, -100)
@@ -51,6 +53,9 @@ def test_values_of_justified_rows_equal_the_fused_head_on_the_padded_batch() -> 
 
     def score(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         assert batch["position_ids"][:, 0].eq(0).all(), "each row starts at its first real token"
+        if tiled:  # the config's logits_tile_tokens: TRL's fields from tiles of 2 positions
+            labels = batch.pop("shift_labels")
+            return tiled_token_values(model, batch.pop("input_ids"), labels, 2, 0.7, **batch)
         out = model(**batch, fused_lm_head=True)
         return {"log_probs": out.log_probs, "entropy": out.entropy}
 

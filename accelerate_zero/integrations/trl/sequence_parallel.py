@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from accelerate_zero.sequence.loader import IGNORE_INDEX
+from accelerate_zero.sequence.tiling import tiled_token_values
 from accelerate_zero.sequence.token_logps import sequence_parallel_token_values
 from accelerate_zero.sequence.ulysses import register_ulysses_attention
 
@@ -118,8 +119,21 @@ class CutScoring:
         scored = labels != IGNORE_INDEX
         model = self.model
 
+        tile_tokens = accelerator._trained_engine().config.sequence_tiling.logits_tile_tokens
+        temperature = getattr(self.trainer, "temperature", 1.0)  # GRPO's; DPO scores at 1
+
         def score(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
             with accelerator.autocast():
+                if tile_tokens is not None:  # the config's tiles, where TRL's fused head chunks by 32K positions
+                    labels = batch.pop("shift_labels")
+                    return tiled_token_values(
+                        accelerator.unwrap_model(model),
+                        batch.pop("input_ids"),
+                        labels,
+                        tile_tokens,
+                        temperature,
+                        **batch,
+                    )
                 out = model(**batch, fused_lm_head=True)
             return {name: getattr(out, name, None) for name in FUSED_FIELDS}
 

@@ -134,7 +134,8 @@ class ZeroDPOConfig(ZeroArgumentsMixin, DPOConfig):
 
 class ZeroDPOTrainer(SequenceParallelDPOMixin, ZeroTRLMixin, DPOTrainer):
     """TRL's `DPOTrainer` on the ZeRO engine; the reference model stays sharded at stage 3 for the whole run. Under
-    sequence parallelism the chosen and rejected sequences are scored over cut sequences (`SequenceParallelDPOMixin`)."""
+    sequence parallelism the chosen and rejected sequences are scored over cut sequences
+    (`SequenceParallelDPOMixin`)."""
 
 
 # What sleeps while GRPO generates: everything but the parameters, which the policy (or the vLLM sync before it)
