@@ -5,6 +5,7 @@ ranks and the training it feeds are in tests/distributed/test_sequence_parallel_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -132,3 +133,24 @@ def test_grpo_config_keeps_sequence_parallelism_that_trl_refuses(tmp_path: Path)
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallelism_config=parallelism())
     args = ZeroGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallelism_config=parallelism())
     assert args.parallelism_config.sp_size == 2
+
+
+def test_sequence_parallel_evaluation_is_refused_where_it_is_not_honoured() -> None:
+    """Nothing accepted and ignored: the Trainer and ZeroSFTTrainer evaluate whole sequences, and without sp nothing
+    is cut; ZeroGRPOTrainer/ZeroDPOTrainer honour it (tests/distributed/test_sequence_parallel_rl.py)."""
+    from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
+    from accelerate_zero.integrations.trl.sequence_parallel import SequenceParallelTRLMixin
+
+    def trainer(base: type, sp: int, asked: bool = True) -> Any:
+        fields = {
+            "args": type("Args", (), {"sequence_parallel_evaluation": asked})(),
+            "accelerator": type("Accelerator", (), {"sequence_parallel_size": sp})(),
+        }
+        return type(base.__name__ + "Like", (base,), fields)()
+
+    with pytest.raises(ValueError, match="sequence_parallel_evaluation=True with ZeroTrainerMixinLike: it evaluates"):
+        trainer(ZeroTrainerMixin, 2)._check_sequence_parallel_evaluation()
+    with pytest.raises(ValueError, match="without sequence parallelism: nothing is cut"):
+        trainer(type("RL", (SequenceParallelTRLMixin, ZeroTrainerMixin), {}), 1)._check_sequence_parallel_evaluation()
+    trainer(type("RL", (SequenceParallelTRLMixin, ZeroTrainerMixin), {}), 2)._check_sequence_parallel_evaluation()
+    trainer(ZeroTrainerMixin, 2, asked=False)._check_sequence_parallel_evaluation()
