@@ -54,7 +54,7 @@ def _row(length: int, rank: int) -> tuple:  # noqa: ANN401
 def _scorer(model, tiled: bool):  # noqa: ANN001, ANN202
     import torch
 
-    from accelerate_zero.sequence.tiling import tiled_token_values
+    from accelerate_zero.sequence.tiled_values import tiled_token_values
 
     def score(batch: dict) -> dict:
         labels = batch.pop("shift_labels")

@@ -91,6 +91,9 @@ class _TiledLossRequest:
     def __init__(self, labels: torch.Tensor, num_items: torch.Tensor | int, tile_tokens: int) -> None:
         self.labels, self.num_items, self.tile_tokens = labels, num_items, tile_tokens
 
+    def apply(self, hidden: torch.Tensor, weight: torch.Tensor, head: torch.nn.Module) -> Any:
+        return _FusedTiledLoss.apply(hidden, weight, head, self)
+
 
 class _FusedTiledLoss(torch.autograd.Function):
     @staticmethod
@@ -141,12 +144,10 @@ def _fuse_head(head: torch.nn.Module) -> bool:
         return False
     whole = type(head).forward.__get__(head)
 
-    def forward(
-        self: torch.nn.Module, hidden: torch.Tensor, tiled_loss: _TiledLossRequest | None = None
-    ) -> torch.Tensor:
+    def forward(self: torch.nn.Module, hidden: torch.Tensor, tiled_loss: Any = None) -> torch.Tensor:
         if tiled_loss is None:
             return whole(hidden)
-        return _FusedTiledLoss.apply(hidden, self.weight, self, tiled_loss)
+        return tiled_loss.apply(hidden, self.weight, self)  # a `_TiledLossRequest`, or sequence/tiled_values.py's
 
     head.forward = types.MethodType(forward, head)
     head._accelerate_zero_fused = True
@@ -175,54 +176,3 @@ def tiled_causal_lm_loss(
         # as many (the same local length on every rank, as the sequence-parallel slices have).
         total = total + checkpoint(_tile_loss, head, hidden[:, piece], shift_labels[:, piece], use_reentrant=False)
     return total / num_items
-
-
-TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-"""What `tiled_token_values` gives per position (the per-token fields of TRL's fused LM head)."""
-
-
-def _tile_values(
-    head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, ...]:
-    logits = head(hidden).float() / temperature
-    logps = torch.log_softmax(logits, dim=-1)
-    valid = labels != IGNORE_INDEX
-    chosen = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    probs = logps.exp()
-    entropy = -(probs * logps).sum(-1)
-    fields = (chosen, entropy, torch.logsumexp(2 * logps, dim=-1), logits.mean(-1), logits.argmax(-1) == labels)
-    return tuple(field.masked_fill(~valid, 0) for field in fields)
-
-
-def tiled_token_values(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    shift_labels: torch.Tensor,
-    tile_tokens: int,
-    temperature: float = 1.0,
-    **model_kwargs: Any,
-) -> dict[str, torch.Tensor]:
-    """Per position, the values of its `shift_labels` token under `model` (a transformers causal LM; logits divided
-    by `temperature`): `TOKEN_FIELDS` by name, 0 where the label is -100, the LM head and the softmax run on tiles of
-    `tile_tokens` positions under activation checkpointing ([Note: tiling along the sequence]): the logits of more
-    than `tile_tokens` positions never exist, in forward or backward. `is_top1`, `mean_logits` and
-    `log_sum_sq_probs` carry no gradient use (TRL reads them as metrics).
-
-    Raises:
-        ValueError: the model's config scales or soft-caps its logits (not applied here).
-    """
-    config = getattr(model, "config", None)
-    scaled = {
-        key: getattr(config, key, None)
-        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
-        if getattr(config, key, None) not in (None, 1, 1.0)
-    }
-    if scaled:
-        raise ValueError(f"tiled token values apply no logit scaling or soft-capping; the model's config has {scaled}")
-    hidden = model.get_decoder()(input_ids=input_ids, **model_kwargs).last_hidden_state
-    head = model.get_output_embeddings()
-    parts = [
-        checkpoint(_tile_values, head, hidden[:, piece], shift_labels[:, piece], temperature, use_reentrant=False)
-        for piece in _tiles(hidden.shape[1], tile_tokens)
-    ]
-    return {name: torch.cat([part[i] for part in parts], dim=1) for i, name in enumerate(TOKEN_FIELDS)}

@@ -196,6 +196,8 @@ def _runs(rank: int, world_size: int, folder: str, grpo: list[tuple[str, dict | 
     for loss_type, tiling in grpo:
         for sp in (1, 2):
             out[(loss_type, sp)] = _grpo(root, world_size, sp, loss_type, tiling if sp > 1 else None)
+    if world_size == 2:  # tiling alone (sp 1): the one-rank group scores in tiles
+        out[("tiled", 1)] = _grpo(root, world_size, 1, grpo[0][0], TILED)
     for index, loss_type in enumerate(dpo):
         for sp in (1, 2):
             name = "eval" if index == 0 else ""
@@ -251,6 +253,8 @@ def test_grpo_and_dpo_under_sequence_parallelism_equal_them_without(
             assert ours["attention"].startswith("accelerate_zero_ulysses_"), "the reference model ran Ulysses"
             assert theirs["logs"][-1]["kl"] != 0.0, "the reference model's terms are compared"
             _compare(ours, theirs, f"rank {rank} GRPO {loss_type}")
+        if ("tiled", 1) in runs:
+            _compare(runs[("tiled", 1)], runs[(grpo[0][0], 1)], f"rank {rank} GRPO tiled at sp 1")
         for loss_type in dpo:
             ours, theirs = runs[("dpo", *loss_type, 2)], runs[("dpo", *loss_type, 1)]
             assert "all_to_all_sequence_values" in ours["traffic"]

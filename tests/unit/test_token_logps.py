@@ -10,7 +10,7 @@ import torch
 
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.sequence.tiling import tiled_token_values
+from accelerate_zero.sequence.tiled_values import tiled_token_values
 from accelerate_zero.sequence.token_logps import sequence_parallel_token_values
 from tests.helpers.models import tiny_llama_config
 
@@ -46,8 +46,10 @@ def test_values_of_justified_rows_equal_the_fused_head_on_the_padded_batch(tiled
     labels[:, :-keep] = -100
     weights = torch.randn(ids.shape[0], keep, generator=torch.Generator().manual_seed(1))
 
+    entropy_weights = torch.randn(ids.shape[0], keep, generator=torch.Generator().manual_seed(2))
     reference = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-    (reference.log_probs[:, -keep:] * weights).sum().backward()
+    # the entropy's gradient too: GRPO's entropy bonus back-propagates through it
+    (reference.log_probs[:, -keep:] * weights + reference.entropy[:, -keep:] * entropy_weights).sum().backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
@@ -67,6 +69,6 @@ def test_values_of_justified_rows_equal_the_fused_head_on_the_padded_batch(tiled
     assert torch.equal(logps[~scored], torch.zeros_like(logps[~scored])), "0 where nothing is scored, as TRL's"
     assert (logps - reference.log_probs[:, -keep:]).abs().max().item() <= 1e-5
     assert (entropy - reference.entropy[:, -keep:]).abs().max().item() <= 1e-5
-    (logps * weights).sum().backward()
+    (logps * weights + entropy * entropy_weights).sum().backward()
     for name, param in model.named_parameters():
         assert (param.grad - expected_grads[name]).abs().max().item() <= 1e-5, name

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from accelerate_zero.sequence.loader import IGNORE_INDEX
-from accelerate_zero.sequence.tiling import tiled_token_values
+from accelerate_zero.sequence.tiled_values import tiled_token_values
 from accelerate_zero.sequence.token_logps import sequence_parallel_token_values
 from accelerate_zero.sequence.ulysses import register_ulysses_attention
 
@@ -137,16 +137,17 @@ class CutScoring:
                 out = model(**batch, fused_lm_head=True)
             return {name: getattr(out, name, None) for name in FUSED_FIELDS}
 
-        if not model.training and _has_dropout(self.trainer.accelerator.unwrap_model(model)):
+        ulysses = accelerator.sequence_parallel_size > 1  # at sp 1 (tiling alone) nothing is exchanged
+        if ulysses and not model.training and _has_dropout(accelerator.unwrap_model(model)):
             raise ValueError(
                 f"{type(self.trainer).__name__} with sequence_parallel_size={accelerator.sequence_parallel_size}: a "
                 "model not training (the reference model, or the policy evaluating) is scored over cut sequences in "
                 "training mode (its Ulysses attention on), and it has dropout: set disable_dropout=True in the config"
             )
-        if not self.trainer._is_trained_policy(model):
+        if ulysses and not self.trainer._is_trained_policy(model):
             self.trainer._ulysses_on(model)
         group, stats = accelerator._sequence_group()
-        with training_mode(model):
+        with training_mode(model) if ulysses else contextlib.nullcontext():
             values = sequence_parallel_token_values(score, input_ids, attention_mask, scored, group, stats)
         # TRL's fused head: position t holds the value for the token at t + 1
         fields = {name: None if value is None else value[:, 1:] for name, value in values.items()}
@@ -163,9 +164,10 @@ class SequenceParallelTRLMixin:
     evaluates_over_cut_sequences = True
 
     def _cuts_for_scoring(self) -> bool:
-        """While the policy trains, or while it evaluates with `sequence_parallel_evaluation`."""
+        """Under sp or `sequence_tiling` (at sp 1: a one-rank group, the tiles alone), while the policy trains, or
+        while it evaluates with `sequence_parallel_evaluation`."""
         asked = self.model.training or getattr(self.args, "sequence_parallel_evaluation", False)
-        return self.accelerator.sequence_parallel_size > 1 and asked
+        return self.accelerator.cuts_sequences and asked
 
     def _is_trained_policy(self, model: Any) -> bool:
         return model is self.model or model is self.model_wrapped
