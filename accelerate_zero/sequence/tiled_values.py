@@ -28,11 +28,19 @@ TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_t
 
 
 def _tile_values(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    logps = torch.log_softmax(logits, dim=-1)
+    # in place where autograd allows it (inside the fused function's forward, no graph is recorded): a tile's
+    # vocabulary-wide temporaries are what a tiled step's peak is made of
     valid = labels != IGNORE_INDEX
+    mean, top1 = logits.mean(-1), logits.argmax(-1) == labels
+    logps = torch.log_softmax(logits, dim=-1)
     chosen = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    entropy = -(logps.exp() * logps).sum(-1)
-    fields = (chosen, entropy, torch.logsumexp(2 * logps, dim=-1), logits.mean(-1), logits.argmax(-1) == labels)
+    if torch.is_grad_enabled():
+        entropy = -(logps.exp() * logps).sum(-1)
+        squares = torch.logsumexp(2 * logps, dim=-1)
+    else:
+        entropy = -(logps.exp().mul_(logps)).sum(-1)
+        squares = torch.logsumexp(logps.mul_(2), dim=-1)
+    fields = (chosen, entropy, squares, mean, top1)
     return tuple(field.masked_fill(~valid, 0) for field in fields)
 
 
@@ -59,8 +67,9 @@ class _FusedTokenValues(torch.autograd.Function):
         ctx.save_for_backward(hidden, request.labels)
         parts = []
         for piece in _tiles(hidden.shape[1], request.tile_tokens):
-            logits = torch.nn.functional.linear(hidden[:, piece], weight).float() / request.temperature
+            logits = torch.nn.functional.linear(hidden[:, piece], weight).float().div_(request.temperature)
             parts.append(_tile_values(logits, request.labels[:, piece]))
+            del logits
         out = tuple(torch.cat([part[i] for part in parts], dim=1) for i in range(len(TOKEN_FIELDS)))
         ctx.mark_non_differentiable(*out[2:])
         return out
@@ -75,15 +84,17 @@ class _FusedTokenValues(torch.autograd.Function):
             h = hidden[:, piece].reshape(-1, hidden.shape[-1])
             target = labels[:, piece].reshape(-1)
             valid = (target != IGNORE_INDEX).unsqueeze(1).float()
-            logps = torch.log_softmax(torch.nn.functional.linear(h, weight).float() / ctx.temperature, dim=-1)
+            logps = torch.log_softmax(torch.nn.functional.linear(h, weight).float().div_(ctx.temperature), dim=-1)
             probs = logps.exp()
             g_logp = grad_logps[:, piece].reshape(-1, 1).float() * valid
             g_ent = grad_entropy[:, piece].reshape(-1, 1).float() * valid
-            # d logp_label / d z = onehot - p;  d H / d z = -p (log p + H)
-            entropy = -(probs * logps).sum(-1, keepdim=True)
-            dlogits = -probs * g_logp - probs * (logps + entropy) * g_ent
+            # d logp_label / d z = onehot - p;  d H / d z = -p (log p + H); in place: three vocabulary-wide tensors
+            entropy = -torch.einsum("tv,tv->t", probs, logps).unsqueeze(1)
+            dlogits = logps.add_(entropy).mul_(probs).mul_(-g_ent)
+            dlogits.sub_(probs.mul_(g_logp))
+            del probs
             dlogits.scatter_add_(1, target.clamp(min=0).unsqueeze(1), g_logp)
-            dlogits /= ctx.temperature
+            dlogits.div_(ctx.temperature)
             grad_hidden[:, piece] = (dlogits.to(weight.dtype) @ weight).reshape(grad_hidden[:, piece].shape)
             grad_weight.addmm_(dlogits.t(), h.float())
         return grad_hidden, grad_weight.to(weight.dtype), None, None
