@@ -91,6 +91,9 @@ class _TiledLossRequest:
     def __init__(self, labels: torch.Tensor, num_items: torch.Tensor | int, tile_tokens: int) -> None:
         self.labels, self.num_items, self.tile_tokens = labels, num_items, tile_tokens
 
+    def apply(self, hidden: torch.Tensor, weight: torch.Tensor, head: torch.nn.Module) -> Any:
+        return _FusedTiledLoss.apply(hidden, weight, head, self)
+
 
 class _FusedTiledLoss(torch.autograd.Function):
     @staticmethod
@@ -141,12 +144,10 @@ def _fuse_head(head: torch.nn.Module) -> bool:
         return False
     whole = type(head).forward.__get__(head)
 
-    def forward(
-        self: torch.nn.Module, hidden: torch.Tensor, tiled_loss: _TiledLossRequest | None = None
-    ) -> torch.Tensor:
+    def forward(self: torch.nn.Module, hidden: torch.Tensor, tiled_loss: Any = None) -> torch.Tensor:
         if tiled_loss is None:
             return whole(hidden)
-        return _FusedTiledLoss.apply(hidden, self.weight, self, tiled_loss)
+        return tiled_loss.apply(hidden, self.weight, self)  # a `_TiledLossRequest`, or sequence/tiled_values.py's
 
     head.forward = types.MethodType(forward, head)
     head._accelerate_zero_fused = True

@@ -4,6 +4,9 @@ ranks and the training it feeds are in tests/distributed/test_sequence_parallel_
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -116,19 +119,38 @@ def test_skipping_drops_micro_batches_from_the_first_pass_only() -> None:
     assert [piece["input_ids"].shape[1] for piece in loader] == [2, 3, 4]
 
 
-def test_trl_trainers_whose_loss_needs_whole_sequences_refuse_sequence_parallelism() -> None:
-    from accelerate_zero.integrations.trl.trainers import ZeroDPOTrainer, ZeroGRPOTrainer, refuse_sequence_parallel
+def test_grpo_config_keeps_sequence_parallelism_that_trl_refuses(tmp_path: Path) -> None:
+    """TRL's GRPOConfig refuses sp_size > 1; ours keeps it for the trainer ([Note: GRPO under sequence parallelism])."""
+    from accelerate import ParallelismConfig
+    from trl import GRPOConfig
 
-    class OneRankPerSequence:
-        accelerator = type("Accelerator", (), {"cuts_sequences": False, "sequence_parallel_size": 1})()
+    from accelerate_zero.integrations.trl import ZeroGRPOConfig
 
-    class TwoRanksPerSequence:
-        accelerator = type("Accelerator", (), {"cuts_sequences": True, "sequence_parallel_size": 2})()
+    def parallelism() -> ParallelismConfig:
+        return ParallelismConfig(sp_backend="deepspeed", sp_size=2)
 
-    refuse_sequence_parallel(OneRankPerSequence(), "why")
-    with pytest.raises(ValueError, match=r"TwoRanksPerSequence with sequence_parallel_size=2 .*: DPO needs"):
-        refuse_sequence_parallel(TwoRanksPerSequence(), "DPO needs")
-    import inspect
+    with pytest.raises(ValueError, match="sp_size"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallelism_config=parallelism())
+    args = ZeroGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallelism_config=parallelism())
+    assert args.parallelism_config.sp_size == 2
 
-    for trainer in (ZeroDPOTrainer, ZeroGRPOTrainer):
-        assert "refuse_sequence_parallel(self" in inspect.getsource(trainer.__init__), trainer
+
+def test_sequence_parallel_evaluation_is_refused_where_it_is_not_honoured() -> None:
+    """Nothing accepted and ignored: the Trainer and ZeroSFTTrainer evaluate whole sequences, and without sp nothing
+    is cut; ZeroGRPOTrainer/ZeroDPOTrainer honour it (tests/distributed/test_sequence_parallel_rl.py)."""
+    from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
+    from accelerate_zero.integrations.trl.sequence_parallel import SequenceParallelTRLMixin
+
+    def trainer(base: type, sp: int, asked: bool = True) -> Any:
+        fields = {
+            "args": type("Args", (), {"sequence_parallel_evaluation": asked})(),
+            "accelerator": type("Accelerator", (), {"sequence_parallel_size": sp})(),
+        }
+        return type(base.__name__ + "Like", (base,), fields)()
+
+    with pytest.raises(ValueError, match="sequence_parallel_evaluation=True with ZeroTrainerMixinLike: it evaluates"):
+        trainer(ZeroTrainerMixin, 2)._check_sequence_parallel_evaluation()
+    with pytest.raises(ValueError, match="without sequence parallelism: nothing is cut"):
+        trainer(type("RL", (SequenceParallelTRLMixin, ZeroTrainerMixin), {}), 1)._check_sequence_parallel_evaluation()
+    trainer(type("RL", (SequenceParallelTRLMixin, ZeroTrainerMixin), {}), 2)._check_sequence_parallel_evaluation()
+    trainer(ZeroTrainerMixin, 2, asked=False)._check_sequence_parallel_evaluation()

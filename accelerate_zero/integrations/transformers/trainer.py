@@ -85,6 +85,7 @@ class ZeroTrainerMixin:
             self.gather_function = functools.partial(
                 self.gather_function, use_gather_object=self.args.eval_use_gather_object
             )
+        self._check_sequence_parallel_evaluation()
         if self.args.zero_stage == 3 and self.args.auto_find_batch_size:
             raise ValueError(
                 "`auto_find_batch_size` isn't supported with ZeRO stage 3 (as with DeepSpeed ZeRO-3). Please use "
@@ -92,6 +93,23 @@ class ZeroTrainerMixin:
             )
         if self.args.save_only_model and self.args.load_best_model_at_end:
             raise ValueError("ZeRO can't be used with `save_only_model` along with `load_best_model_at_end`.")
+
+    evaluates_over_cut_sequences = False
+    """Whether `sequence_parallel_evaluation` is honoured (the TRL trainers that score sequences: GRPO, DPO)."""
+
+    def _check_sequence_parallel_evaluation(self) -> None:
+        if not getattr(self.args, "sequence_parallel_evaluation", False):
+            return
+        if not self.evaluates_over_cut_sequences:
+            raise ValueError(
+                f"sequence_parallel_evaluation=True with {type(self).__name__}: it evaluates whole sequences on each "
+                "rank; set it to False (ZeroGRPOTrainer and ZeroDPOTrainer evaluate over cut sequences)"
+            )
+        if self.accelerator.sequence_parallel_size <= 1:
+            raise ValueError(
+                "sequence_parallel_evaluation=True without sequence parallelism: nothing is cut; turn it on "
+                "(ParallelismConfig sp_size, or sequence_parallel_size in the ZeRO config) or set it to False"
+            )
 
     def _hp_search_setup(self, trial: Any) -> None:
         """A hyperparameter-search trial sets its values on the arguments and builds a new accelerator (as

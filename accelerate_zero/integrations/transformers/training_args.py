@@ -47,6 +47,18 @@ class ZeroArgumentsMixin:
         },
     )
 
+    sequence_parallel_evaluation: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Evaluate and predict over cut sequences too, under sequence parallelism: ZeroGRPOTrainer and "
+                "ZeroDPOTrainer then score their evaluation sequences across the sequence-parallel group as in training "
+                "(eval_loss and metrics as without sp); False: each rank evaluates its own whole sequences. The "
+                "Trainer and ZeroSFTTrainer evaluate whole sequences and refuse it."
+            )
+        },
+    )
+
     sequence_parallel_loss_normalization: str = field(
         default=LossNormalization.ACCUMULATED_TOKENS.value,
         metadata={

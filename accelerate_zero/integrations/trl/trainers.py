@@ -29,8 +29,10 @@ from trl.distributed import DistributedBackend
 from trl.generation.vllm_generation import VLLMGeneration
 
 from accelerate_zero.engine.gathered import GatheredParameters
+from accelerate_zero.integrations.accelerate.parallelism import parallelism_from_launch
 from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
+from accelerate_zero.integrations.trl.sequence_parallel import SequenceParallelDPOMixin, SequenceParallelGRPOMixin
 from accelerate_zero.sequence.loader import TOKEN_MASK
 
 
@@ -93,18 +95,6 @@ class ZeroTRLMixin(ZeroTrainerMixin):
             yield
 
 
-def refuse_sequence_parallel(trainer: ZeroTrainerMixin, why: str) -> None:
-    """Ulysses cuts each sequence across ranks and trains on the token loss; trainers whose loss needs whole
-    sequences refuse it by name instead of training on the wrong loss."""
-    if trainer.accelerator.cuts_sequences:
-        raise ValueError(
-            f"{type(trainer).__name__} with sequence_parallel_size={trainer.accelerator.sequence_parallel_size} (or "
-            "ParallelismConfig "
-            f"sp_size) or sequence_tiling: {why}, and the sequence path trains on the token loss of cut sequences; "
-            "use ZeroSFTTrainer or accelerate_zero.Trainer for long sequences, or neither setting here"
-        )
-
-
 @dataclass
 class ZeroSFTConfig(ZeroArgumentsMixin, SFTConfig):
     """TRL's `SFTConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`)."""
@@ -142,12 +132,10 @@ class ZeroDPOConfig(ZeroArgumentsMixin, DPOConfig):
     """TRL's `DPOConfig` with `zero_config` (see `accelerate_zero.TrainingArguments`)."""
 
 
-class ZeroDPOTrainer(ZeroTRLMixin, DPOTrainer):
-    """TRL's `DPOTrainer` on the ZeRO engine; the reference model stays sharded at stage 3 for the whole run."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        refuse_sequence_parallel(self, "DPO's loss compares whole sequences' log-probabilities")
+class ZeroDPOTrainer(SequenceParallelDPOMixin, ZeroTRLMixin, DPOTrainer):
+    """TRL's `DPOTrainer` on the ZeRO engine; the reference model stays sharded at stage 3 for the whole run. Under
+    sequence parallelism the chosen and rejected sequences are scored over cut sequences
+    (`SequenceParallelDPOMixin`)."""
 
 
 # What sleeps while GRPO generates: everything but the parameters, which the policy (or the vLLM sync before it)
@@ -171,15 +159,30 @@ class ZeroGRPOConfig(ZeroArgumentsMixin, GRPOConfig):
         },
     )
 
+    def __post_init__(self) -> None:
+        # TRL's GRPOConfig refuses sp_size > 1 (it cannot cut a generation batch); ours cuts the scoring instead
+        # ([Note: GRPO under sequence parallelism]): TRL's check sees no sequence dimension, the config keeps it.
+        from accelerate.parallelism_config import ParallelismConfig
 
-class ZeroGRPOTrainer(ZeroTRLMixin, GRPOTrainer):
+        if self.parallelism_config is None:
+            self.parallelism_config = parallelism_from_launch()
+        kept = self.parallelism_config
+        if kept is not None and kept.sp_enabled and not kept.cp_enabled:
+            self.parallelism_config = ParallelismConfig()
+        try:
+            super().__post_init__()
+        finally:
+            self.parallelism_config = kept
+
+
+class ZeroGRPOTrainer(SequenceParallelGRPOMixin, ZeroTRLMixin, GRPOTrainer):
     """TRL's `GRPOTrainer` on the ZeRO engine: generation gathers the policy once per call at stage 3 (TRL's
     `ds3_gather_for_generation`, default true); the reference model stays sharded; with vLLM, weights reach it
-    streamed unit by unit (`ZeroVLLMGeneration`)."""
+    streamed unit by unit (`ZeroVLLMGeneration`); under sequence parallelism the log-probabilities are computed over
+    cut sequences ([Note: GRPO under sequence parallelism] in integrations/trl/sequence_parallel.py)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        refuse_sequence_parallel(self, "GRPO generates and scores whole completions")
         if getattr(self, "vllm_generation", None) is not None:
             use_zero_weight_sync(self.vllm_generation, self.accelerator, lambda: self.zero_engine)
 
