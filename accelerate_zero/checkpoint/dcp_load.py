@@ -28,7 +28,7 @@ from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange,
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from accelerate_zero.checkpoint.engine_io import ZeroEngine
+    from accelerate_zero.checkpoint.engine_view import ZeroEngine
 
 
 _MODEL_PREFIXES = ("model.", "")

@@ -29,7 +29,7 @@ from accelerate_zero.engine import collectives
 
 
 if TYPE_CHECKING:
-    from accelerate_zero.checkpoint.engine_io import ZeroEngine
+    from accelerate_zero.checkpoint.engine_view import ZeroEngine
     from accelerate_zero.engine.checkpoint_state import CheckpointState
 
 

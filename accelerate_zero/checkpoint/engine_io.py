@@ -23,7 +23,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -32,6 +32,7 @@ from accelerate_zero.checkpoint import async_save as async_save_io
 from accelerate_zero.checkpoint import dcp_read, rank_parts
 from accelerate_zero.checkpoint.dcp_load import load_dcp
 from accelerate_zero.checkpoint.dcp_save import save_dcp
+from accelerate_zero.checkpoint.engine_view import ZeroEngine
 from accelerate_zero.checkpoint.fragments import Fragment, persistent_buffers, range_fragments, whole_key
 from accelerate_zero.checkpoint.frozen import check_frozen, frozen_fingerprints, frozen_names
 from accelerate_zero.checkpoint.io import (
@@ -49,29 +50,7 @@ from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange,
 
 
 if TYPE_CHECKING:
-    from accelerate_zero.config import ZeroConfig
-    from accelerate_zero.engine.collectives import CommStats
-    from accelerate_zero.engine.groups import DataParallelGroup
-    from accelerate_zero.engine.layout import ShardingLayout
-
-
-class ZeroEngine(Protocol):
-    """What saving and loading use of an engine: its group and config, and the contract of
-    engine/checkpoint_state.py (engine.py implements it, and calls this module: typed here so that this module does
-    not import the engine back)."""
-
-    config: ZeroConfig
-    dp: DataParallelGroup
-    """The ranks one copy of the state is partitioned over: one rank file each."""
-    layout: ShardingLayout
-    device: torch.device
-    comm_stats_counter: CommStats
-    stage: int
-    lr_scheduler: Any
-
-    def checkpoint_state(self) -> CheckpointState: ...
-
-    def zero_grad(self) -> None: ...
+    pass
 
 
 __all__ = ["FORMAT", "load_engine", "save_engine"]
