@@ -15,12 +15,10 @@ once, with the same gradient, coefficient and per-parameter state, and per-eleme
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
 from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.stores import StepsInMemory
 
 
 if TYPE_CHECKING:
@@ -48,11 +46,12 @@ def cut_chunks(slices_by_group: list[list[ShardSlice]], chunk_numel: int) -> lis
     return chunks
 
 
-class PipelinedHostStep:
-    """A `StepRunner` (engine/stores.py) for masters in host memory ([Note: the pipelined host step])."""
+class PipelinedHostStep(StepsInMemory):
+    """A `StepRunner` (engine/stores.py) for masters in host memory ([Note: the pipelined host step]): held in
+    memory like `StepsInMemory`'s, stepped chunk by chunk."""
 
     def __init__(self, slices_by_group: list[list[ShardSlice]], sub_group_size: int) -> None:
-        self.slices = [s for group in slices_by_group for s in group]
+        super().__init__([s for group in slices_by_group for s in group])
         self.chunks = cut_chunks(slices_by_group, max(1, min(sub_group_size, CHUNK_NUMEL)))
 
     def step(self, sharded: SliceStepper, coefficient: float) -> None:
@@ -70,12 +69,3 @@ class PipelinedHostStep:
         finally:
             for group, params in zip(groups, every, strict=True):
                 group["params"] = params
-
-    def each_resident(self, optimizer: torch.optim.Optimizer, write_back: bool) -> Iterator[list[ShardSlice]]:
-        yield self.slices
-
-    def file_bytes(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
