@@ -211,17 +211,15 @@ def _trainer_kwargs(folder: str, sp: int | None, **overrides: Any) -> dict[str, 
 
     from tests.integration import trainer_checks as checks
 
-    kwargs = checks.args_kwargs(
-        folder,
-        MICRO,
-        gradient_accumulation_steps=TRAINER_ACCUMULATION,
-        max_steps=-1,
-        num_train_epochs=1,  # the Trainer counts an epoch's steps from the cut loader's length
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        **overrides,
-    )
+    values = {
+        "gradient_accumulation_steps": TRAINER_ACCUMULATION,
+        "max_steps": -1,
+        "num_train_epochs": 1,  # the Trainer counts an epoch's steps from the cut loader's length
+        "learning_rate": LR,
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": 0.0,
+    }
+    kwargs = checks.args_kwargs(folder, MICRO, **{**values, **overrides})
     if sp is not None:
         kwargs["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=sp)
         kwargs["zero_config"] = {
@@ -238,8 +236,9 @@ def _trainer_data(world_size: int) -> list[dict[str, torch.Tensor]]:
     return _samples(MICRO * TRAINER_ACCUMULATION * TRAINER_STEPS)
 
 
-def _train(folder: str, sp: int | None, trl: bool, data: list, **overrides: Any) -> Any:
-    """Builds and trains the Trainer (ours with sp, else transformers' or TRL's own in one process)."""
+def _train(folder: str, sp: int | None, trl: bool, data: list, resume: str | None = None, **overrides: Any) -> Any:
+    """Builds and trains the Trainer (ours with sp, else transformers' or TRL's own in one process), from the
+    checkpoint `resume` if given."""
     collator = RecordingCollator()
     model = _model()
     if trl:
@@ -268,7 +267,7 @@ def _train(folder: str, sp: int | None, trl: bool, data: list, **overrides: Any)
         model.eval()  # as `from_pretrained` gives it: the Trainer reads batches before `training_step` trains it
         args = TrainingArguments(**_trainer_kwargs(folder, sp, **overrides))
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.recorded = list(collator.seen)  # the training batches only (evaluation collates more)
     return trainer
 
@@ -299,21 +298,70 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
     }
     alst = _train(f"{folder}/alst", sp, trl, data, sequence_parallel_loss_normalization="deepspeed_alst")
     out["alst_params"] = _gathered(alst.model)
+    out.update(_evaluated_over_cut_sequences(trainer, trl, data))
+    # resumed inside the epoch: a checkpoint after the first of its 4 steps, then the 3 others from it
+    _train(f"{folder}/resume", sp, trl, data, max_steps=1, save_strategy="steps", save_steps=1)
+    resumed = _train(f"{folder}/resumed", sp, trl, data, resume=CHECKPOINT.format(folder=folder))
+    out.update(resumed_params=_gathered(resumed.model), resumed_logs=_logged(resumed))
     if not trl:
         out["refused"] = _refusals(_trainer_kwargs(folder, sp), data, RecordingCollator(), folder)
     return out
 
 
+def _evaluation_set(trainer: Any, trl: bool, data: list) -> Any:
+    """Samples of uneven lengths (6 to 13 tokens), each batch right-padded to its longest: 2 batches per rank at
+    world size 2, 4 in one process."""
+    return trainer.train_dataset.select(range(4 * MICRO)) if trl else data[: 4 * MICRO]
+
+
+def _evaluated_over_cut_sequences(trainer: Any, trl: bool, data: list) -> dict[str, Any]:
+    """`sequence_parallel_evaluation=True`: eval_loss and predictions, and whether the group exchanged the cut
+    sequences for them (the Ulysses all-to-all, the logits gathered along the sequence)."""
+
+    def calls(kind: str) -> int:
+        return trainer.zero_engine.comm_stats().get(kind, {}).get("calls", 0)
+
+    trainer.args.sequence_parallel_evaluation = True
+    before = calls("all_to_all_sequence")
+    evaluated = trainer.evaluate(_evaluation_set(trainer, trl, data))["eval_loss"]
+    cut = calls("all_to_all_sequence") > before and calls("all_gather_sequence_logits") == 0
+    predicted = trainer.predict(_evaluation_set(trainer, trl, data))
+    trainer.args.sequence_parallel_evaluation = False
+    return {
+        "cut_eval_loss": evaluated,
+        "cut_eval_traffic": cut and calls("all_gather_sequence_logits") > 0,
+        "predictions": torch.as_tensor(predicted.predictions),  # numpy arrays do not pass between processes
+        "label_ids": torch.as_tensor(predicted.label_ids),
+    }
+
+
+CHECKPOINT = "{folder}/resume/checkpoint-1"  # saved at sp 2 after the first of the epoch's 4 steps
+
+
 def _one_process(rank: int, world_size: int, folder: str, trl: bool) -> dict[str, Any]:
-    """transformers' Trainer (or TRL's SFTTrainer) itself, in one process, on the same batches in the same order."""
+    """transformers' Trainer (or TRL's SFTTrainer) itself, in one process, on the same batches in the same order;
+    and ours at sp 1 resumed from the checkpoint the sp 2 run saved inside the epoch."""
     from tests.helpers.dist import plain_torchrun_environment
 
     plain_torchrun_environment()
     data = _trainer_data(2)
     trainer = _train(f"{folder}/one_process", None, trl, data)
     evaluated = trainer.evaluate(trainer.train_dataset.select([0] * 4) if trl else [data[0]] * 4)["eval_loss"]
+    whole = _evaluation_set(trainer, trl, data)
+    predicted = trainer.predict(whole)
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return {"params": params, "logs": _logged(trainer), "seen": trainer.recorded, "eval_loss": evaluated}
+    at_sp1 = _train(f"{folder}/resumed_sp1", 1, trl, data, resume=CHECKPOINT.format(folder=folder))
+    return {
+        "params": params,
+        "logs": _logged(trainer),
+        "seen": trainer.recorded,
+        "eval_loss": evaluated,
+        "uneven_eval_loss": trainer.evaluate(whole)["eval_loss"],
+        "predictions": torch.as_tensor(predicted.predictions),  # numpy arrays do not pass between processes
+        "label_ids": torch.as_tensor(predicted.label_ids),
+        "sp1_resumed_params": _gathered(at_sp1.model),
+        "sp1_resumed_logs": _logged(at_sp1),
+    }
 
 
 def _alst_reference(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -330,8 +378,7 @@ def _alst_reference(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, folder: str) -> dict[str, str]:
     """What the Trainer refuses by name under sequence parallelism instead of doing it wrong: a loss other than the
-    group's token mean, a normalisation no rule names, and a resume inside an epoch (its loader cannot be skipped
-    into); with ignore_data_skip that resume trains."""
+    group's token mean, a normalisation no rule names, and `sequence_parallel_evaluation` without sp."""
     from accelerate_zero import Trainer, TrainingArguments
 
     def error_of(run: Any) -> str:
@@ -351,15 +398,12 @@ def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, f
     out["rule_without_sp"] = error_of(
         Trainer(model=_model(), args=TrainingArguments(**plain), train_dataset=data).get_train_dataloader
     )
-    saving = {**kwargs, "output_dir": f"{folder}/resume", "max_steps": 1, "save_strategy": "steps", "save_steps": 1}
-    Trainer(model=_model(), args=TrainingArguments(**saving), train_dataset=data, data_collator=collator).train()
-    checkpoint = f"{folder}/resume/checkpoint-1"  # one step of an epoch of several
-    resumed = Trainer(model=_model(), args=TrainingArguments(**kwargs), train_dataset=data, data_collator=collator)
-    out["resume"] = error_of(lambda: resumed.train(resume_from_checkpoint=checkpoint))
-    skipping = {**kwargs, "ignore_data_skip": True}
-    resumed = Trainer(model=_model(), args=TrainingArguments(**skipping), train_dataset=data, data_collator=collator)
-    resumed.train(resume_from_checkpoint=checkpoint)
-    out["ignore_data_skip"] = f"global_step {resumed.state.global_step}"
+    uncut = {
+        **plain,
+        "sequence_parallel_loss_normalization": "accumulated_tokens",
+        "sequence_parallel_evaluation": True,
+    }
+    out["evaluation_without_sp"] = error_of(lambda: Trainer(model=_model(), args=TrainingArguments(**uncut)))
     return out
 
 
@@ -395,8 +439,7 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
                 "sequence_parallel_loss_normalization='deepspeed_alst' without sequence parallelism"
                 in (refused["rule_without_sp"])
             ), "an opt-in that cannot act is refused, not ignored"
-            assert "resuming at step 1, inside an epoch, with sequence_parallel_size=2" in refused["resume"]
-            assert refused["ignore_data_skip"] == f"global_step {TRAINER_STEPS}", "the resumed run trains to the end"
+            assert "sequence_parallel_evaluation=True without sequence parallelism" in refused["evaluation_without_sp"]
         alst = _alst_reference(reference["seen"])
         assert _error(result["alst_params"], alst) <= 1e-6 * max(1.0, moved), "the opt-in trains on ALST's rule"
         assert _error(alst, reference["params"]) > 0.3 * moved, "the two rules differ on these batches (64%)"
@@ -408,3 +451,28 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
         for ours, theirs in zip(result["logs"], reference["logs"], strict=True):
             assert ours.keys() == theirs.keys() and len(ours) == (4 if trl else 1), (ours, theirs)
             assert ours == pytest.approx(theirs, rel=1e-5), "logged loss (and TRL's metrics) as one process"
+        # evaluation over cut sequences: eval_loss and predictions as one process evaluating whole sequences
+        assert result["cut_eval_traffic"], "sequence_parallel_evaluation cut the sequences (and gathered the logits)"
+        assert result["cut_eval_loss"] == pytest.approx(reference["uneven_eval_loss"], abs=1e-6), "not x or / sp"
+        assert result["label_ids"].shape == reference["label_ids"].shape
+        assert torch.equal(result["label_ids"], reference["label_ids"]), "labels gathered whole, in order"
+        real = reference["label_ids"] != -100  # at padded positions the logits are nobody's prediction
+        error = (result["predictions"] - reference["predictions"])[real].abs().max().item()
+        assert result["predictions"].shape == reference["predictions"].shape and error <= 1e-5, "logits gathered whole"
+        # resumed inside the epoch at sp 2, and at sp 1 from the checkpoint saved at sp 2: as the run never stopped
+        assert _error(result["resumed_params"], reference["params"]) <= 1e-6 * max(1.0, moved)
+        _same_logs(_resumed(result["resumed_logs"]), _resumed(result["logs"]))
+    assert _error(reference["sp1_resumed_params"], reference["params"]) <= 1e-6 * max(1.0, moved)
+    _same_logs(_resumed(reference["sp1_resumed_logs"]), _resumed(reference["logs"]))
+
+
+def _same_logs(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> None:
+    assert len(ours) == len(theirs) == TRAINER_STEPS - 1
+    for mine, other in zip(ours, theirs, strict=True):
+        assert mine == pytest.approx(other, rel=1e-5)
+
+
+def _resumed(logs: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The logs of the steps after the checkpoint (the resumed run's history holds the first step's from it), but
+    TRL's `num_tokens`: TRL counts the tokens a process has seen, and a resumed process starts again from 0."""
+    return [{k: v for k, v in log.items() if k != "num_tokens"} for log in logs[1:]]

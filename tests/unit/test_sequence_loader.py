@@ -135,9 +135,10 @@ def test_grpo_config_keeps_sequence_parallelism_that_trl_refuses(tmp_path: Path)
     assert args.parallelism_config.sp_size == 2
 
 
-def test_sequence_parallel_evaluation_is_refused_where_it_is_not_honoured() -> None:
-    """Nothing accepted and ignored: the Trainer and ZeroSFTTrainer evaluate whole sequences, and without sp nothing
-    is cut; ZeroGRPOTrainer/ZeroDPOTrainer honour it (tests/distributed/test_sequence_parallel_rl.py)."""
+def test_sequence_parallel_evaluation_is_refused_where_it_cannot_act() -> None:
+    """Nothing accepted and ignored: without sp nothing is cut. The Trainer and ZeroSFTTrainer cut each evaluation
+    batch in `prediction_step` (tests/distributed/test_sequence_parallel_loops.py); ZeroGRPOTrainer/ZeroDPOTrainer cut
+    inside their scoring instead (tests/distributed/test_sequence_parallel_rl.py)."""
     from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
     from accelerate_zero.integrations.trl.sequence_parallel import SequenceParallelTRLMixin
 
@@ -148,9 +149,12 @@ def test_sequence_parallel_evaluation_is_refused_where_it_is_not_honoured() -> N
         }
         return type(base.__name__ + "Like", (base,), fields)()
 
-    with pytest.raises(ValueError, match="sequence_parallel_evaluation=True with ZeroTrainerMixinLike: it evaluates"):
-        trainer(ZeroTrainerMixin, 2)._check_sequence_parallel_evaluation()
-    with pytest.raises(ValueError, match="without sequence parallelism: nothing is cut"):
-        trainer(type("RL", (SequenceParallelTRLMixin, ZeroTrainerMixin), {}), 1)._check_sequence_parallel_evaluation()
-    trainer(type("RL", (SequenceParallelTRLMixin, ZeroTrainerMixin), {}), 2)._check_sequence_parallel_evaluation()
-    trainer(ZeroTrainerMixin, 2, asked=False)._check_sequence_parallel_evaluation()
+    rl = type("RL", (SequenceParallelTRLMixin, ZeroTrainerMixin), {})
+    for base in (ZeroTrainerMixin, rl):
+        with pytest.raises(ValueError, match="without sequence parallelism: nothing is cut"):
+            trainer(base, 1)._check_sequence_parallel_evaluation()
+        trainer(base, 2)._check_sequence_parallel_evaluation()
+        trainer(base, 1, asked=False)._check_sequence_parallel_evaluation()
+    assert trainer(ZeroTrainerMixin, 2)._cuts_evaluation_batches()
+    assert not trainer(ZeroTrainerMixin, 2, asked=False)._cuts_evaluation_batches()
+    assert not trainer(rl, 2)._cuts_evaluation_batches(), "TRL's scoring cuts; its batches pass whole"

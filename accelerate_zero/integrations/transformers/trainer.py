@@ -38,6 +38,7 @@ from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
 from accelerate_zero.integrations.transformers.checkpoint_files import verify_manifest, write_manifest
+from accelerate_zero.integrations.transformers.sequence_steps import SequenceParallelStepsMixin
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
 from accelerate_zero.sequence.loader import TOKEN_MASK
 from accelerate_zero.sequence.normalization import LossNormalization
@@ -50,7 +51,7 @@ SCHEDULER_NAME = "scheduler.pt"
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 
 
-class ZeroTrainerMixin:
+class ZeroTrainerMixin(SequenceParallelStepsMixin):
     """Makes a `transformers.Trainer` subclass train with the ZeRO engine: `class MyTrainer(ZeroTrainerMixin, SFTTrainer)`.
 
     The arguments must carry a ZeRO config: `accelerate_zero.TrainingArguments` (or any `TrainingArguments`
@@ -94,23 +95,6 @@ class ZeroTrainerMixin:
         if self.args.save_only_model and self.args.load_best_model_at_end:
             raise ValueError("ZeRO can't be used with `save_only_model` along with `load_best_model_at_end`.")
 
-    evaluates_over_cut_sequences = False
-    """Whether `sequence_parallel_evaluation` is honoured (the TRL trainers that score sequences: GRPO, DPO)."""
-
-    def _check_sequence_parallel_evaluation(self) -> None:
-        if not getattr(self.args, "sequence_parallel_evaluation", False):
-            return
-        if not self.evaluates_over_cut_sequences:
-            raise ValueError(
-                f"sequence_parallel_evaluation=True with {type(self).__name__}: it evaluates whole sequences on each "
-                "rank; set it to False (ZeroGRPOTrainer and ZeroDPOTrainer evaluate over cut sequences)"
-            )
-        if self.accelerator.sequence_parallel_size <= 1:
-            raise ValueError(
-                "sequence_parallel_evaluation=True without sequence parallelism: nothing is cut; turn it on "
-                "(ParallelismConfig sp_size, or sequence_parallel_size in the ZeRO config) or set it to False"
-            )
-
     def _hp_search_setup(self, trial: Any) -> None:
         """A hyperparameter-search trial sets its values on the arguments and builds a new accelerator (as
         transformers rebuilds its DeepSpeed config): the config's "auto" values are filled from the trial's."""
@@ -139,7 +123,8 @@ class ZeroTrainerMixin:
     # DeepSpeed's per-micro-batch rule instead ([Note: loss normalisation under sequence parallelism]).
     # `get_sp_size` is left at 1: transformers reads it where a DeepSpeed-adapted loader would not be counted yet
     # (our loader's length counts its micro-batches already) and to divide token counts (each rank's slices are
-    # disjoint, so ours count nothing twice; our evaluation batches are not cut).
+    # disjoint, so ours count nothing twice; evaluation's batches are whole on each rank even when
+    # `sequence_parallel_evaluation` cuts them inside `prediction_step`).
     def get_total_train_batch_size(self, args: Any) -> int:
         total = super().get_total_train_batch_size(args)  # type: ignore[misc]
         return total // self.accelerator.sequence_parallel_size  # a group's ranks share their batches
@@ -188,18 +173,6 @@ class ZeroTrainerMixin:
         return self.accelerator.sequence_parallel_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
-
-    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
-        if self.accelerator.cuts_sequences and steps_in_epoch > 0:
-            # transformers skips with accelerate's `skip_first_batches`, which would rebuild the loader uncut
-            raise ValueError(
-                f"resuming at step {self.state.global_step}, inside an epoch, with sequence_parallel_size="
-                f"{self.accelerator.sequence_parallel_size} (or sequence_tiling): the sequence-cut loader cannot be skipped into by the Trainer; pass "
-                "ignore_data_skip=True (the epoch restarts from its first batch), or resume from a checkpoint saved at "
-                "the end of an epoch"
-            )
-        return epochs_trained, steps_in_epoch
 
     @property
     def zero_engine(self) -> Any:

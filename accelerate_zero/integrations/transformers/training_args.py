@@ -51,10 +51,10 @@ class ZeroArgumentsMixin:
         default=False,
         metadata={
             "help": (
-                "Evaluate and predict over cut sequences too, under sequence parallelism: ZeroGRPOTrainer and "
-                "ZeroDPOTrainer then score their evaluation sequences across the sequence-parallel group as in training "
-                "(eval_loss and metrics as without sp); False: each rank evaluates its own whole sequences. The "
-                "Trainer and ZeroSFTTrainer evaluate whole sequences and refuse it."
+                "Evaluate and predict over cut sequences too, under sequence parallelism: each rank's evaluation "
+                "batch is scored across the sequence-parallel group as in training (the Trainer and ZeroSFTTrainer: "
+                "eval_loss and predictions as without sp; ZeroGRPOTrainer and ZeroDPOTrainer: their metrics too); "
+                "False: each rank evaluates its own whole sequences. Refused without sequence parallelism."
             )
         },
     )

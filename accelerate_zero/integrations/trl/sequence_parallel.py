@@ -28,31 +28,13 @@ from typing import Any
 import torch
 
 from accelerate_zero.sequence.loader import IGNORE_INDEX
+from accelerate_zero.sequence.model_mode import has_dropout, training_mode
 from accelerate_zero.sequence.tiled_values import tiled_token_values
 from accelerate_zero.sequence.token_logps import sequence_parallel_token_values
 from accelerate_zero.sequence.ulysses import register_ulysses_attention
 
 
 ULYSSES_PREFIX = "accelerate_zero_ulysses_"
-
-
-def _has_dropout(model: torch.nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    if config is not None and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
-        return True
-    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
-
-
-@contextlib.contextmanager
-def training_mode(model: torch.nn.Module) -> Iterator[None]:
-    """`model` in training mode (its Ulysses attention on), every module's own mode back after."""
-    modes = {module: module.training for module in model.modules()}
-    model.train()
-    try:
-        yield
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
 
 
 @contextlib.contextmanager
@@ -138,7 +120,7 @@ class CutScoring:
             return {name: getattr(out, name, None) for name in FUSED_FIELDS}
 
         ulysses = accelerator.sequence_parallel_size > 1  # at sp 1 (tiling alone) nothing is exchanged
-        if ulysses and not model.training and _has_dropout(accelerator.unwrap_model(model)):
+        if ulysses and not model.training and has_dropout(accelerator.unwrap_model(model)):
             raise ValueError(
                 f"{type(self.trainer).__name__} with sequence_parallel_size={accelerator.sequence_parallel_size}: a "
                 "model not training (the reference model, or the policy evaluating) is scored over cut sequences in "
@@ -161,7 +143,8 @@ class SequenceParallelTRLMixin:
     parallelism]): the loader, the total batch and the loss stay TRL's, and the models are scored through
     `CutScoring` while the policy trains (and evaluates, with `sequence_parallel_evaluation`)."""
 
-    evaluates_over_cut_sequences = True
+    def _cuts_evaluation_batches(self) -> bool:
+        return False  # TRL's evaluation scores its sequences through `CutScoring` (`_cuts_for_scoring`)
 
     def _cuts_for_scoring(self) -> bool:
         """Under sp or `sequence_tiling` (at sp 1: a one-rank group, the tiles alone), while the policy trains, or
@@ -189,11 +172,6 @@ class SequenceParallelTRLMixin:
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, **kwargs: Any) -> Any:
         return self._trl_class().compute_loss(self, model, inputs, return_outputs=return_outputs, **kwargs)
-
-    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        # TRL's loader is not cut: transformers skips into a resumed epoch as without sp (the Trainer's sequence path
-        # refuses that, its cut loader could not be skipped into)
-        return self._trl_class()._init_training_state(self, *args, **kwargs)
 
     def _trl_class(self) -> type:
         raise NotImplementedError
