@@ -170,6 +170,38 @@ def sequence_parallel_token_values(
     return out
 
 
+def check_same_calls(
+    rows: int, chunk: int | None, group: DataParallelGroup, stats: CommStats, device: torch.device, who: str
+) -> None:
+    """Raises on every rank of `group` when its members would score their rows in a different number of calls.
+
+    Each call of `sequence_parallel_token_values` is a collective of the whole group, so a rank scoring its `rows`
+    in more chunks than another would wait for it forever; the row counts may differ as long as the calls do not
+    (each call exchanges every member's own rows).
+
+    Args:
+        rows: this rank's rows.
+        chunk: the rows per call (TRL's `batch_size` chunking); None: all rows in one call.
+        who: names the caller in the error (the trainer's class).
+
+    Raises:
+        ValueError: on every rank of the group, naming each member's rows and calls and the fix.
+    """
+    calls = -(-rows // chunk) if chunk else int(rows > 0)
+    mine = torch.tensor([rows, calls], dtype=torch.long, device=device)
+    every = torch.empty(2 * group.world_size, dtype=torch.long, device=device)
+    collectives.all_gather(every, mine, group, stats, kind="all_gather_sequence_batch")
+    members = every.view(group.world_size, 2).tolist()
+    if len({member_calls for _, member_calls in members}) > 1:
+        raise ValueError(
+            f"{who} under sequence parallelism: the ranks of a sequence-parallel group hold {[r for r, _ in members]} "
+            f"rows, scored {chunk or 'all'} at a time: {[c for _, c in members]} calls, and each call needs every "
+            "rank of the group (the ranks would wait for one another forever); give every rank of the group as "
+            "many rows (the same per-device batch size; for evaluation, a dataset whose size is a multiple of the "
+            "number of processes x per_device_eval_batch_size), or let each rank score its rows in one call"
+        )
+
+
 def _score_member(score: Scorer, piece: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """`score` on one member's rows, under activation checkpointing while gradients are on: autograd keeps only the
     values, and backward recomputes this member's forward alone ([Note: per-token values under sequence

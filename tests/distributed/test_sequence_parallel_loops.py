@@ -378,7 +378,8 @@ def _alst_reference(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, folder: str) -> dict[str, str]:
     """What the Trainer refuses by name under sequence parallelism instead of doing it wrong: a loss other than the
-    group's token mean, a normalisation no rule names, and `sequence_parallel_evaluation` without sp."""
+    group's token mean, a normalisation no rule names, and `sequence_parallel_evaluation` without sp or before
+    training (the group and its attention are the training engine's)."""
     from accelerate_zero import Trainer, TrainingArguments
 
     def error_of(run: Any) -> str:
@@ -404,6 +405,9 @@ def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, f
         "sequence_parallel_evaluation": True,
     }
     out["evaluation_without_sp"] = error_of(lambda: Trainer(model=_model(), args=TrainingArguments(**uncut)))
+    early = {**kwargs, "sequence_parallel_evaluation": True}
+    untrained = Trainer(model=_model(), args=TrainingArguments(**early), data_collator=collator)
+    out["evaluation_before_training"] = error_of(lambda: untrained.evaluate(data[: 2 * MICRO]))
     return out
 
 
@@ -440,6 +444,7 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
                 in (refused["rule_without_sp"])
             ), "an opt-in that cannot act is refused, not ignored"
             assert "sequence_parallel_evaluation=True without sequence parallelism" in refused["evaluation_without_sp"]
+            assert "sequence_parallel_evaluation=True before training" in refused["evaluation_before_training"]
         alst = _alst_reference(reference["seen"])
         assert _error(result["alst_params"], alst) <= 1e-6 * max(1.0, moved), "the opt-in trains on ALST's rule"
         assert _error(alst, reference["params"]) > 0.3 * moved, "the two rules differ on these batches (64%)"

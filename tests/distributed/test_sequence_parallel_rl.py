@@ -29,8 +29,11 @@ pytest.importorskip("trl")
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "luspo", "cispo")
 """TRL's normalisations: the generation batch's tokens (dapo, TRL's default; cispo, with its own clipping), each
 sequence's mean (grpo), the micro-batch's tokens (bnpo) and the sequence-level ratio (luspo). dr_grpo, sapo and vespo
-differ from these only in per-token arithmetic that runs on whole values as without sp; each passed once by hand
-(tuple extended to all eight: 241 s on 2 shared cores, too long for the suite)."""
+differ from these only in per-token arithmetic that runs on whole values as without sp: they are checked on the
+trained model's last generation batch (`_after_training`; training all eight took 241 s on 2 shared cores)."""
+GRPO_ACCEPTED = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+"""Every `loss_type` the installed TRL's GRPOConfig names (`test_every_grpo_loss_type_is_checked` keeps this list
+TRL's)."""
 PER_RANK, ACCUMULATION, STEPS_PER_GENERATION, STEPS = 2, 2, 4, 2
 COMPARED = ("loss", "kl", "entropy", "reward", "completions/mean_length", "clip_ratio/region_mean")
 
@@ -97,7 +100,35 @@ def _grpo(folder: Path, world_size: int, sp: int, loss_type: str, tiling: dict |
         "params": _gathered(trainer.model),
         "traffic": sorted(trainer.zero_engine.comm_stats()),
         "attention": trainer.ref_model.config._attn_implementation,
+        **(_after_training(trainer, sp) if loss_type == LOSS_TYPES[0] else {}),
     }
+
+
+def _after_training(trainer: Any, sp: int) -> dict[str, Any]:
+    """On the trained policy and its last generation batch (old-policy ratios off 1, a reference model): the loss of
+    every token-level `loss_type` TRL accepts (luspo, sequence-level, is trained above); the per-token
+    log-probabilities of 1 row on even ranks and 2 on odd ones (uneven row counts in each group); at sp 2, those rows
+    scored one at a time (1 call against 2 over the group: refused on every rank instead of hanging)."""
+    trainer.model.train()
+    inputs = trainer._buffered_inputs[0]
+    losses = {}
+    with torch.no_grad():
+        for name in GRPO_ACCEPTED:
+            if name != "luspo":  # luspo needs importance_sampling_level="sequence": trained in its own run
+                trainer.loss_type = name
+                losses[name] = trainer.compute_loss(trainer.model, inputs).item()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    keep, rows = inputs["completion_ids"].shape[1], 1 + torch.distributed.get_rank() % 2
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids[:rows], mask[:rows], keep)[0]
+        refused = "nothing raised"
+        if sp > 1:
+            try:
+                trainer._get_per_token_logps_and_entropies(trainer.model, ids[:rows], mask[:rows], keep, batch_size=1)
+            except ValueError as error:
+                refused = str(error)
+    return {"losses": losses, "uneven_logps": logps, "uneven_calls": refused}
 
 
 DPO_LOSS_TYPES = (["sigmoid"], ["ipo", "sft"])
@@ -253,6 +284,12 @@ def test_grpo_and_dpo_under_sequence_parallelism_equal_them_without(
             assert ours["attention"].startswith("accelerate_zero_ulysses_"), "the reference model ran Ulysses"
             assert theirs["logs"][-1]["kl"] != 0.0, "the reference model's terms are compared"
             _compare(ours, theirs, f"rank {rank} GRPO {loss_type}")
+            if "losses" in theirs:  # every other loss type on the trained model, and uneven row counts
+                assert ours["losses"].keys() == set(GRPO_ACCEPTED) - {"luspo"}
+                assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-5), rank
+                assert ours["uneven_logps"].shape[0] == 1 + rank % 2
+                assert (ours["uneven_logps"] - theirs["uneven_logps"]).abs().max().item() <= 1e-5, rank
+                assert "hold [1, 2] rows, scored 1 at a time: [1, 2] calls" in ours["uneven_calls"], rank
         if ("tiled", 1) in runs:
             _compare(runs[("tiled", 1)], runs[(grpo[0][0], 1)], f"rank {rank} GRPO tiled at sp 1")
         for loss_type in dpo:
@@ -276,3 +313,16 @@ def test_grpo_and_dpo_under_sequence_parallelism_equal_them_without(
                 reference = one_process[("dpo", *loss_type)]
                 error = max((ours["params"][n] - p).abs().max().item() for n, p in reference["params"].items())
                 assert error <= 1e-5, (rank, loss_type, "against TRL in one process", error)
+
+
+def test_every_grpo_loss_type_is_checked() -> None:
+    """`GRPO_ACCEPTED` is the installed TRL's list (its GRPOConfig's help names them): a loss type TRL adds fails here
+    until it is checked under sp."""
+    import re
+
+    from trl import GRPOConfig
+
+    help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    named = help_text.split("Supported values are ", 1)[1].split(". ", 1)[0]
+    assert set(re.findall(r"'([a-z_]+)'", named)) == set(GRPO_ACCEPTED)
+    assert set(LOSS_TYPES) <= set(GRPO_ACCEPTED)

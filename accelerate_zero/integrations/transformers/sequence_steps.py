@@ -47,6 +47,12 @@ class SequenceParallelStepsMixin:
                 "sequence_parallel_evaluation=True: an evaluation batch without 'labels' (keys "
                 f"{sorted(inputs)}); the group scores labelled tokens only: give labels, or set it to False"
             )
+        if self.zero_engine is None:  # type: ignore[attr-defined]
+            raise ValueError(
+                "sequence_parallel_evaluation=True before training: the sequence-parallel group and its Ulysses "
+                "attention are the training engine's; evaluate once train() has started (eval_strategy, or after "
+                "it), or set sequence_parallel_evaluation=False for this evaluation"
+            )
         group, stats = self.accelerator._sequence_group()
         tiling = self.accelerator._trained_engine().config.sequence_tiling
         loss, logits = evaluate_over_group(

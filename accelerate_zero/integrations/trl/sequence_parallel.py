@@ -30,7 +30,7 @@ import torch
 from accelerate_zero.sequence.loader import IGNORE_INDEX
 from accelerate_zero.sequence.model_mode import has_dropout, training_mode
 from accelerate_zero.sequence.tiled_values import tiled_token_values
-from accelerate_zero.sequence.token_logps import sequence_parallel_token_values
+from accelerate_zero.sequence.token_logps import check_same_calls, sequence_parallel_token_values
 from accelerate_zero.sequence.ulysses import register_ulysses_attention
 
 
@@ -189,10 +189,18 @@ class SequenceParallelGRPOMixin(SequenceParallelTRLMixin):
         with whole_sequence_attention(self.model):
             return super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
 
-    def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-        """TRL's, its model scored over cut sequences (`CutScoring`) when `_cuts_for_scoring`."""
-        scoring = CutScoring(self, model) if self._cuts_for_scoring() else model
-        return super()._get_per_token_logps_and_entropies(scoring, *args, **kwargs)  # type: ignore[misc]
+    def _get_per_token_logps_and_entropies(
+        self, model: Any, input_ids: torch.Tensor, *args: Any, batch_size: int | None = None, **kwargs: Any
+    ) -> Any:
+        """TRL's, its model scored over cut sequences (`CutScoring`) when `_cuts_for_scoring`. TRL scores the rows
+        `batch_size` at a time: every rank of the group must make as many calls (`check_same_calls`)."""
+        if not self._cuts_for_scoring():
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, batch_size=batch_size, **kwargs)  # type: ignore[misc]
+        if self.accelerator.sequence_parallel_size > 1:
+            group, stats = self.accelerator._sequence_group()
+            check_same_calls(input_ids.shape[0], batch_size, group, stats, input_ids.device, type(self).__name__)
+        scoring = CutScoring(self, model)
+        return super()._get_per_token_logps_and_entropies(scoring, input_ids, *args, batch_size=batch_size, **kwargs)  # type: ignore[misc]
 
 
 class SequenceParallelDPOMixin(SequenceParallelTRLMixin):
