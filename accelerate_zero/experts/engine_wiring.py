@@ -68,6 +68,12 @@ def split_for_engine(
                     f"expert_parallel: {layer.name}.{name} is on the meta device on rank {layout.world.rank}: each "
                     "rank keeps its own experts of the layer, so every rank must build the model with real weights"
                 )
+            if not param.requires_grad:
+                raise NotImplementedError(
+                    f"expert_parallel: {layer.name}.{name} is frozen (requires_grad=False); split experts are "
+                    "trained experts only for now (a frozen split expert has no checkpoint layout yet): train the "
+                    "experts, or turn expert_parallel off for adapters on a frozen MoE model"
+                )
             collectives.broadcast(param.data, 0, layout.world, stats)
     return split_experts(module, layout.expert, stats, layout.expert_peers)
 
