@@ -54,14 +54,17 @@ def range_fragments(
     names: dict[int, str],
     lo: int,
     hi: int,
+    whole_offsets: dict[int, int] | None = None,
 ) -> list[Fragment]:
-    """The parameter pieces inside [lo, hi) of a bucket; offsets are relative to `lo`."""
+    """The parameter pieces inside [lo, hi) of a bucket; offsets are relative to `lo`. `whole_offsets`: id(param)
+    -> where a parameter holding part of a whole tensor starts in it (fragments name ranges of the whole tensor)."""
     fragments = []
     for slot in plan.slots:
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if start < end:
-            name = names[id(params[slot.param_index])]
-            fragments.append(Fragment(name, start - slot.offset, end - slot.offset, start - lo))
+            param = params[slot.param_index]
+            name, shift = names[id(param)], (whole_offsets or {}).get(id(param), 0)
+            fragments.append(Fragment(name, start - slot.offset + shift, end - slot.offset + shift, start - lo))
     return sorted(fragments, key=lambda f: f.offset)
 
 

@@ -394,3 +394,63 @@ class AioConfig(Block):
     """Overlap submission and completion of requests."""
     use_gds: bool = False
     """Use GPUDirect Storage."""
+
+
+@dataclass(kw_only=True)
+class ExpertParallelConfig(Block):
+    """`expert_parallel` (DeepSpeed 0.19.8's AutoEP block, its keys and defaults): `enabled`, `autoep_size` and
+    `preset_model` are implemented ([Note: expert parallelism in the engine] in experts/engine_wiring.py); every other
+    key configures DeepSpeed's own MoE kernels, router or module patterns and is refused unless it keeps its default
+    (config/schema.py REFUSED_FEATURES says why for each): the router, top-k and combine stay the model's."""
+
+    _PATH: ClassVar[str] = "expert_parallel"
+
+    enabled: bool = False
+    """Split every fused MoE layer's experts over groups of `autoep_size` consecutive ranks."""
+    autoep_size: int = _f(1, ge=1)
+    """Ranks that split each layer's experts between them and exchange tokens (divides the world size and each
+    layer's expert count); the experts' states are sharded over the world size / autoep_size ranks holding the same
+    experts."""
+    preset_model: str | None = None
+    """DeepSpeed's name of the model family (mixtral, qwen3_moe, ...); checked against the model's `model_type`.
+    The layers are found by structure whatever it says."""
+    expert_tensor_parallel_size: int = 1
+    validate_folding_routing: bool = False
+    async_split_plan: bool = False
+    moe_layer_pattern: str | None = None
+    expert_pattern: str | None = None
+    router_pattern: str | None = None
+    use_grouped_mm: bool = True
+    disable_triton_grouped_mm: bool = False
+    """Accepted either way: accelerate_zero runs no Triton kernel (the model's own experts implementation runs)."""
+    route_norm: bool | None = None
+    route_scale: float = 1.0
+    score_apply: str | None = None
+    combine_impl: str | None = None
+    row_weighting_impl: str | None = None
+    gate_up_impl: str = "separate"
+    comm_backend: str = "comm"
+    comm_num_sm: int = 12
+    comm_qp_margin: int = 4
+    comm_max_tokens_per_rank: int = 0
+    num_expert_groups: int | None = None
+    num_limited_groups: int | None = None
+    score_func: str | None = None
+    top_k: int | str | None = None
+    load_balance_coeff: float | None = None
+    routed_scaling_factor: float | str | None = None
+    expert_w1: str | None = None
+    expert_w2: str | None = None
+    expert_w3: str | None = None
+    num_experts_attr: str | None = None
+    top_k_attr: str | None = None
+    has_shared_experts: bool | None = None
+    shared_experts_pattern: str | None = None
+    shared_experts_gate_pattern: str | None = None
+    expert_activation: str | None = None
+
+
+EXPERT_PARALLEL_AUTO_KEYS = ("score_apply", "combine_impl", "row_weighting_impl", "score_func", "top_k",
+                             "routed_scaling_factor")  # fmt: skip
+"""`expert_parallel` keys whose DeepSpeed default is "auto" (the model's value): here None, and "auto" as written
+is taken as None by resolve_config."""

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from accelerate_zero.config.blocks import EXPERT_PARALLEL_AUTO_KEYS
 from accelerate_zero.config.schema import (
     ZeroConfig,
     ZeroConfigError,
@@ -72,6 +73,7 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig
         raise ZeroConfigError([f"world_size={world_size!r}: must be a positive integer (the data-parallel size)"])
     resolved = ZeroConfig.from_any(config.to_dict())  # a copy, re-validated if `config` was built in code
     _resolve_stage3_autos(resolved)
+    _resolve_expert_parallel_autos(resolved)
     problems = [
         *_resolve_autos(resolved),
         *_check_sequence_parallel(resolved, world_size),
@@ -80,6 +82,7 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig
         *_check_partial_offload(resolved),
         *_check_nvme_paths(resolved),
         *_check_hierarchical(resolved, world_size),
+        *_check_expert_parallel(resolved, world_size),
     ]
     if problems:
         raise ZeroConfigError(problems)
@@ -275,5 +278,59 @@ def _check_hierarchical(config: ZeroConfig, world_size: int) -> list[str]:
         problems.append(
             "zero_optimization.zero_hpz_partition_size and zero_optimization.mics_shard_size are both set: hpZ and "
             "MiCS are two different layouts (as in DeepSpeed); keep one"
+        )
+    return problems
+
+
+def _resolve_expert_parallel_autos(config: ZeroConfig) -> None:
+    """AutoEP's "auto" router keys mean the model's values: None here (nothing for accelerate to fill)."""
+    for key in EXPERT_PARALLEL_AUTO_KEYS:
+        if is_auto(getattr(config.expert_parallel, key)):
+            setattr(config.expert_parallel, key, None)
+
+
+# DeepSpeed 0.19.8's AutoEP presets (module_inject/auto_ep_presets): their names are the models' `model_type`.
+EXPERT_PARALLEL_PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3")
+
+
+def _check_expert_parallel(config: ZeroConfig, world_size: int) -> list[str]:
+    """Expert parallelism ([Note: expert parallelism in the engine] in experts/engine_wiring.py): ZeRO stages 1-3 on
+    a flat layout, `autoep_size` a divisor of the world size."""
+    ep = config.expert_parallel
+    if not ep.enabled:
+        return []
+    zero, problems = config.zero_optimization, []
+    if world_size % ep.autoep_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        problems.append(
+            f"expert_parallel.autoep_size={ep.autoep_size} does not divide the {world_size} ranks: use one of {divisors}"
+        )
+    if not is_auto(zero.stage) and zero.stage == 0:
+        problems.append(
+            "expert_parallel.enabled=true needs zero_optimization.stage 1, 2 or 3 (got 0): the experts' states are "
+            "partitioned over the ranks holding the same experts; set a stage"
+        )
+    layouts = (("zero_hpz_partition_size", 2), ("mics_shard_size", 1))
+    for key, first_on in layouts:
+        value = getattr(zero, key)
+        if not is_auto(value) and value >= first_on:
+            problems.append(
+                f"expert_parallel.enabled=true with zero_optimization.{key}={value}: expert parallelism runs on the "
+                "flat layout only; remove one of them"
+            )
+    if zero.zero_quantized_gradients is True:
+        problems.append(
+            "expert_parallel.enabled=true with zero_optimization.zero_quantized_gradients=true: the experts' gradients "
+            "are reduced over their own ranks, which the two-level quantized reduce-scatter does not know; remove one"
+        )
+    if not is_auto(config.sequence_parallel_size) and config.sequence_parallel_size > 1:
+        problems.append(
+            f"expert_parallel.enabled=true with sequence_parallel_size={config.sequence_parallel_size}: the two are "
+            "not combined yet; remove one of them"
+        )
+    if ep.preset_model is not None and ep.preset_model not in EXPERT_PARALLEL_PRESETS:
+        problems.append(
+            f"expert_parallel.preset_model={ep.preset_model!r} is not one of DeepSpeed's AutoEP presets "
+            f"{list(EXPERT_PARALLEL_PRESETS)}: remove the key (layers are found by structure) or fix the name"
         )
     return problems

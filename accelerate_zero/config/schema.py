@@ -57,6 +57,7 @@ from accelerate_zero.config.blocks import (
     CheckpointConfig,
     DataType,
     DataTypesConfig,
+    ExpertParallelConfig,
     FP16Config,
     LeafModuleConfig,
     OffloadOptimizerConfig,
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO",
     "ActivationCheckpointingConfig",
+    "ExpertParallelConfig",
     "DEFAULT_GRAD_ACCUM_DTYPE",
     "DEFAULT_REDUCE_BUCKET_SIZE",
     "REFUSED_FEATURES",
@@ -157,6 +159,8 @@ class ZeroConfig(Block):
     """Asynchronous file IO for NVMe offload."""
     activation_checkpointing: ActivationCheckpointingConfig = _f(factory=ActivationCheckpointingConfig)
     """DeepSpeed's activation checkpointing block: `cpu_checkpointing` keeps what backward needs in host memory."""
+    expert_parallel: ExpertParallelConfig = _f(factory=ExpertParallelConfig)
+    """DeepSpeed's AutoEP block: each MoE layer's experts split over `autoep_size` ranks (accelerate_zero/experts)."""
 
     @classmethod
     def from_any(cls, source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
@@ -213,6 +217,56 @@ class RefusedFeature(NamedTuple):
 _NOT_IMPLEMENTED = "is a DeepSpeed feature accelerate_zero does not implement"
 _FP32_MASTER = "accelerate_zero always keeps fp32 master weights, gradients and optimizer states"
 _NO_PATCH = "accelerate_zero never patches nn.Module"
+
+_OWN_ROUTER = "the router, its top-k and scores stay the model's (set them in the model's config)"
+_OWN_EXPERTS = "the model's own experts module runs on each rank's experts (transformers' experts_implementation)"
+_BY_STRUCTURE = "MoE layers are found by structure (fused 3-D expert parameters), not by name patterns"
+
+
+def _expert_parallel_refusals() -> dict[str, RefusedFeature]:
+    """`expert_parallel` keys that configure DeepSpeed's AutoEP modules rather than the split itself."""
+
+    def auto(value: Any) -> bool:
+        return value is None or value == "auto"
+
+    reasons = {
+        "expert_tensor_parallel_size": (1, "accelerate_zero has no tensor parallelism"),
+        "validate_folding_routing": (
+            False,
+            "it checks AutoEP+AutoTP folding; accelerate_zero has no tensor parallelism",
+        ),
+        "async_split_plan": (False, "it overlaps DeepSpeed's own split planning; " + _OWN_EXPERTS),
+        "moe_layer_pattern": (None, _BY_STRUCTURE),
+        "expert_pattern": (None, _BY_STRUCTURE),
+        "router_pattern": (None, _BY_STRUCTURE),
+        "use_grouped_mm": (True, _OWN_EXPERTS),
+        "route_norm": (None, _OWN_ROUTER),
+        "route_scale": (1.0, _OWN_ROUTER),
+        "gate_up_impl": ("separate", _OWN_EXPERTS),
+        "comm_backend": ("comm", "tokens travel with torch.distributed's all-to-all; DeepEP is not used"),
+        "comm_num_sm": (12, "it sizes DeepEP, which is not used"),
+        "comm_qp_margin": (4, "it sizes DeepEP, which is not used"),
+        "comm_max_tokens_per_rank": (0, "it sizes DeepEP, which is not used"),
+        "num_expert_groups": (None, _OWN_ROUTER),
+        "num_limited_groups": (None, _OWN_ROUTER),
+        "load_balance_coeff": (None, "the load-balancing loss stays the model's (router_aux_loss_coef)"),
+        "expert_w1": (None, _BY_STRUCTURE),
+        "expert_w2": (None, _BY_STRUCTURE),
+        "expert_w3": (None, _BY_STRUCTURE),
+        "num_experts_attr": (None, _BY_STRUCTURE),
+        "top_k_attr": (None, _BY_STRUCTURE),
+        "has_shared_experts": (None, _BY_STRUCTURE + "; shared experts stay dense, sharded like the rest"),
+        "shared_experts_pattern": (None, _BY_STRUCTURE),
+        "shared_experts_gate_pattern": (None, _BY_STRUCTURE),
+        "expert_activation": (None, _OWN_EXPERTS),
+    }
+    refused = {f"expert_parallel.{key}": RefusedFeature(*value) for key, value in reasons.items()}
+    for key, reason in (("score_apply", _OWN_ROUTER), ("combine_impl", _OWN_EXPERTS),
+                        ("row_weighting_impl", _OWN_EXPERTS), ("score_func", _OWN_ROUTER), ("top_k", _OWN_ROUTER),
+                        ("routed_scaling_factor", _OWN_ROUTER)):  # fmt: skip
+        refused[f"expert_parallel.{key}"] = RefusedFeature("auto", reason, accepts=auto)
+    return refused
+
 
 REFUSED_FEATURES: dict[str, RefusedFeature] = {
     "zero_optimization.legacy_stage1": RefusedFeature(False, "DeepSpeed removed the legacy stage 1; use stage 1"),
@@ -276,6 +330,7 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
         "it times each layer of DeepSpeed's own checkpoint function, which accelerate_zero does not run; use "
         "wall_clock_breakdown or torch.profiler",
     ),
+    **_expert_parallel_refusals(),
 }
 """Key path -> the accepted value and why anything else is refused. Extend it to refuse another DeepSpeed option."""
 

@@ -47,6 +47,8 @@ from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
+from accelerate_zero.experts import engine_wiring
+from accelerate_zero.experts.parallel import ExpertPlacement
 from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.offload.host_threads import HostThreads, host_threads_for
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
@@ -82,6 +84,9 @@ class EngineParts:
     grad_store: NvmeGradStore | None
     host_staging: HostStaging | None
     activation_offload: ActivationsToHost | None = None
+    experts: ExpertPlacement | None = None
+    """`expert_parallel`: the split MoE layers and this rank's experts ([Note: expert parallelism in the engine] in
+    experts/engine_wiring.py); None when off."""
     """`activation_checkpointing.cpu_checkpointing`: the hooks keeping saved activations in host memory and what
     they moved (its handles are in `hooks`)."""
 
@@ -150,23 +155,36 @@ class _Assembly:
         self.scheduler: UnitScheduler | None = None
         self.state_dict_guard: PlaceholderStateDictGuard | None = None
         self.hooks: list[RemovableHandle] = []
+        self.experts: ExpertPlacement | None = None
+        self.expert_groups: list[tuple[int, GroupShard]] = []  # (optimizer param group, its experts' flat group)
 
     def build(self, optimizer: torch.optim.Optimizer | None, progress: Callable[[], int]) -> EngineParts:
         config, zero = self.config, self.config.zero_optimization
+        # First: every later step sees this rank's experts only ([Note: expert parallelism in the engine]).
+        self.experts = engine_wiring.split_for_engine(self.module, self.layout, self.stats, config.expert_parallel)
         optimizer = build_optimizer_for(self.module, optimizer, config)
         # [Note: fp32 gradients under mixed precision] in config/schema.py
         grad_dtype = dtype_from_name(config.data_types.grad_accum_dtype or DEFAULT_GRAD_ACCUM_DTYPE)
         comm_dtype = dtype_from_name(config.communication_data_type) or grad_dtype
         dtypes = DtypePlan(config.compute_dtype, grad_dtype, comm_dtype)
-        trainable = trainable_param_groups(self.module, optimizer)
+        trainable, experts = engine_wiring.split_trainable(
+            trainable_param_groups(self.module, optimizer), self.experts
+        )
         if self.offload.optimizer:
             # Gradients go to host memory as each bucket is reduced: no device gradient shard is kept.
             zero = dataclasses.replace(zero, contiguous_gradients=False)
+        mode = _MODE_BY_STAGE[min(self.stage, 2)]
+        make = lambda *cut: self._group_shard(*cut, dtypes, zero)  # noqa: E731
+        self.expert_groups = engine_wiring.build_expert_groups(experts, self.layout, mode, make)
         if self.stage == 3:
             buckets, locations, slices, on_complete = self._build_stage3(trainable, dtypes, zero)
         else:
             buckets, locations, slices, on_complete = self._build_flat_groups(trainable, dtypes, zero)
             self._place_rest()
+        if self.expert_groups:
+            self.groups, buckets, locations, slices, on_complete = engine_wiring.with_expert_groups(
+                self.module, self.groups, buckets, slices, on_complete, self.expert_groups
+            )
         if self.offload.optimizer:
             # [Note: no device masters under optimizer offload]
             # The fp32 masters live in host memory only: the slices were cut with the parameters as their masters
@@ -203,6 +221,7 @@ class _Assembly:
             grad_store=self.grad_store,
             host_staging=self.host_staging,
             activation_offload=activations,
+            experts=self.experts,
         )
 
     # ------------------------------------------------------------ stages 0-2
@@ -217,7 +236,7 @@ class _Assembly:
         # accelerate's CPU device "cpu:0" against tensors on "cpu", now normalised in groups.resolve_device) leaves
         # them no longer views of their flat buffer, so the optimizer steps values the model never reads
         # (tests/integration/test_zero_accelerator.py caught it). Only what was not flattened is moved.
-        flattened = {id(p) for shard in self.groups for p in shard.params}
+        flattened = {id(p) for shard in [*self.groups, *(g for _, g in self.expert_groups)] for p in shard.params}
         compute_dtype = self.config.compute_dtype
         others = [p for p in self.module.parameters() if id(p) not in flattened]
         for param in others:
@@ -225,28 +244,18 @@ class _Assembly:
             param.data = param.data.to(device=self.device, dtype=dtype)
         for buffer in self.module.buffers():
             buffer.data = buffer.data.to(self.device)
-        # Every rank starts from rank 0's weights and buffers, as DDP and DeepSpeed do.
-        for tensor in [*(shard.param_buffer for shard in self.groups), *others, *self.module.buffers()]:
+        # Every rank starts from rank 0's weights and buffers, as DDP and DeepSpeed do (a split layer's experts:
+        # rank 0's were broadcast before the split).
+        own = {id(p) for p in self.experts.expert_parameters()} if self.experts is not None else set()
+        shared = [p for p in others if id(p) not in own]
+        for tensor in [*(shard.param_buffer for shard in self.groups), *shared, *self.module.buffers()]:
             collectives.broadcast(tensor.data, 0, self.world, self.stats)
 
     def _build_flat_groups(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
         num_shards = 1 if self.stage == 0 else self.dp.world_size
+        rank = self.dp.rank if num_shards > 1 else 0
         self.groups = [
-            build_group_shard(
-                params,
-                plan_group([tuple(p.shape) for p in params], zero.reduce_bucket_size, num_shards),
-                rank=self.dp.rank if num_shards > 1 else 0,
-                mode=_MODE_BY_STAGE[self.stage],
-                compute_dtype=dtypes.compute,
-                grad_dtype=dtypes.grad,
-                comm_dtype=dtypes.comm,
-                device=self.device,
-                contiguous_gradients=zero.contiguous_gradients,
-                kept_for=self._kept_for,
-                scratch=self.scratch,
-                fp32_master=not self.offload.optimizer,  # [Note: no device masters under optimizer offload]
-            )
-            for params in trainable
+            self._group_shard(p, num_shards, rank, _MODE_BY_STAGE[self.stage], dtypes, zero) for p in trainable
         ]
         position = {param: i for i, param in enumerate(self.module.parameters())}
         entries = [(shard, bucket) for shard in self.groups for bucket in shard.buckets]
@@ -260,6 +269,24 @@ class _Assembly:
         slices = [group_slices(shard) for shard in self.groups]
         return [bucket for _, bucket in entries], locations, slices, None
 
+    def _group_shard(
+        self, params: list[nn.Parameter], num_shards: int, rank: int, mode: ReduceMode, dtypes: DtypePlan, zero: Any
+    ) -> GroupShard:
+        return build_group_shard(
+            params,
+            plan_group([tuple(p.shape) for p in params], zero.reduce_bucket_size, num_shards),
+            rank=rank,
+            mode=mode,
+            compute_dtype=dtypes.compute,
+            grad_dtype=dtypes.grad,
+            comm_dtype=dtypes.comm,
+            device=self.device,
+            contiguous_gradients=zero.contiguous_gradients,
+            kept_for=self._kept_for,
+            scratch=self.scratch,
+            fp32_master=not self.offload.optimizer,  # [Note: no device masters under optimizer offload]
+        )
+
     # ---------------------------------------------------------------- stage 3
     def _build_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
         leaf = zero.leaf_module
@@ -270,6 +297,7 @@ class _Assembly:
             zero.stage3_param_persistence_threshold,
             model_persistence_threshold=zero.stage3_model_persistence_threshold,
             numel_of=preloaded_numel(self.module),
+            exclude=self.experts.expert_parameters() if self.experts is not None else (),
         )
 
         world, shard_of = self.world, self.layout.shard_index_of

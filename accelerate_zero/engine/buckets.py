@@ -138,6 +138,9 @@ class GradBucket:
         self.kept = kept
         self.scratch = scratch if scratch is not None else ScratchBuffers(device, reuse=False)
         self.state = BucketState.EMPTY
+        self.reduce_group: DataParallelGroup | None = None
+        """The ranks this bucket is sharded and reduced over when they are not the engine's (a split layer's
+        experts: [Note: expert parallelism in the engine] in experts/engine_wiring.py); None: the engine's."""
         self.grad: torch.Tensor | None = None
         self._has_reduced = False
         """`kept` holds this step's averaged gradient (else it holds an earlier step's, or nothing)."""

@@ -29,6 +29,10 @@ class ShardRange:
     params: list[nn.Parameter]
     lo: int
     hi: int
+    offsets: dict[int, int] = field(default_factory=dict)
+    """id(parameter) -> where its first element sits in the whole tensor a checkpoint names, for a parameter that
+    holds part of one (a split layer's experts, [Note: expert parallelism in the engine] in
+    experts/engine_wiring.py); absent: 0."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,18 @@ class CheckpointState:
         shard_store: ShardStore,
         counters: StepCounters,
         restore_counters: Callable[[StepCounters], None],
+        whole_layout: dict[int, tuple[int, list[int]]] | None = None,
     ) -> None:
+        """`whole_layout`: id(parameter) -> (its first element's place in the whole tensor, the whole shape), for
+        parameters that hold part of one (a split layer's experts)."""
         self.module, self._units, self._buckets = module, units, buckets
         self._sharded, self._store = sharded_optimizer, shard_store
         self.counters = counters
         """The engine's step counters when this state was taken."""
         self.restore_counters = restore_counters
         """Sets the engine's step counters (a loaded checkpoint's)."""
+        self._whole = whole_layout or {}
+        self._offsets = {key: offset for key, (offset, _) in self._whole.items()}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -96,11 +105,12 @@ class CheckpointState:
         """The element ranges of every trainable slice, without bringing masters or state into memory."""
         return [self._trainable(s).range for s in self._sharded.slices]
 
-    @staticmethod
-    def _trainable(shard_slice: ShardSlice) -> TrainableRange:
+    def _trainable(self, shard_slice: ShardSlice) -> TrainableRange:
         bucket = shard_slice.bucket
         lo = bucket.plan.shard_range(bucket.rank)[0]
-        shard_range = ShardRange(bucket.plan, bucket.params, lo + shard_slice.start, lo + shard_slice.end)
+        shard_range = ShardRange(
+            bucket.plan, bucket.params, lo + shard_slice.start, lo + shard_slice.end, self._offsets
+        )
         return TrainableRange(shard_range, shard_slice.master, shard_slice)
 
     def write_trainable(self, ranges: list[TrainableRange]) -> None:
@@ -135,7 +145,8 @@ class CheckpointState:
             for flat in unit.flats
             for slot in flat.plan.slots
         }
-        return {n: planned.get(id(p), list(p.shape)) for n, p in self.module.named_parameters()}
+        whole = {key: shape for key, (_, shape) in self._whole.items()}
+        return {n: whole.get(id(p)) or planned.get(id(p), list(p.shape)) for n, p in self.module.named_parameters()}
 
     def finish_load(self) -> None:
         """After every range was written: files are current and the parameters show the loaded values."""

@@ -36,6 +36,7 @@ from accelerate_zero.engine.setup import (
 )
 from accelerate_zero.engine.sleep import OffloadStateTypeEnum, SleepingState
 from accelerate_zero.engine.step_log import StepLog
+from accelerate_zero.experts.engine_wiring import expert_element_offsets
 
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.shard_store, self.grad_store, self.host_staging = parts.shard_store, parts.grad_store, parts.host_staging
         self._state_dict_guard, self._hooks = parts.state_dict_guard, parts.hooks
         self.activation_offload = parts.activation_offload
+        self.experts = parts.experts
+        """`expert_parallel`: the split MoE layers and the experts this rank holds (experts/parallel.py); None when
+        off."""
         """`activation_checkpointing.cpu_checkpointing`: what autograd saved in the forwards, kept in host memory
         (engine/activation_offload.py); None when off."""
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
@@ -350,6 +354,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
             The checkpoint folder (with `async_save`, where it will be once published).
         """
         self.sleeping.check_awake("save_checkpoint()")
+        if self.experts is not None and checkpoint_format == "dcp":
+            raise NotImplementedError(
+                "checkpoint_format='dcp' with expert_parallel: DCP checkpoints of split experts are not written yet; "
+                "save the universal format (it loads at any expert-parallel size, or without expert parallelism)"
+            )
         return str(
             save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters, async_save, checkpoint_format)
         )
@@ -387,6 +396,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.shard_store,
             StepCounters(self.global_steps, self.micro_steps, self.skipped_steps),
             self._restore_step_counters,
+            whole_layout=expert_element_offsets(self.experts),
         )
 
     def _restore_step_counters(self, counters: StepCounters) -> None:

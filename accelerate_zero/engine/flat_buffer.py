@@ -35,6 +35,9 @@ class GroupShard:
     master: list[torch.Tensor]  # per bucket: fp32, bucket.shard_numel; views of param_buffer when it is fp32
     master_aliases_params: bool
     """True when `master` are views of `param_buffer` (fp32 training): no copy back after the step."""
+    group: DataParallelGroup | None = None
+    """The ranks this shard is cut over when they are not the engine's (a split layer's experts: [Note: expert
+    parallelism in the engine] in experts/engine_wiring.py); None: the engine's."""
 
     def bucket_params(self, index: int) -> torch.Tensor:
         bucket = self.plan.buckets[index]
@@ -155,14 +158,17 @@ def all_gather_params(
     in_flight: collections.deque[tuple[Pending, int]] = collections.deque()
     live = 0
     for shard in groups:
+        group = shard.group if shard.group is not None else dp
+        if group.world_size == 1:
+            continue  # nothing cut: this rank stepped the whole buffer
         for index, bucket in enumerate(shard.plan.buckets):
             full = shard.bucket_params(index)
             if use_all_gather:
-                pendings = [collectives.all_gather(full, shard.param_shard(index), dp, stats, async_op=True)]
+                pendings = [collectives.all_gather(full, shard.param_shard(index), group, stats, async_op=True)]
             else:
                 pendings = [
-                    collectives.broadcast(full[slice(*bucket.shard_range(owner))], owner, dp, stats, async_op=True)
-                    for owner in range(dp.world_size)
+                    collectives.broadcast(full[slice(*bucket.shard_range(owner))], owner, group, stats, async_op=True)
+                    for owner in range(group.world_size)
                 ]
             for pending in pendings:
                 in_flight.append((pending, bucket.numel))

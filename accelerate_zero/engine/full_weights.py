@@ -26,10 +26,13 @@ import torch
 from torch import nn
 
 from accelerate_zero.engine.adapter_merge import Merge, adapter_merges, stream_name
+from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.gathered import GatheredParameters
 from accelerate_zero.engine.layout import ShardingLayout
 from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
+from accelerate_zero.experts.engine_wiring import whole_experts
+from accelerate_zero.experts.parallel import ExpertPlacement
 
 
 class StreamedEngine(Protocol):
@@ -39,6 +42,8 @@ class StreamedEngine(Protocol):
     module: nn.Module
     layout: ShardingLayout
     units: list[ParamUnit]
+    experts: ExpertPlacement | None
+    comm_stats_counter: CommStats
 
 
 def named_full_parameters(
@@ -75,10 +80,14 @@ def _stream(
                     done.add(id(param))
                     if emit:
                         yield from _named(names[id(param)], param, merges, merge_lora, dtype)
+    whole = whole_experts(engine.experts, engine.comm_stats_counter)
     with torch.no_grad():  # not partitioned: persistent parameters, stages 0-2, non-floating-point ones
         for name, param in module.named_parameters():
-            if id(param) not in done and emit:
-                yield from _named(name, param, merges, merge_lora, dtype)
+            if id(param) in done:
+                continue
+            value = whole(param)  # a split layer's experts: gathered whole on every rank of its group
+            if emit:
+                yield from _named(name, param, merges, merge_lora, dtype, value)
 
 
 def _unit_batches(engine: StreamedEngine, max_bytes: int | None) -> Iterator[list[nn.Parameter]]:
@@ -97,12 +106,18 @@ def _unit_batches(engine: StreamedEngine, max_bytes: int | None) -> Iterator[lis
 
 
 def _named(
-    name: str, param: torch.Tensor, merges: dict[int, Merge], merge_lora: bool, dtype: torch.dtype | None
+    name: str,
+    param: torch.Tensor,
+    merges: dict[int, Merge],
+    merge_lora: bool,
+    dtype: torch.dtype | None,
+    value: torch.Tensor | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream's (name, tensor) for `param`: always a tensor of the receiver's own, never a view of a training
-    weight or of a gathered unit ([Note: streaming full weights to a generator])."""
-    value = param.data
-    fresh = False  # True once `value` is a tensor made here
+    """The stream's (name, tensor) for `param` (`value`: its whole value when that is not `param.data`): always a
+    tensor of the receiver's own, never a view of a training weight or of a gathered unit ([Note: streaming full
+    weights to a generator])."""
+    fresh = value is not None and value is not param.data  # True once `value` is a tensor made here
+    value = param.data if value is None else value
     if merge_lora:
         base_name = stream_name(name)
         if base_name is None:
@@ -144,6 +159,12 @@ def full_state_dict(
         with GatheredParameters(params):
             if main:
                 gathered.update({name: to_cpu(p) for p in params for name in names[id(p)]})
+    whole = whole_experts(engine.experts, engine.comm_stats_counter)
+    for param in engine.experts.expert_parameters() if engine.experts is not None else ():
+        if wanted is None or wanted.intersection(names[id(param)]):
+            value = whole(param)  # every rank of the expert group takes part
+            if main:
+                gathered.update({name: to_cpu(value) for name in names[id(param)]})
     if not main:
         return {}
     with guard.disabled() if guard is not None else contextlib.nullcontext():

@@ -214,14 +214,15 @@ class GradReducer:
         # one starts (and gives its buffers back for it to reuse), not after.
         self._finish_beyond(max(self.max_in_flight - 1, 0))
         bucket = self.buckets[index]
+        own = bucket.reduce_group is not None  # a split layer's experts: reduced over their own ranks
         bucket.start_reduce(
-            self.dp,
+            bucket.reduce_group if own else self.dp,
             self.stats,
             self.scaling,
             self.use_reduce_scatter,
             async_op=True,
-            replicate=self.replicate,
-            quantized=self.quantized,
+            replicate=None if own else self.replicate,
+            quantized=None if own else self.quantized,
         )
         if self._session is not None:
             self._session.launched.add(index)

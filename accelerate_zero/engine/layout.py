@@ -207,10 +207,18 @@ def _my_group(blocks: list[tuple[int, ...]], rank: int, nodes: NodeLayout) -> Da
 
 def plan_from_config(config: Any, nodes: NodeLayout) -> LayoutPlan:
     """The layout a config asks for (`zero_optimization.zero_hpz_partition_size`, `mics_shard_size`,
-    `zero_quantized_gradients`, `sequence_parallel_size`; validated by config/resolve.py) on `nodes`."""
+    `zero_quantized_gradients`, `sequence_parallel_size`, `expert_parallel`; validated by config/resolve.py) on `nodes`."""
     zero = config.zero_optimization
     hpz = zero.zero_hpz_partition_size if zero.stage == 3 and zero.zero_hpz_partition_size > 1 else 1
     shard = zero.mics_shard_size if zero.stage == 3 and zero.mics_shard_size > 0 else nodes.world_size
     two_level = zero.stage == 3 and zero.zero_quantized_gradients
     sequence = config.sequence_parallel_size
-    return LayoutPlan(nodes, shard_size=shard, secondary_size=hpz, two_level=two_level, sequence_size=sequence)
+    expert = config.expert_parallel.autoep_size if config.expert_parallel.enabled else 1
+    return LayoutPlan(
+        nodes,
+        shard_size=shard,
+        secondary_size=hpz,
+        two_level=two_level,
+        sequence_size=sequence,
+        expert_size=expert,
+    )

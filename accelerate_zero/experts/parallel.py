@@ -100,9 +100,9 @@ def split_experts(
         per_rank = layer.num_experts // ep
         start = group.rank * per_rank
         for name in layer.param_names:
-            whole = getattr(layer.module, name)
-            part = nn.Parameter(whole.data[start : start + per_rank].clone(), requires_grad=whole.requires_grad)
-            setattr(layer.module, name, part)
+            # The same Parameter, shrunk: an optimizer built over the model before the split still holds it.
+            param = getattr(layer.module, name)
+            param.data = param.data[start : start + per_rank].clone()
         layer.module.num_experts = per_rank  # what the experts' own forward reads (one-hot width, group bins)
         placement.ranges[layer.name] = (start, start + per_rank)
         calls = _LayerCalls(layer, per_rank, group, stats)

@@ -90,6 +90,43 @@ REFUSED_SAMPLES = {
     "activation_checkpointing.number_checkpoints": 24,
     "activation_checkpointing.synchronize_checkpoint_boundary": True,
     "activation_checkpointing.profile": True,
+    **{
+        f"expert_parallel.{key}": value
+        for key, value in {
+            "expert_tensor_parallel_size": 2,
+            "validate_folding_routing": True,
+            "async_split_plan": True,
+            "moe_layer_pattern": "layers.*.mlp",
+            "expert_pattern": "experts",
+            "router_pattern": "gate",
+            "use_grouped_mm": False,
+            "route_norm": True,
+            "route_scale": 2.0,
+            "score_apply": "pre",
+            "combine_impl": "legacy_bmm",
+            "row_weighting_impl": "fused",
+            "gate_up_impl": "fused",
+            "comm_backend": "deepep",
+            "comm_num_sm": 24,
+            "comm_qp_margin": 8,
+            "comm_max_tokens_per_rank": 4096,
+            "num_expert_groups": 8,
+            "num_limited_groups": 4,
+            "score_func": "sigmoid",
+            "top_k": 4,
+            "load_balance_coeff": 0.01,
+            "routed_scaling_factor": 2.5,
+            "expert_w1": "w1",
+            "expert_w2": "w2",
+            "expert_w3": "w3",
+            "num_experts_attr": "num_experts",
+            "top_k_attr": "top_k",
+            "has_shared_experts": True,
+            "shared_experts_pattern": "shared_expert",
+            "shared_experts_gate_pattern": "shared_expert_gate",
+            "expert_activation": "gelu",
+        }.items()
+    },  # DeepSpeed 0.19.8's AutoEP keys other than enabled / autoep_size / preset_model
 }
 
 

@@ -210,7 +210,7 @@ def _place_rest(
 ) -> None:
     """Buffers and the parameters no unit and no persistent group holds: moved by `module.to`, then broadcast.
     (The units' parameters are 0-element placeholders on the device by now: `to` leaves them as they are.)"""
-    placed = {id(p) for p in layout.persistent}
+    placed = {id(p) for p in (*layout.persistent, *layout.excluded)}
     placed |= {id(p) for unit in units for flat in unit.flats for p in flat.params}
     for tensor in (*module.parameters(), *module.buffers()):
         if tensor.device.type == "meta":  # a rank other than 0 that only built the model: rank 0's come below

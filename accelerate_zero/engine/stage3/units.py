@@ -57,6 +57,8 @@ class UnitLayout:
     """In module registration order; the root unit (possibly empty) is last."""
     persistent: list[nn.Parameter]
     """Small floating-point parameters kept whole on every rank."""
+    excluded: list[nn.Parameter] = field(default_factory=list)
+    """Parameters another partition holds (a split layer's experts: experts/engine_wiring.py)."""
 
 
 def find_unit_modules(
@@ -127,16 +129,19 @@ def layout_units(
     persistence_threshold: int,
     model_persistence_threshold: int,
     numel_of: Callable[[nn.Parameter], int] = torch.numel,
+    exclude: Sequence[nn.Parameter] = (),
 ) -> UnitLayout:
     """Assigns every floating-point parameter to a unit, the root unit, or the persistent set.
 
     Persistent parameters are the smallest ones first, as long as their total stays within
     `model_persistence_threshold` elements (`stage3_model_persistence_threshold`). `numel_of` gives a parameter's
-    real size (a partitioned parameter's own `.numel()` is 0).
+    real size (a partitioned parameter's own `.numel()` is 0). `exclude`: parameters left to another partition.
     """
     owners: dict[nn.Parameter, set[str]] = {}
+    excluded = {id(p) for p in exclude}
     for param_name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(param, set()).add(_owning_unit(param_name, unit_names))
+        if id(param) not in excluded:
+            owners.setdefault(param, set()).add(_owning_unit(param_name, unit_names))
     specs = {name: UnitSpec(name=name, module=model.get_submodule(name)) for name in unit_names}
     root = UnitSpec(name="", module=model)
     small = sorted((p for p in owners if p.is_floating_point() and numel_of(p) <= persistence_threshold), key=numel_of)
@@ -154,7 +159,7 @@ def layout_units(
         (spec.trainable if param.requires_grad else spec.frozen).append(param)
     # The root unit is always there, even empty: its hooks mark where each forward starts and ends.
     units = [spec for spec in specs.values() if spec.numel(numel_of) > 0] + [root]
-    return UnitLayout(units=units, persistent=persistent)
+    return UnitLayout(units=units, persistent=persistent, excluded=list(exclude))
 
 
 def _owning_unit(param_name: str, unit_names: list[str]) -> str:
