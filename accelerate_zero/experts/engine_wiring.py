@@ -75,6 +75,9 @@ def split_for_engine(
                     "experts, or turn expert_parallel off for adapters on a frozen MoE model"
                 )
             collectives.broadcast(param.data, 0, layout.world, stats)
+    # Every forward is now a collective of the expert group (its all-to-alls): transformers' generate() must keep
+    # all ranks stepping until the longest sequence is done (synced_gpus), at every stage, as under stage 3.
+    module._is_fsdp_managed_module = True
     return split_experts(module, layout.expert, stats, layout.expert_peers)
 
 

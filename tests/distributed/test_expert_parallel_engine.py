@@ -333,7 +333,7 @@ def test_trainer_with_expert_parallel_equals_transformers_trainer(trained: tuple
 
 
 # ------------------------------------------------------------------------------------------------------ refusals
-def _refusals(rank: int, world_size: int, folder: str) -> dict[str, str]:
+def _refusals(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     import accelerate_zero
     from tests.integration import trainer_checks as checks
 
@@ -355,7 +355,21 @@ def _refusals(rank: int, world_size: int, folder: str) -> dict[str, str]:
     engine = initialized(_built("qwen3_moe"))
     dcp = error_of(lambda: engine.save_checkpoint(f"{folder}/dcp", checkpoint_format="dcp"))
     engine.destroy()
+    # generate() at stage 2 with every rank stopping at its own length: the ranks that are done keep stepping (each
+    # forward is an all-to-all of the expert group), and each rank's tokens equal the unsplit model's
+    reference = _built("qwen3_moe")
+    prompt = _batches()[0, 0, rank]
+    expected = reference.generate(input_ids=prompt, max_new_tokens=2 + rank, do_sample=False, pad_token_id=0)
+    model = _built("qwen3_moe")
+    settings = {**_config(2, 2)}
+    generator = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=settings)
+    with torch.no_grad():
+        generated = generator.module.generate(
+            input_ids=prompt, max_new_tokens=2 + rank, do_sample=False, pad_token_id=0
+        )
+    generator.destroy()
     return {
+        "generated": torch.equal(generated, expected) and generated.shape[1] == LENGTH + 2 + rank,
         "preset": error_of(lambda: initialized(_built("qwen3_moe"), preset_model="mixtral")),
         "dense": error_of(lambda: initialized(checks.tiny_llama())),
         "frozen": error_of(lambda: initialized(frozen)),
@@ -364,18 +378,21 @@ def _refusals(rank: int, world_size: int, folder: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+def refused(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from tests.helpers.dist import run_distributed
 
     return run_distributed(_refusals, WORLD_SIZE, str(tmp_path_factory.mktemp("ep_refused")))
 
 
-def test_what_expert_parallelism_cannot_do_is_refused_by_name(refused: list[dict[str, str]]) -> None:
+def test_what_expert_parallelism_cannot_do_is_refused_by_name_and_generate_keeps_ranks_in_step(
+    refused: list[dict[str, Any]],
+) -> None:
     for errors in refused:
         assert "preset_model='mixtral' but the model is a 'qwen3_moe'" in errors["preset"], errors
         assert "no fused experts module" in errors["dense"], errors
         assert "model.layers.0.mlp.experts.down_proj is frozen" in errors["frozen"], errors
         assert "checkpoint_format='dcp' with expert_parallel" in errors["dcp"], errors
+        assert errors["generated"] is True, errors
 
 
 def test_bf16_with_expert_parallel_equals_bf16_without(by_rank: list[dict[Any, Any]]) -> None:
