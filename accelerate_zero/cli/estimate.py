@@ -469,7 +469,7 @@ def _notes(
             "nothing fits: add GPUs or nodes, lower --micro_batch or --seq_len, use --gradient_checkpointing, "
             "or allow more --cpu_memory / --nvme_space"
         )
-    if args.offload in ("all", "nvme"):
+    if args.offload in ("all", "nvme") and args.expert_parallel is None:
         notes.append(
             "the nvme rows (optimizer and parameter shards in files) are stage 3 only; NVMe optimizer offload at "
             "stages 1-2 is not estimated"

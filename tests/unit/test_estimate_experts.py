@@ -95,6 +95,7 @@ def test_the_cli_reports_stages_1_to_3_and_the_autoep_block(
     recommended = report["recommendation"]["deepspeed_config"]
     assert recommended["expert_parallel"] == {"enabled": True, "autoep_size": 4}
     assert report["layouts"] is None and any("expert parallelism 4" in note for note in report["notes"])
+    assert not any("nvme rows" in note for note in report["notes"])  # there are none
     setup = est.TrainingSetup(8, "bf16", "adamw")
     expected = ee.estimate_expert_parallel(ee.expert_shapes_from_module(_meta_model(), 4), setup, 2)
     assert report["estimates"][1]["model_states"] == expected.model_states
