@@ -56,7 +56,7 @@ class ExpertShapes:
     rest: ModelShapes
     """Every trainable parameter but the split experts; stage 3 units built without them."""
     local_experts: tuple[Shape, ...]
-    """The shapes of one rank's experts tensors (E / ep rows each), in model order."""
+    """The shapes of one rank's trainable experts tensors (E / ep rows each), in model order."""
     expert_numel: int
     """Elements of every expert of every layer (the whole model's experts)."""
     layers: tuple[tuple[str, int], ...]
@@ -146,8 +146,8 @@ def estimate_expert_parallel(
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(f"--expert_parallel {ep} does not divide the {world} GPUs: use one of {divisors}")
     rest = estimate_stage(model.rest, setup, stage, rank=rank)
-    if not model.local_experts:  # every expert frozen: held whole, nothing to partition
-        return _with(rest, {"parameters": model.local_numel * setup.compute_bytes})
+    if not model.local_experts:  # every expert frozen: not counted, as `estimate_stage` counts no frozen parameter
+        return rest
     peers = dataclasses.replace(setup, world_size=world // ep)
     local = ModelShapes(shapes=model.local_experts, units=(), persistent=())
     experts = estimate_stage(local, peers, min(stage, 2), rank=rank // ep)  # the peers: rank // ep in its group
