@@ -4,6 +4,7 @@ Usage:
     accelerate-zero estimate --params 7e9 --num_gpus 8 --gpu_memory 80GB
     accelerate-zero estimate --config_json path/to/config.json --num_gpus 4 --gpu_memory 80GB --gradient_checkpointing
     accelerate-zero estimate --model ./my-llama --num_gpus 8 --num_nodes 2 --mixed_precision bf16 --json
+    accelerate-zero estimate --config_json ./qwen3-moe --num_gpus 8 --expert_parallel 4 --gpu_memory 80GB
 
 Prints, for every stage 0-3 and offload mode DeepSpeed has, the bytes one GPU holds per kind (the kinds of
 `ZeroEngine.memory_breakdown()`), a rough activation figure, the CPU RAM and NVMe each node needs, whether it fits
@@ -64,8 +65,11 @@ JSON output (`--json`), schema_version 1:
         }
       ],
       "recommendation": {"stage": int, "offload": str, "deepspeed_config": {"zero_optimization": {...}}} | null,
+      "expert_parallel": {"size": int, "peers": int, "layers": int, "experts_per_layer": int,
+        "experts_per_rank_per_layer": int, "expert_parameters": int, "expert_parameters_per_rank": int,
+        "expert_bytes_per_rank": {"1" | "2" | "3": {...}}} | null,  # --expert_parallel: stages 1-3, offload none
       "layouts": {                        # stage 3 on --num_nodes > 1 ([Note: the layout formulas] in
-        "per": "node and micro-step",     # debug/layouts.py); null on one node
+        "per": "node and micro-step",     # debug/layouts.py); null on one node or with --expert_parallel
         "rows": [{"layout": "flat" | "hpZ" | "MiCS" | "ZeRO++", "zero_optimization": {...},
                   "between_nodes_per_micro_step": int, "inside_node_per_micro_step": int,
                   "model_states": int, "secondary_copy": int, "exact": bool}],
@@ -90,6 +94,7 @@ from typing import Any
 from accelerate_zero.cli import estimate_time
 from accelerate_zero.cli.estimate_render import render
 from accelerate_zero.debug import estimate as est
+from accelerate_zero.debug import estimate_experts as est_experts
 from accelerate_zero.debug.activations_host import cpu_checkpointed_bytes
 from accelerate_zero.debug.layouts import layout_rows, recommend_layout
 from accelerate_zero.debug.phases import phase_peaks
@@ -194,6 +199,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="a DeepSpeed config, or an accelerate config file, for the bucket sizes, stage 3 thresholds, "
         "overlap_comm and data types (its stage and offload are ignored: every one is estimated)",
     )
+    parser.add_argument(
+        "--expert_parallel", type=int, default=None, metavar="EP", help="MoE: experts split over EP GPUs (AutoEP)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (schema in the module docstring)")
 
 
@@ -246,12 +254,13 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
     loaded = _load_model(args)
     setup, zero_notes = _setup_from(args, num_gpus * args.num_nodes, loaded.architecture if loaded else None)
     shapes = loaded.shapes(setup.zero) if loaded else est.shapes_from_count(args.params, setup.zero)
+    experts = est_experts.for_estimate(args.expert_parallel, loaded, setup, args.offload)
     activations, host_activations = _activations(shapes, setup, args)
     usable = None if gpu_memory is None else int(gpu_memory * (1 - args.headroom))
     budget = est.Budget(usable, args.cpu_memory, args.nvme_space, gpus_per_node=num_gpus)
     rows, verdicts = [], {}
-    for stage, offload in _combinations(args.offload):
-        estimate = est.estimate_stage(shapes, setup, stage, offload)
+    for stage, offload in _combinations(args.offload, experts):
+        estimate = est_experts.estimate(experts, shapes, setup, stage, offload)
         if args.cpu_checkpointing:  # [Note: activations in host memory, estimated]
             estimate.host["activations"] = host_activations
             estimate.host["total"] += host_activations
@@ -260,16 +269,17 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         rows[-1]["phases"] = phase_peaks(estimate, activations or 0, _largest_gradient(shapes, setup, stage))
     estimate_time.add_step_times(rows, shapes, setup, args)
     choice = est.recommend(verdicts)
-    layouts = _layouts(shapes, setup, rows, num_gpus, args.num_nodes, usable)
+    layouts = _layouts(shapes, setup, rows, num_gpus, args.num_nodes, usable) if experts is None else None
     return {
         "schema_version": SCHEMA_VERSION,
         "model": _model_section(shapes, loaded, args),
         "setup": _setup_section(args, setup, num_gpus, gpu_memory, usable),
         "activations": activations,
         "estimates": rows,
-        "recommendation": None if choice is None else _recommendation(*choice),
+        "expert_parallel": None if experts is None else est_experts.report_section(experts, setup),
+        "recommendation": None if choice is None else _recommendation(*choice, experts),
         "layouts": layouts,
-        "notes": [*zero_notes, *_notes(shapes, activations, gpu_memory, choice, args)],
+        "notes": [*zero_notes, *_notes(shapes, activations, gpu_memory, choice, args), *est_experts.notes(experts)],
     }
 
 
@@ -296,7 +306,7 @@ def _layouts(
 def _check_flags(args: argparse.Namespace) -> None:
     problems = [
         f"--{name} must be at least 1, got {getattr(args, name)}"
-        for name in ("num_gpus", "num_nodes", "micro_batch", "seq_len")
+        for name in ("num_gpus", "num_nodes", "micro_batch", "seq_len", "expert_parallel")
         if getattr(args, name) is not None and getattr(args, name) < 1
     ]
     if not 0 <= args.headroom < 1:
@@ -322,8 +332,7 @@ def _setup_from(
     """The run's knobs: the flags, and the --deepspeed_config for buckets, thresholds and dtypes."""
     from accelerate_zero.cli.validate import config_from_accelerate_file, is_accelerate_config
     from accelerate_zero.config import ZeroConfig
-    from accelerate_zero.config.hidden_size import hidden_size_autos
-    from accelerate_zero.config.schema import ZeroOptimizationConfig, is_auto
+    from accelerate_zero.debug.estimate_setup import setup_from_config
 
     if args.deepspeed_config is None:
         return est.TrainingSetup(world_size, args.mixed_precision or "bf16", args.optimizer), []
@@ -331,40 +340,7 @@ def _setup_from(
         config, _ = config_from_accelerate_file(args.deepspeed_config)
     else:
         config = ZeroConfig.from_any(args.deepspeed_config)
-    if architecture is not None:
-        # what transformers' DeepSpeed integration fills from the model's hidden size when a key is "auto"
-        config = config.fill_auto(hidden_size_autos(architecture.hidden_size))
-    raw, defaults = config.zero_optimization.to_dict(), ZeroOptimizationConfig().to_dict()
-    left = sorted(key for key, value in raw.items() if is_auto(value))
-    raw.update({key: defaults[key] for key in left})
-    raw.update(stage=0, offload_param=None, offload_optimizer=None)  # every stage and offload is estimated
-    notes = [f'"auto" read as the default for zero_optimization.{key}' for key in left if key != "stage"]
-    precision = args.mixed_precision or _precision_of(config)
-    setup = est.TrainingSetup(
-        world_size,
-        precision,
-        args.optimizer,
-        zero=ZeroConfig.from_any({"zero_optimization": raw}).zero_optimization,
-        grad_accum_dtype=_concrete(config.data_types.grad_accum_dtype),
-        communication_data_type=_concrete(config.communication_data_type),
-    )
-    return setup, notes
-
-
-def _precision_of(config: Any) -> str:
-    from accelerate_zero.config.schema import is_auto
-
-    for block in ("bf16", "fp16"):
-        if getattr(config, block).enabled is True:
-            return block
-    unset = any(is_auto(getattr(config, block).enabled) for block in ("bf16", "fp16"))
-    return "bf16" if unset else "no"
-
-
-def _concrete(value: Any) -> Any:
-    from accelerate_zero.config.schema import is_auto
-
-    return None if is_auto(value) else value
+    return setup_from_config(config, world_size, args.mixed_precision, args.optimizer, architecture)
 
 
 def _local_gpus() -> int:
@@ -379,9 +355,10 @@ def _local_gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
-def _combinations(offload: str) -> list[tuple[int, str]]:
+def _combinations(offload: str, experts: Any = None) -> list[tuple[int, str]]:
     modes = est.OFFLOAD_MODES if offload == "all" else (offload,)
-    return [(stage, mode) for stage in est.STAGES for mode in modes if est.is_applicable(stage, mode)]
+    applicable = est.is_applicable if experts is None else est_experts.is_applicable
+    return [(stage, mode) for stage in est.STAGES for mode in modes if applicable(stage, mode)]
 
 
 def _activations(shapes: est.ModelShapes, setup: est.TrainingSetup, args: argparse.Namespace) -> tuple:
@@ -461,14 +438,15 @@ def _setup_section(
     }
 
 
-def _recommendation(stage: int, offload: str) -> dict[str, Any]:
+def _recommendation(stage: int, offload: str, experts: Any) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if offload != "none":
         device = "nvme" if offload == "nvme" else "cpu"
         zero["offload_optimizer"] = {"device": device, "pin_memory": True}
         if offload in ("cpu+param", "nvme"):
             zero["offload_param"] = {"device": device, "pin_memory": True}
-    return {"stage": stage, "offload": offload, "deepspeed_config": {"zero_optimization": zero}}
+    config = {"zero_optimization": zero, **est_experts.deepspeed_block(experts)}
+    return {"stage": stage, "offload": offload, "deepspeed_config": config}
 
 
 def _notes(
@@ -491,7 +469,7 @@ def _notes(
             "nothing fits: add GPUs or nodes, lower --micro_batch or --seq_len, use --gradient_checkpointing, "
             "or allow more --cpu_memory / --nvme_space"
         )
-    if args.offload in ("all", "nvme"):
+    if args.offload in ("all", "nvme") and args.expert_parallel is None:
         notes.append(
             "the nvme rows (optimizer and parameter shards in files) are stage 3 only; NVMe optimizer offload at "
             "stages 1-2 is not estimated"

@@ -330,9 +330,11 @@ def test_json_has_the_documented_schema(capsys: pytest.CaptureFixture[str], tmp_
         "activations",
         "estimates",
         "recommendation",
+        "expert_parallel",
         "layouts",
         "notes",
     }
+    assert report["expert_parallel"] is None  # without --expert_parallel (tests/unit/test_estimate_experts.py)
     assert report["schema_version"] == 1 and isinstance(report["activations"], int)
     model_types = {"source": str, "name": str, "num_parameters": int, "stage3_units": int}
     model_types.update(persistent_parameters=int, exact_layout=bool, architecture=dict)

@@ -1,0 +1,244 @@
+"""What a ZeRO run with expert parallelism (`expert_parallel.autoep_size` = ep) would hold per rank.
+
+[Note: what expert parallelism holds, per rank]
+As the engine lays it out ([Note: expert parallelism in the engine] in experts/engine_wiring.py), with W ranks and
+an MoE model whose fused experts modules are found by structure (`find_expert_layers`: 3-D tensors indexed by
+expert, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` in transformers 5):
+- the rest of the model (attention, routers, embeddings, shared experts, norms) is laid out over all W ranks at the
+  configured stage exactly as without expert parallelism (`estimate_stage`), its stage 3 units built without the
+  experts;
+- each rank keeps E / ep consecutive experts of every layer, whole, at every stage (1/ep of the experts' elements,
+  not 1/W: the price of gathering nothing for them in forward and backward), in the compute dtype;
+- those local experts are one flat group per optimizer param group, partitioned over their W / ep peers (the ranks
+  holding the same experts) with stage 1's rules at stage 1 and stage 2's at stages 2 and 3: fp32 masters (under
+  bf16/fp16) and optimizer states 1/(W/ep) of the local experts, so 1/W of all the experts as without expert
+  parallelism; gradients full at stage 1, 1/(W/ep) at stages 2-3.
+So per rank, against flat stage 3, only the parameters grow: the experts' share from X c / W to X c / ep (X the
+experts' elements, c the compute dtype's bytes); the gradients, masters and states are the same. Transient
+buffers: the experts' reduce buckets are added to the rest's (an upper bound), and stage 3 gathers only the rest's
+units. Offload with expert parallelism is not estimated (only "none").
+`tests/distributed/test_estimate_experts_vs_engine.py` compares this with `engine.memory_breakdown()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from accelerate_zero.config.schema import ZeroOptimizationConfig
+from accelerate_zero.debug.estimate import (
+    DEVICE_KINDS,
+    MODEL_STATE_KINDS,
+    Architecture,
+    MemoryEstimate,
+    ModelShapes,
+    Shape,
+    TrainingSetup,
+    estimate_stage,
+)
+from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
+from accelerate_zero.experts.blocks import find_expert_layers
+
+
+EXPERT_STAGES = (1, 2, 3)
+"""`config.resolve` refuses expert parallelism at stage 0."""
+
+
+@dataclass(frozen=True)
+class ExpertShapes:
+    """An MoE model split for expert parallelism of size `ep`: the rest as `ModelShapes`, and each rank's experts."""
+
+    ep: int
+    rest: ModelShapes
+    """Every trainable parameter but the split experts; stage 3 units built without them."""
+    local_experts: tuple[Shape, ...]
+    """The shapes of one rank's trainable experts tensors (E / ep rows each), in model order."""
+    expert_numel: int
+    """Elements of every expert of every layer (the whole model's experts)."""
+    layers: tuple[tuple[str, int], ...]
+    """(qualified name, experts) of each split layer."""
+
+    @property
+    def local_numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.local_experts)
+
+
+def expert_shapes_from_module(
+    model: nn.Module,
+    ep: int,
+    zero: ZeroOptimizationConfig | None = None,
+    *,
+    architecture: Architecture | None = None,
+) -> ExpertShapes:
+    """The shapes `ZeroEngine` would lay out for `model` under `expert_parallel.autoep_size=ep` (the model may live
+    on the meta device).
+
+    Raises:
+        ValueError: `model` has no fused experts module (a dense model), or ep does not divide a layer's experts.
+        NotImplementedError: a layer that cannot be split ([Note: which expert layers are split]).
+    """
+    if ep < 1:
+        raise ValueError(f"--expert_parallel must be at least 1, got {ep=}")
+    layers = find_expert_layers(model)
+    if not layers:
+        raise ValueError(
+            f"--expert_parallel {ep}: {type(model).__name__} has no fused experts module (3-D parameters indexed by "
+            "expert, as transformers 5 builds Qwen3-MoE, Mixtral, gpt-oss, ...): a dense model has nothing to split; "
+            "drop --expert_parallel"
+        )
+    uneven = [f"{layer.name} ({layer.num_experts} experts)" for layer in layers if layer.num_experts % ep]
+    if uneven:
+        raise ValueError(
+            f"--expert_parallel {ep} does not divide the experts of {uneven[0]}"
+            + (f" and {len(uneven) - 1} more layers" if len(uneven) > 1 else "")
+            + f": use a divisor of {layers[0].num_experts}"
+        )
+    experts = [getattr(layer.module, name) for layer in layers for name in layer.param_names]
+    split = {id(p) for p in experts}
+    zero = zero if zero is not None else ZeroOptimizationConfig()
+    leaf = zero.leaf_module
+    extra = [*leaf.classes, *leaf.names] if leaf is not None else []
+    units = layout_units(
+        model,
+        find_unit_modules(model, None, extra_leaf=extra),
+        zero.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold,
+        exclude=experts,
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad and id(p) not in split]
+    persistent = set(units.persistent)
+    rest = ModelShapes(
+        shapes=tuple(tuple(p.shape) for p in trainable),
+        units=tuple(tuple(tuple(p.shape) for p in spec.trainable) for spec in units.units),
+        persistent=tuple(tuple(p.shape) for p in trainable if p in persistent),
+        architecture=architecture,
+    )
+    local = tuple((p.shape[0] // ep, *p.shape[1:]) for p in experts if p.requires_grad)
+    return ExpertShapes(
+        ep=ep,
+        rest=rest,
+        local_experts=local,
+        expert_numel=sum(p.numel() for p in experts),
+        layers=tuple((layer.name, layer.num_experts) for layer in layers),
+    )
+
+
+def estimate_expert_parallel(
+    model: ExpertShapes, setup: TrainingSetup, stage: int, offload: str = "none", *, rank: int = 0
+) -> MemoryEstimate:
+    """Bytes `rank` would hold at `stage` with expert parallelism ([Note: what expert parallelism holds, per
+    rank]), under the kinds of `ZeroEngine.memory_breakdown()`.
+
+    Raises:
+        ValueError: stage 0, an offload mode other than "none", an ep that does not divide `setup.world_size`, or a
+            rank outside the world.
+    """
+    world, ep = setup.world_size, model.ep
+    if stage not in EXPERT_STAGES:
+        raise ValueError(f"expert parallelism runs at ZeRO stages 1-3, got {stage=}")
+    if offload != "none":
+        raise ValueError(f"offload with expert parallelism is not estimated, got {offload=}: use offload='none'")
+    if world % ep:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"--expert_parallel {ep} does not divide the {world} GPUs: use one of {divisors}")
+    rest = estimate_stage(model.rest, setup, stage, rank=rank)
+    if not model.local_experts:  # every expert frozen: not counted, as `estimate_stage` counts no frozen parameter
+        return rest
+    peers = dataclasses.replace(setup, world_size=world // ep)
+    local = ModelShapes(shapes=model.local_experts, units=(), persistent=())
+    experts = estimate_stage(local, peers, min(stage, 2), rank=rank // ep)  # the peers: rank // ep in its group
+    return _with(rest, {kind: experts.device[kind] for kind in (*MODEL_STATE_KINDS, "communication_buffers")})
+
+
+def _with(base: MemoryEstimate, extra: dict[str, int]) -> MemoryEstimate:
+    device = {kind: base.device[kind] + extra.get(kind, 0) for kind in DEVICE_KINDS}
+    device["total"] = sum(device.values())
+    return MemoryEstimate(stage=base.stage, offload=base.offload, device=device, host=base.host, nvme=base.nvme)
+
+
+def expert_bytes_per_rank(model: ExpertShapes, setup: TrainingSetup, stage: int) -> dict[str, int]:
+    """The experts' own bytes per rank (what `estimate_expert_parallel` adds to the rest's), and, for comparison,
+    the experts' parameter bytes one rank holds at flat stage 3 (1/W of them, unpadded)."""
+    rest = estimate_stage(model.rest, setup, stage)
+    whole = estimate_expert_parallel(model, setup, stage)
+    out = {kind: whole.device[kind] - rest.device[kind] for kind in MODEL_STATE_KINDS}
+    out["total"] = sum(out.values())
+    out["flat_stage3_parameters"] = model.expert_numel * setup.compute_bytes // setup.world_size
+    return out
+
+
+def is_applicable(stage: int, offload: str) -> bool:
+    """The (stage, offload) combinations estimated with expert parallelism ([Note: what expert parallelism holds,
+    per rank])."""
+    return stage in EXPERT_STAGES and offload == "none"
+
+
+def report_section(model: ExpertShapes, setup: TrainingSetup) -> dict:
+    """The `expert_parallel` section of `accelerate-zero estimate --json` (its schema is in cli/estimate.py)."""
+    return {
+        "size": model.ep,
+        "peers": setup.world_size // model.ep,
+        "layers": len(model.layers),
+        "experts_per_layer": model.layers[0][1],
+        "experts_per_rank_per_layer": model.layers[0][1] // model.ep,
+        "expert_parameters": model.expert_numel,
+        "expert_parameters_per_rank": model.local_numel,
+        "expert_bytes_per_rank": {stage: expert_bytes_per_rank(model, setup, stage) for stage in EXPERT_STAGES},
+    }
+
+
+def deepspeed_block(model: ExpertShapes | None) -> dict:
+    """The config block that selects this layout (DeepSpeed's AutoEP keys); {} without expert parallelism."""
+    return {} if model is None else {"expert_parallel": {"enabled": True, "autoep_size": model.ep}}
+
+
+def estimate(
+    model: ExpertShapes | None, shapes: ModelShapes, setup: TrainingSetup, stage: int, offload: str
+) -> MemoryEstimate:
+    """`estimate_expert_parallel` for a split model, `estimate_stage` of `shapes` without expert parallelism."""
+    if model is None:
+        return estimate_stage(shapes, setup, stage, offload)
+    return estimate_expert_parallel(model, setup, stage, offload)
+
+
+def for_estimate(ep: int | None, loaded: Any, setup: TrainingSetup, offload: str) -> ExpertShapes | None:
+    """`accelerate-zero estimate --expert_parallel EP`: the model split as the engine would split it; None without
+    the flag.
+
+    Args:
+        loaded: the `model_source.LoadedModel` of --config_json / --model; None for --params.
+        offload: the --offload flag ("all" or a mode).
+
+    Raises:
+        ValueError: no model layers to read (--params), an offload mode, an ep that divides neither the GPUs nor a
+            layer's experts, a dense model, or a layer that cannot be split.
+    """
+    if ep is None:
+        return None
+    if loaded is None:
+        raise ValueError("--expert_parallel needs the model's layers: give --config_json or --model, not --params")
+    if offload not in ("all", "none"):
+        raise ValueError(f"--expert_parallel is estimated without offload only, got --offload {offload}")
+    if setup.world_size % ep:
+        sizes = [d for d in range(1, setup.world_size + 1) if setup.world_size % d == 0]
+        raise ValueError(f"--expert_parallel {ep} does not divide the {setup.world_size} GPUs: use one of {sizes}")
+    try:
+        return expert_shapes_from_module(loaded.module, ep, setup.zero, architecture=loaded.architecture)
+    except NotImplementedError as error:
+        raise ValueError(str(error)) from error
+
+
+def notes(model: ExpertShapes | None) -> list[str]:
+    """What the estimate's notes say about expert parallelism."""
+    if model is None:
+        return []
+    experts, layers = model.layers[0][1], len(model.layers)
+    return [
+        f"expert parallelism {model.ep}: each GPU holds {experts // model.ep} of the {experts} experts of each of "
+        f"{layers} MoE layers, whole (1/ep of the experts, not 1/W); their gradients, master weights and optimizer "
+        "states are partitioned over the GPUs holding the same experts. Stages 1-3 without offload only."
+    ]

@@ -1,0 +1,126 @@
+"""`accelerate-zero estimate --expert_parallel EP`: the experts held 1/ep per rank and their states partitioned over
+the peers ([Note: what expert parallelism holds, per rank] in debug/estimate_experts.py), the refusals, and the JSON.
+
+What the engine really holds is compared in tests/distributed/test_estimate_experts_vs_engine.py; here the numbers
+are checked against the arithmetic of the Note on shapes chosen so that no padding appears.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from accelerate_zero.config import ZeroConfig
+from accelerate_zero.debug import estimate as est
+from accelerate_zero.debug import estimate_experts as ee
+from tests.unit.test_estimate import TINY_LLAMA, estimate_json, run_cli, write_config
+
+
+# 4 layers of 8 experts: gate_up [8, 2*16, 32] + down [8, 32, 16] = 8 * 1536 elements per layer.
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+EXPERTS = 4 * 8 * (2 * 16 * 32 + 32 * 16)
+
+
+def _meta_model() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in QWEN3_MOE.items() if k != "architectures"})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_experts_are_held_one_ep_th_and_their_states_one_wth(ep: int, stage: int) -> None:
+    world = 8
+    shapes = ee.expert_shapes_from_module(_meta_model(), ep)
+    assert shapes.expert_numel == EXPERTS and shapes.local_numel == EXPERTS // ep
+    assert shapes.rest.numel + EXPERTS == sum(p.numel() for p in _meta_model().parameters())
+    for precision, c in (("no", 4), ("bf16", 2)):
+        setup = est.TrainingSetup(world, precision, "adamw")
+        got = ee.expert_bytes_per_rank(shapes, setup, stage)
+        # whole experts, 1/ep of them, in the compute dtype, at every stage
+        assert got["parameters"] == EXPERTS // ep * c
+        # fp32 gradients: the local experts whole at stage 1, their 1/(W/ep) over the peers at stages 2-3 = 1/W
+        assert got["gradients"] == (EXPERTS // ep * 4 if stage == 1 else EXPERTS // world * 4)
+        # fp32 masters (bf16 only) and AdamW's two states over the peers: 1/W of all experts, + one `step` scalar
+        assert got["master_weights"] == (EXPERTS // world * 4 if c == 2 else 0)
+        assert got["optimizer_states"] == EXPERTS // world * 8 + 4
+        assert got["flat_stage3_parameters"] == EXPERTS * c // world
+
+
+def test_ep_equal_to_world_holds_what_flat_stage_3_holds_but_the_parameters() -> None:
+    """At ep = W the experts' share of every kind is 1/W, as flat stage 3's, so the totals differ by the padding of
+    flat stage 3's units only (the experts join no unit). Every tensor partitioned: at the default threshold flat
+    stage 3 would keep these tiny experts whole (persistent)."""
+    zero = ZeroConfig.from_any({"zero_optimization": {"stage3_param_persistence_threshold": 0}}).zero_optimization
+    model, setup = _meta_model(), est.TrainingSetup(8, "bf16", "adamw", zero=zero)
+    flat = est.estimate_stage(est.shapes_from_module(model, zero), setup, 3).device
+    split = ee.estimate_expert_parallel(ee.expert_shapes_from_module(model, 8, zero), setup, 3).device
+    for kind in est.MODEL_STATE_KINDS:
+        assert split[kind] == pytest.approx(flat[kind], rel=0.02), kind
+    at_two = ee.estimate_expert_parallel(ee.expert_shapes_from_module(model, 2, zero), setup, 3).device
+    assert at_two["parameters"] - split["parameters"] == EXPERTS * 2 * (1 / 2 - 1 / 8)  # 1/ep instead of 1/W
+
+
+def test_the_cli_reports_stages_1_to_3_and_the_autoep_block(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    folder = write_config(tmp_path / "moe", QWEN3_MOE)
+    report = estimate_json(
+        capsys, "--config_json", str(folder), "--num_gpus", "8", "--expert_parallel", "4", "--gpu_memory", "80GB"
+    )
+    assert [(row["stage"], row["offload"]) for row in report["estimates"]] == [(1, "none"), (2, "none"), (3, "none")]
+    section = report["expert_parallel"]
+    assert section["size"] == 4 and section["peers"] == 2 and section["layers"] == 4
+    assert (section["experts_per_layer"], section["experts_per_rank_per_layer"]) == (8, 2)
+    assert section["expert_parameters"] == EXPERTS and section["expert_parameters_per_rank"] == EXPERTS // 4
+    assert section["expert_bytes_per_rank"]["3"]["parameters"] == EXPERTS // 4 * 2  # bf16 by default
+    recommended = report["recommendation"]["deepspeed_config"]
+    assert recommended["expert_parallel"] == {"enabled": True, "autoep_size": 4}
+    assert report["layouts"] is None and any("expert parallelism 4" in note for note in report["notes"])
+    assert not any("nvme rows" in note for note in report["notes"])  # there are none
+    setup = est.TrainingSetup(8, "bf16", "adamw")
+    expected = ee.estimate_expert_parallel(ee.expert_shapes_from_module(_meta_model(), 4), setup, 2)
+    assert report["estimates"][1]["model_states"] == expected.model_states
+
+
+def test_refusals_name_the_problem(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    moe, dense = write_config(tmp_path / "moe", QWEN3_MOE), write_config(tmp_path / "dense", TINY_LLAMA)
+    cases = [
+        (["--config_json", str(dense), "--num_gpus", "4", "--expert_parallel", "2"], "no fused experts module"),
+        (["--config_json", str(moe), "--num_gpus", "4", "--expert_parallel", "3"], "does not divide the 4 GPUs"),
+        (["--config_json", str(moe), "--num_gpus", "16", "--expert_parallel", "16"], "does not divide the experts"),
+        (["--params", "7e9", "--num_gpus", "4", "--expert_parallel", "2"], "not --params"),
+        (["--config_json", str(moe), "--num_gpus", "4", "--expert_parallel", "2", "--offload", "cpu"], "offload"),
+        (["--config_json", str(moe), "--num_gpus", "4", "--expert_parallel", "0"], "--expert_parallel must be"),
+    ]
+    for argv, message in cases:
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and message in err, (argv, err)
+
+
+def test_the_library_refuses_stage_0_and_offload() -> None:
+    shapes, setup = ee.expert_shapes_from_module(_meta_model(), 2), est.TrainingSetup(4)
+    with pytest.raises(ValueError, match="stages 1-3"):
+        ee.estimate_expert_parallel(shapes, setup, 0)
+    with pytest.raises(ValueError, match="offload"):
+        ee.estimate_expert_parallel(shapes, setup, 3, "cpu")
+    with pytest.raises(ValueError, match="does not divide the 6 GPUs"):
+        ee.estimate_expert_parallel(ee.expert_shapes_from_module(_meta_model(), 4), est.TrainingSetup(6), 3)
