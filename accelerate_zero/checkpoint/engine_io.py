@@ -196,11 +196,16 @@ def _rank_tensors(
         for frag in _fragments(frozen.range, names):
             if frag.name not in excluded:
                 yield frag.key("param"), host(shard[frag.offset : frag.offset + frag.numel])
+    covered = state.sharded_parameters()
+    for name, param in state.module.named_parameters():
+        offset = state.part_of_whole(param)
+        if id(param) in covered or name in excluded:
+            continue
+        if offset is not None and state.writes_parts:  # a frozen split expert: its range of the whole tensor
+            yield Fragment(name, offset, offset + param.numel(), 0).key("param"), host(param.reshape(-1))
+        elif offset is None and is_main:
+            yield whole_key(name, "full"), host(param)
     if is_main:
-        covered = state.sharded_parameters()
-        for name, param in state.module.named_parameters():
-            if id(param) not in covered and name not in excluded:
-                yield whole_key(name, "full"), host(param)
         for name, buffer in persistent_buffers(state.module):
             yield whole_key(name, "buffer"), host(buffer)
 
@@ -433,6 +438,10 @@ def _load_frozen(state: CheckpointState, reader: FragmentReader, names: dict[int
     covered = state.sharded_parameters()
     for name, param in state.module.named_parameters():
         if id(param) in covered or name in from_model:
+            continue
+        offset = state.part_of_whole(param)
+        if offset is not None:  # a frozen split expert: its range of the whole tensor, however it was saved
+            param.data.copy_(_values(reader, Fragment(name, offset, offset + param.numel(), 0)).reshape(param.shape))
             continue
         full = reader.read_whole(whole_key(name, "full"))
         if full is None:

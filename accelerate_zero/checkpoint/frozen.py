@@ -46,9 +46,11 @@ def frozen_fingerprints(engine: ZeroEngine) -> dict[str, list[float]]:
         for frag in range_fragments(shard_range.plan, shard_range.params, by_id, shard_range.lo, shard_range.hi):
             sums[index[frag.name]] += _sums(shard[frag.offset : frag.offset + frag.numel])
         in_flats.update(by_id[id(p)] for p in frozen.range.params)
-    if engine.dp.rank == 0:  # parameters held whole on every rank: counted once
-        for name, param in state.module.named_parameters():
-            if name in index and name not in in_flats:
+    for name, param in state.module.named_parameters():
+        if name in index and name not in in_flats:
+            # held whole on every rank: counted on rank 0; a split expert: on the ranks that save it
+            split = state.part_of_whole(param) is not None
+            if state.writes_parts if split else engine.dp.rank == 0:
                 sums[index[name]] += _sums(param)
     sums = sums.to(engine.device)
     collectives.all_reduce(sums, engine.dp, engine.comm_stats_counter, kind="checkpoint")

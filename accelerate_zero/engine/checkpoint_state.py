@@ -73,9 +73,11 @@ class CheckpointState:
         counters: StepCounters,
         restore_counters: Callable[[StepCounters], None],
         whole_layout: dict[int, tuple[int, list[int]]] | None = None,
+        writes_parts: bool = True,
     ) -> None:
         """`whole_layout`: id(parameter) -> (its first element's place in the whole tensor, the whole shape), for
-        parameters that hold part of one (a split layer's experts)."""
+        parameters that hold part of one (a split layer's experts); `writes_parts`: this rank is the one of the
+        ranks holding the same parts that saves them when they are not in shards (frozen ones)."""
         self.module, self._units, self._buckets = module, units, buckets
         self._sharded, self._store = sharded_optimizer, shard_store
         self.counters = counters
@@ -84,6 +86,7 @@ class CheckpointState:
         """Sets the engine's step counters (a loaded checkpoint's)."""
         self._whole = whole_layout or {}
         self._offsets = {key: offset for key, (offset, _) in self._whole.items()}
+        self.writes_parts = writes_parts
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -147,6 +150,11 @@ class CheckpointState:
         }
         whole = {key: shape for key, (_, shape) in self._whole.items()}
         return {n: whole.get(id(p)) or planned.get(id(p), list(p.shape)) for n, p in self.module.named_parameters()}
+
+    def part_of_whole(self, param: nn.Parameter) -> int | None:
+        """Where `param`'s first element sits in the whole tensor a checkpoint names, when it holds part of one
+        (a split layer's experts); None for a whole parameter."""
+        return self._offsets.get(id(param))
 
     def finish_load(self) -> None:
         """After every range was written: files are current and the parameters show the loaded values."""

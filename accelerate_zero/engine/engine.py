@@ -397,6 +397,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             StepCounters(self.global_steps, self.micro_steps, self.skipped_steps),
             self._restore_step_counters,
             whole_layout=expert_element_offsets(self.experts),
+            writes_parts=self.layout.expert_peers is None or self.layout.expert_peers.rank == 0,
         )
 
     def _restore_step_counters(self, counters: StepCounters) -> None:

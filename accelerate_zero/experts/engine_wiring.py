@@ -68,12 +68,6 @@ def split_for_engine(
                     f"expert_parallel: {layer.name}.{name} is on the meta device on rank {layout.world.rank}: each "
                     "rank keeps its own experts of the layer, so every rank must build the model with real weights"
                 )
-            if not param.requires_grad:
-                raise NotImplementedError(
-                    f"expert_parallel: {layer.name}.{name} is frozen (requires_grad=False); split experts are "
-                    "trained experts only for now (a frozen split expert has no checkpoint layout yet): train the "
-                    "experts, or turn expert_parallel off for adapters on a frozen MoE model"
-                )
             collectives.broadcast(param.data, 0, layout.world, stats)
     # Every forward is now a collective of the expert group (its all-to-alls): transformers' generate() must keep
     # all ranks stepping until the longest sequence is done (synced_gpus), at every stage, as under stage 3.
