@@ -215,7 +215,7 @@ def _whole(engine: Any) -> dict[str, torch.Tensor]:
 
 def _resume(rank: int, world_size: int, folder: str) -> dict[Any, Any]:
     import accelerate_zero
-    from accelerate_zero.checkpoint.consolidate import consolidated_state_dict
+    from accelerate_zero.checkpoint.consolidate import consolidate
 
     batches = _batches()
     out: dict[Any, Any] = {}
@@ -226,7 +226,12 @@ def _resume(rank: int, world_size: int, folder: str) -> dict[Any, Any]:
         _train_step(engine, batches[0], rank)
         saved = engine.save_checkpoint(f"{folder}/ep{save_ep}s{save_stage}")
         at_save = _whole(engine)
-        consolidated = consolidated_state_dict(saved) if rank == 0 else {}
+        consolidated = {}
+        if rank == 0:  # `accelerate-zero consolidate`'s folder, loaded by from_pretrained
+            out_dir = consolidate(saved, f"{folder}/hf_ep{save_ep}s{save_stage}")
+            model.config.save_pretrained(out_dir)
+            loaded = type(model).from_pretrained(out_dir)
+            consolidated = {n: p.detach() for n, p in loaded.named_parameters()}
         final_loss = _train_step(engine, batches[1], rank)
         final = _whole(engine)
         engine.destroy()
