@@ -27,6 +27,8 @@ MAX_NORM, LR = 0.2, 1e-2
 EPS = 1e-6  # a top-1 router's gradient is 0 up to rounding: AdamW's default eps (1e-8) would turn that rounding into steps
 MODELS = ("qwen3_moe", "mixtral", "mixtral_top1_all_to_expert_zero")
 CASES = [(kind, ep, stage) for kind in MODELS for ep in (2, 4) for stage in (1, 2, 3)]
+OFFLOADED = [("qwen3_moe", 2, 3), ("mixtral", 4, 2)]
+"""Cases also run with `offload_optimizer: cpu` (the experts' masters and states in host memory too)."""
 
 
 def _batches() -> torch.Tensor:
@@ -60,7 +62,9 @@ def _reference(kind: str) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _engine_run(kind: str, ep: int, stage: int, rank: int, bf16: bool = False) -> dict[str, Any]:
+def _engine_run(
+    kind: str, ep: int, stage: int, rank: int, bf16: bool = False, offload: bool = False
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     import accelerate_zero
@@ -76,6 +80,8 @@ def _engine_run(kind: str, ep: int, stage: int, rank: int, bf16: bool = False) -
     }
     if stage == 3:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if ep > 1:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": model.config.model_type}
     engine = accelerate_zero.initialize(model, optimizer, config=config)
@@ -125,10 +131,10 @@ def _errors(got: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
 def _all(rank: int, world_size: int) -> dict[Any, Any]:
     references = {kind: _reference(kind) for kind in MODELS}
     out: dict[Any, Any] = {}
-    for kind, ep, stage in CASES:
-        got = _engine_run(kind, ep, stage, rank)
+    for kind, ep, stage, offload in [*((*case, False) for case in CASES), *((*case, True) for case in OFFLOADED)]:
+        got = _engine_run(kind, ep, stage, rank, offload=offload)
         reference = references[kind]
-        out[(kind, ep, stage)] = {
+        out[(kind, ep, stage, offload)] = {
             "loss": max(abs(a - b) for a, b in zip(got["losses"], reference["losses"], strict=True)),
             "norm": max(abs(a - b) for a, b in zip(got["norms"], reference["norms"], strict=True)),
             "clipped": min(reference["norms"]) > MAX_NORM,
@@ -161,12 +167,14 @@ def by_rank() -> list[dict[Any, Any]]:
     return run_distributed(_all, WORLD_SIZE, timeout=600)
 
 
-@pytest.mark.parametrize(("kind", "ep", "stage"), CASES)
+@pytest.mark.parametrize(
+    ("kind", "ep", "stage", "offload"), [*((*c, False) for c in CASES), *((*c, True) for c in OFFLOADED)]
+)
 def test_expert_parallel_engine_equals_one_process(
-    by_rank: list[dict[Any, Any]], kind: str, ep: int, stage: int
+    by_rank: list[dict[Any, Any]], kind: str, ep: int, stage: int, offload: bool
 ) -> None:
     for rank, results in enumerate(by_rank):
-        got = results[(kind, ep, stage)]
+        got = results[(kind, ep, stage, offload)]
         assert got["clipped"] and got["moved"] > 1e-3, got  # clipping acts, and training moves the weights
         assert got["loss"] < 1e-5, (rank, got["loss"])
         assert got["norm"] < 1e-5, (rank, got["norm"])
