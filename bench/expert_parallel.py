@@ -149,7 +149,7 @@ def _rank(rank: int, name: str, accum: int, steps: int, seq: int, port: int, out
     from bench_common import proc_status, reset_peak_rss
 
     import accelerate_zero
-    from accelerate_zero.experts.blocks import find_expert_layers
+    from accelerate_zero.engine.experts.blocks import find_expert_layers
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

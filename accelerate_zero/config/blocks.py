@@ -399,7 +399,7 @@ class AioConfig(Block):
 @dataclass(kw_only=True)
 class ExpertParallelConfig(Block):
     """`expert_parallel` (DeepSpeed 0.19.8's AutoEP block, its keys and defaults): `enabled`, `autoep_size` and
-    `preset_model` are implemented ([Note: expert parallelism in the engine] in experts/engine_wiring.py); every other
+    `preset_model` are implemented ([Note: expert parallelism in the engine] in engine/experts/partition.py); every other
     key configures DeepSpeed's own MoE kernels, router or module patterns and is refused unless it keeps its default
     (config/schema.py REFUSED_FEATURES says why for each): the router, top-k and combine stay the model's."""
 

@@ -294,7 +294,7 @@ EXPERT_PARALLEL_PRESETS = ("mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2",
 
 
 def _check_expert_parallel(config: ZeroConfig, world_size: int) -> list[str]:
-    """Expert parallelism ([Note: expert parallelism in the engine] in experts/engine_wiring.py): ZeRO stages 1-3 on
+    """Expert parallelism ([Note: expert parallelism in the engine] in engine/experts/partition.py): ZeRO stages 1-3 on
     a flat layout, `autoep_size` a divisor of the world size."""
     ep = config.expert_parallel
     if not ep.enabled:

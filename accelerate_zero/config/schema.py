@@ -160,7 +160,7 @@ class ZeroConfig(Block):
     activation_checkpointing: ActivationCheckpointingConfig = _f(factory=ActivationCheckpointingConfig)
     """DeepSpeed's activation checkpointing block: `cpu_checkpointing` keeps what backward needs in host memory."""
     expert_parallel: ExpertParallelConfig = _f(factory=ExpertParallelConfig)
-    """DeepSpeed's AutoEP block: each MoE layer's experts split over `autoep_size` ranks (accelerate_zero/experts)."""
+    """DeepSpeed's AutoEP block: each MoE layer's experts split over `autoep_size` ranks (accelerate_zero/engine/experts)."""
 
     @classmethod
     def from_any(cls, source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:

@@ -1,7 +1,7 @@
 """What a ZeRO run with expert parallelism (`expert_parallel.autoep_size` = ep) would hold per rank.
 
 [Note: what expert parallelism holds, per rank]
-As the engine lays it out ([Note: expert parallelism in the engine] in experts/engine_wiring.py), with W ranks and
+As the engine lays it out ([Note: expert parallelism in the engine] in engine/experts/partition.py), with W ranks and
 an MoE model whose fused experts modules are found by structure (`find_expert_layers`: 3-D tensors indexed by
 expert, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` in transformers 5):
 - the rest of the model (attention, routers, embeddings, shared experts, norms) is laid out over all W ranks at the
@@ -40,8 +40,8 @@ from accelerate_zero.debug.estimate import (
     TrainingSetup,
     estimate_stage,
 )
+from accelerate_zero.engine.experts.blocks import find_expert_layers
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
-from accelerate_zero.experts.blocks import find_expert_layers
 
 
 EXPERT_STAGES = (1, 2, 3)

@@ -26,6 +26,8 @@ from accelerate_zero.engine import collectives, quantized_comm
 from accelerate_zero.engine.activation_offload import ActivationsToHost
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.experts import partition
+from accelerate_zero.engine.experts.parallel import ExpertPlacement
 from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
 from accelerate_zero.engine.grad_reduce import GradReducer
 from accelerate_zero.engine.host_copies import HostCopies
@@ -47,8 +49,6 @@ from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
-from accelerate_zero.experts import engine_wiring
-from accelerate_zero.experts.parallel import ExpertPlacement
 from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.offload.host_threads import HostThreads, host_threads_for
 from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
@@ -86,7 +86,7 @@ class EngineParts:
     activation_offload: ActivationsToHost | None = None
     experts: ExpertPlacement | None = None
     """`expert_parallel`: the split MoE layers and this rank's experts ([Note: expert parallelism in the engine] in
-    experts/engine_wiring.py); None when off."""
+    engine/experts/partition.py); None when off."""
     """`activation_checkpointing.cpu_checkpointing`: the hooks keeping saved activations in host memory and what
     they moved (its handles are in `hooks`)."""
 
@@ -161,28 +161,26 @@ class _Assembly:
     def build(self, optimizer: torch.optim.Optimizer | None, progress: Callable[[], int]) -> EngineParts:
         config, zero = self.config, self.config.zero_optimization
         # First: every later step sees this rank's experts only ([Note: expert parallelism in the engine]).
-        self.experts = engine_wiring.split_for_engine(self.module, self.layout, self.stats, config.expert_parallel)
+        self.experts = partition.split_for_engine(self.module, self.layout, self.stats, config.expert_parallel)
         optimizer = build_optimizer_for(self.module, optimizer, config)
         # [Note: fp32 gradients under mixed precision] in config/schema.py
         grad_dtype = dtype_from_name(config.data_types.grad_accum_dtype or DEFAULT_GRAD_ACCUM_DTYPE)
         comm_dtype = dtype_from_name(config.communication_data_type) or grad_dtype
         dtypes = DtypePlan(config.compute_dtype, grad_dtype, comm_dtype)
-        trainable, experts = engine_wiring.split_trainable(
-            trainable_param_groups(self.module, optimizer), self.experts
-        )
+        trainable, experts = partition.split_trainable(trainable_param_groups(self.module, optimizer), self.experts)
         if self.offload.optimizer:
             # Gradients go to host memory as each bucket is reduced: no device gradient shard is kept.
             zero = dataclasses.replace(zero, contiguous_gradients=False)
         mode = _MODE_BY_STAGE[min(self.stage, 2)]
         make = lambda *cut: self._group_shard(*cut, dtypes, zero)  # noqa: E731
-        self.expert_groups = engine_wiring.build_expert_groups(experts, self.layout, mode, make)
+        self.expert_groups = partition.build_expert_groups(experts, self.layout, mode, make)
         if self.stage == 3:
             buckets, locations, slices, on_complete = self._build_stage3(trainable, dtypes, zero)
         else:
             buckets, locations, slices, on_complete = self._build_flat_groups(trainable, dtypes, zero)
             self._place_rest()
         if self.expert_groups:
-            self.groups, buckets, locations, slices, on_complete = engine_wiring.with_expert_groups(
+            self.groups, buckets, locations, slices, on_complete = partition.with_expert_groups(
                 self.module, self.groups, buckets, slices, on_complete, self.expert_groups
             )
         if self.offload.optimizer:

@@ -140,7 +140,7 @@ class GradBucket:
         self.state = BucketState.EMPTY
         self.reduce_group: DataParallelGroup | None = None
         """The ranks this bucket is sharded and reduced over when they are not the engine's (a split layer's
-        experts: [Note: expert parallelism in the engine] in experts/engine_wiring.py); None: the engine's."""
+        experts: [Note: expert parallelism in the engine] in engine/experts/partition.py); None: the engine's."""
         self.grad: torch.Tensor | None = None
         self._has_reduced = False
         """`kept` holds this step's averaged gradient (else it holds an earlier step's, or nothing)."""

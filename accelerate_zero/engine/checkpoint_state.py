@@ -32,7 +32,7 @@ class ShardRange:
     offsets: dict[int, int] = field(default_factory=dict)
     """id(parameter) -> where its first element sits in the whole tensor a checkpoint names, for a parameter that
     holds part of one (a split layer's experts, [Note: expert parallelism in the engine] in
-    experts/engine_wiring.py); absent: 0."""
+    engine/experts/partition.py); absent: 0."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from accelerate_zero.engine.assemble import assemble
 from accelerate_zero.engine.checkpoint_state import CheckpointState, StepCounters
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.deepspeed_api import DeepSpeedEngineAPI
+from accelerate_zero.engine.experts.partition import expert_element_offsets
 from accelerate_zero.engine.full_weights import full_state_dict, named_full_parameters
 from accelerate_zero.engine.gathered import register_engine_params, unregister_engine_params
 from accelerate_zero.engine.groups import DataParallelGroup, init_data_parallel_group, resolve_device
@@ -36,7 +37,6 @@ from accelerate_zero.engine.setup import (
 )
 from accelerate_zero.engine.sleep import OffloadStateTypeEnum, SleepingState
 from accelerate_zero.engine.step_log import StepLog
-from accelerate_zero.experts.engine_wiring import expert_element_offsets
 
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._state_dict_guard, self._hooks = parts.state_dict_guard, parts.hooks
         self.activation_offload = parts.activation_offload
         self.experts = parts.experts
-        """`expert_parallel`: the split MoE layers and the experts this rank holds (experts/parallel.py); None when
+        """`expert_parallel`: the split MoE layers and the experts this rank holds (engine/experts/parallel.py); None when
         off."""
         """`activation_checkpointing.cpu_checkpointing`: what autograd saved in the forwards, kept in host memory
         (engine/activation_offload.py); None when off."""

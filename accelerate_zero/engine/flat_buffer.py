@@ -37,7 +37,7 @@ class GroupShard:
     """True when `master` are views of `param_buffer` (fp32 training): no copy back after the step."""
     group: DataParallelGroup | None = None
     """The ranks this shard is cut over when they are not the engine's (a split layer's experts: [Note: expert
-    parallelism in the engine] in experts/engine_wiring.py); None: the engine's."""
+    parallelism in the engine] in engine/experts/partition.py); None: the engine's."""
 
     def bucket_params(self, index: int) -> torch.Tensor:
         bucket = self.plan.buckets[index]

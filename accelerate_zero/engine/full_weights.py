@@ -27,12 +27,12 @@ from torch import nn
 
 from accelerate_zero.engine.adapter_merge import Merge, adapter_merges, stream_name
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.experts.parallel import ExpertPlacement
+from accelerate_zero.engine.experts.partition import whole_experts
 from accelerate_zero.engine.gathered import GatheredParameters
 from accelerate_zero.engine.layout import ShardingLayout
 from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
-from accelerate_zero.experts.engine_wiring import whole_experts
-from accelerate_zero.experts.parallel import ExpertPlacement
 
 
 class StreamedEngine(Protocol):
@@ -116,7 +116,7 @@ def _named(
     """The stream's (name, tensor) for `param` (`value`: its whole value when that is not `param.data`): always a
     tensor of the receiver's own, never a view of a training weight or of a gathered unit ([Note: streaming full
     weights to a generator])."""
-    fresh = value is not None and value is not param.data  # True once `value` is a tensor made here
+    fresh = value is not None  # True once `value` is a tensor made here
     value = param.data if value is None else value
     if merge_lora:
         base_name = stream_name(name)
@@ -163,7 +163,7 @@ def full_state_dict(
     for param in engine.experts.expert_parameters() if engine.experts is not None else ():
         if wanted is None or wanted.intersection(names[id(param)]):
             value = whole(param)  # every rank of the expert group takes part
-            if main:
+            if main and value is not None:
                 gathered.update({name: to_cpu(value) for name in names[id(param)]})
     if not main:
         return {}

@@ -42,7 +42,7 @@ class LayoutPlan:
     """Ulysses: ranks sharing each sequence, consecutive (accelerate_zero/sequence); 1: none."""
     expert_size: int = 1
     """Expert parallelism: consecutive ranks that split each MoE layer's experts between them and exchange tokens
-    (accelerate_zero/experts); 1: every rank holds every expert."""
+    (accelerate_zero/engine/experts); 1: every rank holds every expert."""
 
     def __post_init__(self) -> None:
         world = self.nodes.world_size
@@ -96,7 +96,7 @@ class LayoutPlan:
 
     def expert_peer_groups(self) -> list[tuple[int, ...]]:
         """Ranks holding the same experts: the same position in each expert group ([Note: gradients of split
-        experts] in experts/parallel.py)."""
+        experts] in engine/experts/parallel.py)."""
         return [tuple(range(i, self.world_size, self.expert_size)) for i in range(self.expert_size)]
 
     def node_groups(self) -> list[tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Expert parallelism for transformers' fused MoE layers (issue 41; accelerate_zero/experts): each rank of an expert
+"""Expert parallelism for transformers' fused MoE layers (issue 41; accelerate_zero/engine/experts): each rank of an expert
 group keeps 1/ep of every layer's experts and tokens travel to them and back with uneven all-to-alls.
 
 The experts run as transformers computes them: Qwen3-MoE with its default grouped matmuls, Mixtral with the eager
@@ -8,7 +8,7 @@ the peers that hold the same experts) and 4 (one group), on a tiny Qwen3-MoE and
 top-1 Mixtral where rank 0 routes every one of its tokens to expert 0 (so the other experts get nothing from it, and
 at ep 4 ranks 1-3 receive nothing from rank 0), and one where every rank does (at ep 4 ranks 1-3 compute nothing,
 and their experts still take part in backward with a gradient of 0): each rank's forward and backward on its quarter of the batch, the
-gradients reduced as the engine will ([Note: gradients of split experts] in experts/parallel.py), against one
+gradients reduced as the engine will ([Note: gradients of split experts] in engine/experts/parallel.py), against one
 process on the full batch: the loss, every dense gradient, and each rank's slice of every expert gradient (fp32,
 within 1e-5). Each case also counts the bytes the exchanges moved.
 """
@@ -84,10 +84,10 @@ def _expert_parallel(kind: str, ep: int, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from accelerate_zero.engine.collectives import CommStats
+    from accelerate_zero.engine.experts.parallel import split_experts
     from accelerate_zero.engine.groups import init_data_parallel_group
     from accelerate_zero.engine.layout import LayoutPlan, build_sharding_layout
     from accelerate_zero.engine.nodes import NodeLayout
-    from accelerate_zero.experts.parallel import split_experts
 
     world = init_data_parallel_group(torch.device("cpu"))
     layout = build_sharding_layout(world, LayoutPlan(NodeLayout(WORLD_SIZE, WORLD_SIZE, "one node"), WORLD_SIZE,

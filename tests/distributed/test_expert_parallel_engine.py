@@ -1,6 +1,6 @@
 """Expert parallelism through the engine (issue 41): `expert_parallel: {enabled, autoep_size}` in the config, ZeRO
 stages 1-3 on the rest, against one process on the full batch ([Note: expert parallelism in the engine] in
-experts/engine_wiring.py).
+experts/partition.py).
 
 One spawned group of 4 ranks trains a tiny Qwen3-MoE (grouped matmuls), a tiny Mixtral (eager experts) and a top-1
 Mixtral whose every token goes to expert 0 (at ep 4 three ranks hold experts no token reaches) for 2 optimizer steps

@@ -58,7 +58,7 @@ class UnitLayout:
     persistent: list[nn.Parameter]
     """Small floating-point parameters kept whole on every rank."""
     excluded: list[nn.Parameter] = field(default_factory=list)
-    """Parameters another partition holds (a split layer's experts: experts/engine_wiring.py)."""
+    """Parameters another partition holds (a split layer's experts: engine/experts/partition.py)."""
 
 
 def find_unit_modules(

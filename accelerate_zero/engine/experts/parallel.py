@@ -4,7 +4,7 @@ whole group's tokens.
 [Note: the experts' own forward on the local experts]
 The layer's experts module keeps its class, its forward and its parameter names; only its parameters shrink to
 this rank's experts (`num_experts` with them, which the forward reads). Two hooks around that forward make it
-expert-parallel ([Note: routes of an expert-parallel layer] in experts/routing.py):
+expert-parallel ([Note: routes of an expert-parallel layer] in engine/experts/routing.py):
 - before it, the routes are planned and each (token, slot) pair's hidden state goes to its expert's rank; the
   forward then runs on what arrived, each row with one local expert and a routing weight of exactly 1;
 - after it, each result goes back to the pair's rank, where it is weighted by the pair's routing weight and added
@@ -39,9 +39,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.experts.blocks import ExpertLayer, find_expert_layers
+from accelerate_zero.engine.experts.routing import Routes, plan_routes, return_from_experts, send_to_experts
 from accelerate_zero.engine.groups import DataParallelGroup
-from accelerate_zero.experts.blocks import ExpertLayer, find_expert_layers
-from accelerate_zero.experts.routing import Routes, plan_routes, return_from_experts, send_to_experts
 
 
 _INPUTS = ("hidden_states", "top_k_index", "top_k_weights")

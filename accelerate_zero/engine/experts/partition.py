@@ -2,7 +2,7 @@
 
 [Note: expert parallelism in the engine]
 With `expert_parallel.enabled`, the composition root (engine/assemble.py) splits every fused MoE layer before it
-builds anything else ([Note: the experts' own forward on the local experts] in experts/parallel.py). What each rank
+builds anything else ([Note: the experts' own forward on the local experts] in engine/experts/parallel.py). What each rank
 then holds of the experts differs between expert groups, so the experts cannot join the partition of the rest of the
 model, which assumes every rank holds the same parameters:
 - The rest (attention, the routers, embeddings, shared experts) is partitioned over all W ranks as usual, at the
@@ -34,12 +34,12 @@ from accelerate_zero.config.blocks import ExpertParallelConfig
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import GradBucket, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.experts.blocks import find_expert_layers
+from accelerate_zero.engine.experts.parallel import ExpertPlacement, split_experts
 from accelerate_zero.engine.flat_buffer import GroupShard, group_slices
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.layout import ShardingLayout
 from accelerate_zero.engine.shard_slice import ShardSlice
-from accelerate_zero.experts.blocks import find_expert_layers
-from accelerate_zero.experts.parallel import ExpertPlacement, split_experts
 
 
 def split_for_engine(
@@ -198,14 +198,16 @@ def gather_whole_experts(local: torch.Tensor, group: DataParallelGroup, stats: C
     return whole
 
 
-def whole_experts(placement: ExpertPlacement | None, stats: CommStats) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function giving a parameter's whole value: a split layer's experts gathered from their expert group (a
-    collective: every rank calls it for the same parameters in the same order), anything else as it is."""
+def whole_experts(
+    placement: ExpertPlacement | None, stats: CommStats
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """A function giving a split layer's experts whole, gathered from their expert group (a new tensor; a
+    collective: every rank calls it for the same parameters in the same order); None for any other parameter."""
     split = {id(p) for p in placement.expert_parameters()} if placement is not None else set()
 
     def whole(param: torch.Tensor) -> torch.Tensor:
         if id(param) not in split:
-            return param.data
+            return None
         assert placement is not None
         return gather_whole_experts(param.data, placement.group, stats)
 
