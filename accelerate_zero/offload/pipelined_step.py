@@ -15,6 +15,7 @@ once, with the same gradient, coefficient and per-parameter state, and per-eleme
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from accelerate_zero.engine.shard_slice import ShardSlice
@@ -50,18 +51,26 @@ class PipelinedHostStep(StepsInMemory):
     """A `StepRunner` (engine/stores.py) for masters in host memory ([Note: the pipelined host step]): held in
     memory like `StepsInMemory`'s, stepped chunk by chunk."""
 
+    on_host = True
+
     def __init__(self, slices_by_group: list[list[ShardSlice]], sub_group_size: int) -> None:
         super().__init__([s for group in slices_by_group for s in group])
         self.chunks = cut_chunks(slices_by_group, max(1, min(sub_group_size, CHUNK_NUMEL)))
 
     def step(self, sharded: SliceStepper, coefficient: float) -> None:
-        if len(self.chunks) < 2:
+        self.step_where(sharded, coefficient, None)
+
+    def step_where(self, sharded: SliceStepper, coefficient: float, keep: Callable[[ShardSlice], bool] | None) -> None:
+        """Steps the slices `keep` accepts (None: all), chunk by chunk; the others are left as they are."""
+        chunks = self.chunks if keep is None else [[(g, s) for g, s in c if keep(s)] for c in self.chunks]
+        chunks = [chunk for chunk in chunks if chunk]
+        if len(chunks) < 2 and keep is None:
             sharded.step_slices(self.slices, coefficient)
             return
         groups = sharded.optimizer.param_groups
         every = [group["params"] for group in groups]
         try:
-            for chunk in self.chunks:
+            for chunk in chunks:
                 for index, group in enumerate(groups):
                     group["params"] = [s.master for g, s in chunk if g == index]
                 # steps the chunk, then issues its upload, which runs while the loop steps the next chunk
