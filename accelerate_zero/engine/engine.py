@@ -230,6 +230,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 # it is settled ([Note: the host step across the step boundary] in offload/step_in_flight.py).
                 gated = [flat.shard for unit in self.units for flat in unit.flats]  # read through the store
                 outcome = self.sharded_optimizer.step(then=self.reducer.zero_grad, gated=gated)
+                if self.scheduler is not None and self.sharded_optimizer.stepping:
+                    self.scheduler.prefetch_ahead()  # the next forward's first units, while the rest steps
                 self._global_grad_norm = outcome.grad_norm
                 if outcome.overflow:
                     self.skipped_steps += 1

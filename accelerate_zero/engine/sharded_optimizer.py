@@ -161,6 +161,11 @@ class ShardedOptimizer:
             self.shard_store.gate_reads(self.in_flight.wait_for)
         return self.in_flight if self.in_flight.plan(gated) else None
 
+    @property
+    def stepping(self) -> bool:
+        """A host step is running on its worker thread (until `settle`)."""
+        return self.in_flight is not None and self.in_flight.running
+
     def settle(self) -> None:
         """Waits for a host step still running on its worker and runs what follows it ([Note: the host step across
         the step boundary] in offload/step_in_flight.py); nothing when none is."""

@@ -59,13 +59,14 @@ def _train(rank: int, world_size: int, config: dict[str, Any], folder: str) -> d
     engine = accelerate_zero.initialize(
         model, optimizer, config=config, lr_scheduler=scheduler, unit_classes=[nn.Linear]
     )
-    norms, evals = [], []
+    norms, evals, ahead = [], [], []
     for step in range(STEPS):
         for micro in range(ACCUMULATION):
             x, y = batches.rank_slice(step, micro, rank, world_size)
             engine.backward(nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), y))
             engine.step()
         norms.append(engine.get_global_grad_norm())
+        ahead.append(sum(unit.state.value != "sharded" for unit in engine.units))  # gathered across the boundary
         if step == 0:
             engine.save_checkpoint(folder, tag="after_step")  # right after the step, the host step maybe running
         else:
@@ -82,7 +83,15 @@ def _train(rank: int, world_size: int, config: dict[str, Any], folder: str) -> d
     engine.load_checkpoint(folder, tag="after_step")
     saved = _weights(model)
     engine.destroy()
-    return {"weights": weights, "norms": norms, "evals": evals, "state": state, "saved": saved, "waits": waits}
+    return {
+        "weights": weights,
+        "norms": norms,
+        "evals": evals,
+        "state": state,
+        "saved": saved,
+        "waits": waits,
+        "ahead": ahead,
+    }
 
 
 def _matrix(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -103,6 +112,7 @@ def test_host_step_across_the_boundary_is_bit_identical(tmp_path: Path) -> None:
             sync, overlapped = runs["0"], runs["1"]
             assert sync["waits"] == -1, key  # synchronous: no worker made
             assert overlapped["waits"] > 0, (key, overlapped["waits"])  # a forward ran while the step did
+            assert sync["ahead"] == [0] * 3 and all(overlapped["ahead"][1:]), (key, sync["ahead"], overlapped["ahead"])
             assert all(norm > 0.05 for norm in sync["norms"]), (key, sync["norms"])  # clipping was active
             assert sync["norms"] == overlapped["norms"], key
             assert torch.equal(sync["weights"], overlapped["weights"]), key
