@@ -157,7 +157,9 @@ class ShardedOptimizer:
         if not (gated and self.step_runner.on_host and self.shard_store.gates_reads and overlap_enabled()):
             return None
         if self.in_flight is None:
-            self.in_flight = StepInFlight(self.step_runner, self.slices, self.device, self._worker_threads)
+            self.in_flight = StepInFlight(
+                self.step_runner, self.slices, self.device, self._worker_threads, OPTIMIZER_STEP
+            )
             self.shard_store.gate_reads(self.in_flight.wait_for)
         return self.in_flight if self.in_flight.plan(gated) else None
 

@@ -37,6 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
 from accelerate_zero.engine.host_copies import HostCopies
 
@@ -116,8 +117,11 @@ class StepInFlight:
         slices: list[ShardSlice],
         device: torch.device,
         threads: AbstractContextManager | None,
+        profile_range: str,
     ) -> None:
-        self.runner, self.slices, self.device = runner, slices, device
+        """`threads`: entered by the worker (offload/host_threads.py); `profile_range`: the profiler range its step
+        runs in (the host step lane of bench/gpu_timeline.py)."""
+        self.runner, self.slices, self.device, self.profile_range = runner, slices, device, profile_range
         self.threads = threads if threads is not None else nullcontext()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.copies = HostCopies(device)
@@ -131,6 +135,8 @@ class StepInFlight:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._then: list[Callable[[], None]] = []
+        self.launches = 0
+        """Steps run across the boundary (tests and benchmarks read it)."""
         self.waits = 0
         """Reads that found their slices not yet uploaded and waited (tests and benchmarks read it)."""
 
@@ -163,6 +169,7 @@ class StepInFlight:
         for s in self._worker_slices():
             self._set(s, SliceState.SETTLED, SliceState.PENDING)
         self._then, self._error = list(then), None
+        self.launches += 1
         view = private_view(sharded.optimizer)
         # On a GPU the uploads run on a stream of their own, after what the compute stream queued so far (a gather
         # still reading a shard the step rewrites); each reader waits for its slices' upload event.
@@ -179,7 +186,7 @@ class StepInFlight:
         device = torch.cuda.device(self.device) if self._stream is not None else nullcontext()
         stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         try:
-            with device, stream, self.threads:
+            with device, stream, self.threads, record_function(self.profile_range):
                 if queued is not None:
                     torch.cuda.current_stream(self.device).wait_event(queued)
                 if len(self._worker) == len(self.slices):
