@@ -112,12 +112,15 @@ def add_predictions(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
 
     base = next((r for r in rows if r["system"] == "ours" and r["mode"] == "none" and "step_seconds" in r), None)
     for row in rows:
-        if base is None or row["system"] != "ours" or row["mode"] not in ("cpu", "cpu+param"):
+        if base is None or row["system"] != "ours" or row["mode"] not in ("cpu", "cpu+param", SYNCHRONOUS):
             continue
         if "measured" not in row:
             continue
         figures = Measured(base["step_seconds"], row["measured"]["copy_gbps"], row["measured"]["host_rate"])
-        row["predicted"] = offload_step_seconds(row["numel"], 3, row["mode"], args.accumulation, figures)
+        mode, _, variant = row["mode"].partition("/")
+        row["predicted"] = offload_step_seconds(
+            row["numel"], 3, mode, args.accumulation, figures, overlapped=variant != "sync"
+        )
 
 
 def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:

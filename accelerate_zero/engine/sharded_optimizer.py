@@ -154,7 +154,7 @@ class ShardedOptimizer:
 
     def _flight_for(self, gated: list[torch.Tensor]) -> StepInFlight | None:
         """The worker that steps across the boundary, made on first use; None where the step stays synchronous."""
-        if not (gated and self.step_runner.on_host and self.shard_store.gates_reads and overlap_enabled()):
+        if not (gated and self.step_runner.on_host and self.shard_store.gates_reads and overlap_enabled(self.device)):
             return None
         if self.in_flight is None:
             self.in_flight = StepInFlight(

@@ -23,8 +23,16 @@ step starts, so an LR scheduler stepping right after `engine.step()` changes the
 one's, as in the synchronous schedule. The arithmetic is the synchronous schedule's, element by element (the same
 chunks, coefficient, gradients and state), so the result is bit-identical; only its timing moves.
 Only stage 3 with shards in memory gates its reads this way (stages 1 and 2 read parameters directly, and a shard in
-a file has reads of its own in flight): elsewhere the step stays synchronous. `ACCELERATE_ZERO_OVERLAP_STEP=0`
-turns it off.
+a file has reads of its own in flight): elsewhere the step stays synchronous. At stage 3 the slices whose parameters
+are not in a unit's shard (persistent parameters, read directly) are stepped before `engine.step()` returns, and
+published; only the units' slices go to the worker. While it runs, the scheduler gathers the next forward's first
+units ahead (engine/stage3/schedule.py `prefetch_ahead`), each once its slices are uploaded.
+It is on by default beside a GPU; on a CPU device the host step would take its cores from the forward (on a shared
+2-core machine it was slower: bench/README.md), so there it is off unless `ACCELERATE_ZERO_OVERLAP_STEP=1` (the tests
+run the GPU's schedule on the CPU this way); `ACCELERATE_ZERO_OVERLAP_STEP=0` turns it off everywhere.
+What it does not yet overlap: the next backward waits for the whole host step (it rewrites the gradients the step
+reads), so with gradient accumulation only the first micro-step's forward hides it; stages 1 and 2; parameters in
+files (`offload_param: nvme`).
 """
 
 from __future__ import annotations
@@ -50,11 +58,17 @@ if TYPE_CHECKING:
 OVERLAP_ENV = "ACCELERATE_ZERO_OVERLAP_STEP"
 
 
-def overlap_enabled() -> bool:
-    """`ACCELERATE_ZERO_OVERLAP_STEP` (default 1): run the offloaded host step across the step boundary."""
-    raw = os.environ.get(OVERLAP_ENV, "1")
+def overlap_enabled(device: torch.device) -> bool:
+    """Whether the offloaded host step runs across the step boundary: `ACCELERATE_ZERO_OVERLAP_STEP` 1 or 0; unset,
+    beside a GPU only (on a CPU device the host step and the forward would share the same cores)."""
+    raw = os.environ.get(OVERLAP_ENV)
+    if raw is None:
+        return device.type != "cpu"
     if raw not in ("0", "1"):
-        raise ValueError(f"{OVERLAP_ENV}={raw!r}: set it to 1 (overlap the host step, the default) or 0 (synchronous)")
+        raise ValueError(
+            f"{OVERLAP_ENV}={raw!r}: set it to 1 (overlap the host step), 0 (step synchronously) or unset it "
+            "(overlap beside a GPU)"
+        )
     return raw == "1"
 
 
