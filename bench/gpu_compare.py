@@ -15,7 +15,7 @@ setting ([Note: threads for host work] in accelerate_zero/offload/host_threads.p
 OMP_NUM_THREADS = the machine's cores, which DeepSpeed's cpu_adam and FSDP2's host step need to use them.
 `ours cpu/sync` repeats ours with the host step inside `engine.step()` (ACCELERATE_ZERO_OVERLAP_STEP=0): every other
 run of ours overlaps it with the next forward ([Note: the host step across the step boundary] in
-accelerate_zero/offload/step_in_flight.py). Steps are timed start to start, so a host step running into the next
+accelerate_zero/engine/step_in_flight.py). Steps are timed start to start, so a host step running into the next
 step is counted.
 The timeline of one step (bench/gpu_timeline.py) is drawn for `--timeline_systems` (default: ours) in each mode.
 Output: `<out>/results.json`, `<out>/table.md` (also printed last), `<out>/timeline_<system>_<mode>.svg|png|json`.

@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     # Timed from one step's start to the next's: an offloaded host step may still run when `step()` returns and
     # finish during the next forward ([Note: the host step across the step boundary] in
-    # accelerate_zero/offload/step_in_flight.py); one more step ends the last timing (its loss is not kept).
+    # accelerate_zero/engine/step_in_flight.py); one more step ends the last timing (its loss is not kept).
     begins = []
     for index in range(args.steps + 1):
         begins.append(time.perf_counter())

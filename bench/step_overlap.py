@@ -8,7 +8,7 @@ One process (gloo, world size 1), stage 3, bf16, a stack of `--layers` x Linear(
 Linear a unit (`stage3_param_persistence_threshold: 0`), AdamW, gradient clipping 1.0, `--accumulation` micro-steps
 of 8 samples per step, `--threads` intra-op threads (1: what torchrun sets). Modes: no offload, optimizer cpu and
 optimizer + param cpu, each synchronous (`ACCELERATE_ZERO_OVERLAP_STEP=0`) and overlapped ([Note: the host step across
-the step boundary] in accelerate_zero/offload/step_in_flight.py). A step is timed from its first forward to the first
+the step boundary] in accelerate_zero/engine/step_in_flight.py). A step is timed from its first forward to the first
 forward of the next step (a step's host work runs into the next forward when overlapped), as the median over
 `--steps` steps after 2 warm-up steps; the modes run in turn, twice (the median of both rounds' medians), so that
 drift from other load on the machine is shared. On the CPU the "device" and the host are the same cores: what the
@@ -54,7 +54,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> list[float]:
     from torch import nn
 
     import accelerate_zero
-    from accelerate_zero.offload.step_in_flight import OVERLAP_ENV
+    from accelerate_zero.engine.step_in_flight import OVERLAP_ENV
 
     os.environ[OVERLAP_ENV] = "0" if mode.endswith("/sync") else "1"
     torch.manual_seed(0)

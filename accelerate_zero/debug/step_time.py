@@ -11,7 +11,7 @@ does not hide behind the device's compute; `n` is this rank's trainable elements
 - the host step: n elements at the measured rate of the optimizer's fused CPU kernel on the rank's cores. The norm
   and the clipping multiply (each one more pass over the gradients) are not counted. Synchronous (stages 1 and 2, or
   `ACCELERATE_ZERO_OVERLAP_STEP=0`) nothing hides it; at stage 3 it runs across the step boundary ([Note: the host
-  step across the step boundary] in offload/step_in_flight.py) and hides behind the next step's first forward (a
+  step across the step boundary] in engine/step_in_flight.py) and hides behind the next step's first forward (a
   third of one micro-step's compute), with the last chunk's upload; the next backward waits for the rest.
 - uploads of the updated parameters: the fp32 masters, 4n bytes (an asynchronous copy into a parameter of another
   dtype copies the source as it is and casts on the device). They run chunk by chunk beside the host step

@@ -227,7 +227,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 if self.scheduler is not None:
                     self.scheduler.end_backward()
                 # At stage 3 an offloaded host step may still run when this returns: the gradients are zeroed when
-                # it is settled ([Note: the host step across the step boundary] in offload/step_in_flight.py).
+                # it is settled ([Note: the host step across the step boundary] in engine/step_in_flight.py).
                 gated = [flat.shard for unit in self.units for flat in unit.flats]  # read through the store
                 outcome = self.sharded_optimizer.step(then=self.reducer.zero_grad, gated=gated)
                 if self.scheduler is not None and self.sharded_optimizer.stepping:

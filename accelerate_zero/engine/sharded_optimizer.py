@@ -24,8 +24,8 @@ from accelerate_zero.engine.loss_scaler import LossScaler
 from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
 from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.step_in_flight import StepInFlight, overlap_enabled
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
-from accelerate_zero.offload.step_in_flight import StepInFlight, overlap_enabled
 
 
 OPTIMIZER_STEP = "ZeRO::optimizer_step"
@@ -114,7 +114,7 @@ class ShardedOptimizer:
 
         `gated`: the parameter shards every later read of which goes through `shard_store` (stage 3's unit shards):
         an offloaded host step of their slices may run on a worker thread after this returns ([Note: the host step
-        across the step boundary] in offload/step_in_flight.py), `then` running when it is settled."""
+        across the step boundary] in engine/step_in_flight.py), `then` running when it is settled."""
         self.settle()
         with record_function(OPTIMIZER_STEP), self.host_threads:
             outcome, coefficient = self._decide()
@@ -170,7 +170,7 @@ class ShardedOptimizer:
 
     def settle(self) -> None:
         """Waits for a host step still running on its worker and runs what follows it ([Note: the host step across
-        the step boundary] in offload/step_in_flight.py); nothing when none is."""
+        the step boundary] in engine/step_in_flight.py); nothing when none is."""
         if self.in_flight is not None:
             self.in_flight.settle()
 

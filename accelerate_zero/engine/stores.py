@@ -41,7 +41,7 @@ class ShardStore(Protocol):
 
     gates_reads: bool
     """`gate_reads` is honoured: every read and write of a shard first calls the gate ([Note: the host step across
-    the step boundary] in offload/step_in_flight.py)."""
+    the step boundary] in engine/step_in_flight.py)."""
 
     def gate_reads(self, wait_for: Callable[[torch.Tensor], None]) -> None:
         """From now on `wait_for(flat.shard)` runs before a shard is read or written (a host step may still be
@@ -166,7 +166,7 @@ class StepRunner(Protocol):
 
     on_host: bool
     """The step is host work (offloaded masters): it may run on a worker thread ([Note: the host step across the
-    step boundary] in offload/step_in_flight.py)."""
+    step boundary] in engine/step_in_flight.py)."""
 
     def step(self, sharded: SliceStepper, coefficient: float) -> None:
         """Steps every slice with its gradient times `coefficient` (`sharded.step_slices` on each batch)."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accelerate_zero.offload.step_in_flight import OVERLAP_ENV
+from accelerate_zero.engine.step_in_flight import OVERLAP_ENV
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import make_batches, make_model, param_groups
 
