@@ -122,3 +122,20 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(OVERLAP_ENV, "yes")
     with pytest.raises(ValueError, match=f"{OVERLAP_ENV}='yes': set it to 1"):
         overlap_enabled(torch.device("cpu"))
+
+
+def test_chunks_follow_the_buckets_across_param_groups() -> None:
+    """A unit's weights (group 0) and its bias (group 1) are stepped together, units in order: the first unit of the
+    next forward does not wait for every other unit's weights."""
+    from accelerate_zero.offload.pipelined_step import cut_chunks
+
+    first, second = object(), object()
+    values = torch.zeros(40)
+
+    def piece(bucket: object, lo: int, hi: int) -> ShardSlice:
+        return ShardSlice(bucket, lo, hi, values[lo:hi], values[lo:hi])  # type: ignore[arg-type]
+
+    weights = [piece(first, 0, 10), piece(second, 10, 20)]
+    biases = [piece(first, 20, 22), piece(second, 22, 24)]
+    chunks = cut_chunks([weights, biases], chunk_numel=12)
+    assert [[(g, s.start) for g, s in chunk] for chunk in chunks] == [[(0, 0), (1, 20)], [(0, 10), (1, 22)]]
