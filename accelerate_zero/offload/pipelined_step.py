@@ -2,15 +2,15 @@
 running while the next chunk steps.
 
 [Note: the pipelined host step]
-Stepping every master at once and only then copying them into the device parameters leaves the GPU idle for the
-whole host AdamW and the host idle for the whole upload. Here the slices are cut, in the order of the parameters'
-buckets (the order the next forward reads them in), into chunks of at most `sub_group_size` elements (DeepSpeed's
-tile of the offloaded step, capped at `CHUNK_NUMEL` so that a model under a billion parameters is cut too); each
-chunk is stepped with the user's optimizer (its param groups narrowed to the chunk, as the NVMe sub-groups are) and
-its masters are copied into the parameters at once: the copy is asynchronous from pinned memory
-(engine/host_copies.py `into_device`), so it runs on the GPU while the host steps the next chunk. The arithmetic is the same as one step over every slice: each master is stepped
-once, with the same gradient, coefficient and per-parameter state, and per-element optimizers (AdamW, SGD, Adagrad,
-...) do not look across parameters. Optimizer step hooks run once per chunk.
+Stepping every master at once and only then copying them into the device parameters leaves the GPU idle for the whole
+host AdamW and the host idle for the whole upload. Here the slices are cut, in the order of the parameters' buckets
+(the order the next forward reads them in), into chunks of at most `sub_group_size` elements (DeepSpeed's tile of the
+offloaded step, capped at `CHUNK_NUMEL` so that a model under a billion parameters is cut too); each chunk is stepped
+with the user's optimizer (its param groups narrowed to the chunk, as the NVMe sub-groups are) and its masters are
+copied into the parameters at once: the copy is asynchronous from pinned memory (engine/host_copies.py `into_device`),
+so it runs on the GPU while the host steps the next chunk. The arithmetic is the same as one step over every slice:
+each master is stepped once, with the same gradient, coefficient and per-parameter state, and per-element optimizers
+(AdamW, SGD, Adagrad, ...) do not look across parameters. Optimizer step hooks run once per chunk.
 """
 
 from __future__ import annotations
