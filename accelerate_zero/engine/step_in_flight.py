@@ -42,7 +42,7 @@ import os
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.profiler import record_function
@@ -107,7 +107,7 @@ class _WorkerStepper:
         self.flight._uploaded(slices)
 
 
-class OffloadedStepper:
+class OffloadedStepper(Protocol):
     """What the worker drives (engine/sharded_optimizer.py's `ShardedOptimizer`)."""
 
     optimizer: torch.optim.Optimizer
@@ -280,9 +280,6 @@ class StepInFlight:
                 "the offloaded optimizer step failed on its worker thread (the training state is now undefined: "
                 f"reload a checkpoint; set {OVERLAP_ENV}=0 to step synchronously)"
             ) from error
-
-    def close(self) -> None:
-        self.settle()
 
 
 def _span(tensor: torch.Tensor) -> tuple[str, int, int]:
