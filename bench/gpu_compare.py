@@ -13,6 +13,10 @@ not FSDP2). A system that cannot run a mode (FSDP2 has no optimizer-only offload
 a machine without it) gets a row saying so. `ours cpu, OMP_NUM_THREADS=1` repeats ours under the launcher's thread
 setting ([Note: threads for host work] in accelerate_zero/offload/host_threads.py); every other run has
 OMP_NUM_THREADS = the machine's cores, which DeepSpeed's cpu_adam and FSDP2's host step need to use them.
+`ours cpu/sync` repeats ours with the host step inside `engine.step()` (ACCELERATE_ZERO_OVERLAP_STEP=0): every other
+run of ours overlaps it with the next forward ([Note: the host step across the step boundary] in
+accelerate_zero/engine/step_in_flight.py). Steps are timed start to start, so a host step running into the next
+step is counted.
 The timeline of one step (bench/gpu_timeline.py) is drawn for `--timeline_systems` (default: ours) in each mode.
 Output: `<out>/results.json`, `<out>/table.md` (also printed last), `<out>/timeline_<system>_<mode>.svg|png|json`.
 """
@@ -36,6 +40,8 @@ if str(HERE.parent) not in sys.path:  # accelerate_zero from this checkout, inst
 SYSTEMS = ("ours", "deepspeed", "fsdp2")
 MODES = ("none", "cpu", "cpu+param")
 ONE_THREAD = "cpu/omp1"  # ours in mode cpu with OMP_NUM_THREADS=1, as torchrun and accelerate launch set it
+SYNCHRONOUS = "cpu/sync"  # ours in mode cpu with the host step inside engine.step() (ACCELERATE_ZERO_OVERLAP_STEP=0)
+VARIANTS = (ONE_THREAD, SYNCHRONOUS)
 DRY_RUN = {"hidden": 256, "layers": 2, "batch": 2, "seq": 32, "accumulation": 2, "steps": 2}
 
 
@@ -78,6 +84,7 @@ def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, A
     if timeout < 20:
         return {**row, "skipped": f"out of time: --budget {args.budget} s spent before this run"}
     env = {**os.environ, "OMP_NUM_THREADS": "1" if variant == "omp1" else str(args.threads)}
+    env["ACCELERATE_ZERO_OVERLAP_STEP"] = "0" if variant == "sync" else "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
     begin = time.perf_counter()
     try:
@@ -105,12 +112,15 @@ def add_predictions(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
 
     base = next((r for r in rows if r["system"] == "ours" and r["mode"] == "none" and "step_seconds" in r), None)
     for row in rows:
-        if base is None or row["system"] != "ours" or row["mode"] not in ("cpu", "cpu+param"):
+        if base is None or row["system"] != "ours" or row["mode"] not in ("cpu", "cpu+param", SYNCHRONOUS):
             continue
         if "measured" not in row:
             continue
         figures = Measured(base["step_seconds"], row["measured"]["copy_gbps"], row["measured"]["host_rate"])
-        row["predicted"] = offload_step_seconds(row["numel"], 3, row["mode"], args.accumulation, figures)
+        mode, _, variant = row["mode"].partition("/")
+        row["predicted"] = offload_step_seconds(
+            row["numel"], 3, mode, args.accumulation, figures, overlapped=variant != "sync"
+        )
 
 
 def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
@@ -153,7 +163,7 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--modes", nargs="+", default=[*MODES, ONE_THREAD])
+    parser.add_argument("--modes", nargs="+", default=[*MODES, *VARIANTS])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
@@ -170,8 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry_run", action="store_true", help="a tiny model on the CPU (checks the script)")
     args = parser.parse_args(argv)
     for mode in args.modes:
-        if mode != ONE_THREAD and mode not in (*MODES, "nvme"):
-            parser.error(f"--modes {mode!r}: choose from {', '.join((*MODES, 'nvme', ONE_THREAD))}")
+        if mode not in (*MODES, "nvme", *VARIANTS):
+            parser.error(f"--modes {mode!r}: choose from {', '.join((*MODES, 'nvme', *VARIANTS))}")
     if args.dry_run:
         for key, value in DRY_RUN.items():
             setattr(args, key, value)
@@ -185,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in args.modes:
-        systems = ["ours"] if mode == ONE_THREAD else args.systems
+        systems = ["ours"] if mode in VARIANTS else args.systems
         for system in systems:
             row = run_one(args, system, mode)
             rows.append(row)

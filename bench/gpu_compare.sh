@@ -2,7 +2,7 @@
 # The prepared side-by-side run for a lent GPU (issue 40): ours, DeepSpeed 0.19.8 and FSDP2 per offload mode
 # (bench/gpu_compare.py; its docstring says what each system runs and what is measured).
 # Usage, from the repository root on the GPU machine (no registry needed):
-#   OUT=out bash bench/gpu_compare.sh            # part 1b: ~1B, modes cpu, none, cpu+param, cpu/omp1 (<= 8 min)
+#   OUT=out bash bench/gpu_compare.sh            # part 1b: ~1B, modes cpu, none, cpu/sync, cpu+param, cpu/omp1
 #   OUT=out PARTS=large bash bench/gpu_compare.sh  # 5.1B (hidden 4096 x LARGE_LAYERS=24), cpu+param (~5 min)
 #     LARGE_LAYERS=largest: the estimator's largest for cpu+param on this machine (bench/gpu_offload.py --largest)
 #   OUT=out PARTS=nvme bash bench/gpu_compare.sh   # 0.17B, modes none and nvme (the file I/O lane)
@@ -54,7 +54,7 @@ fi
 for part in $PARTS; do
   case $part in
     1b) options=(--hidden 2048 --layers 16 --batch 4 --seq 1024 --accumulation 4 --steps 2 --timeout 150
-                 --modes cpu none cpu+param cpu/omp1 --label "~1B") ;;
+                 --modes cpu none cpu/sync cpu+param cpu/omp1 --label "~1B") ;;
     large) layers=${LARGE_LAYERS:-24}
            if [ "$layers" = largest ]; then
              gib=$(free -g | awk '/^Mem:/ {print $2}')

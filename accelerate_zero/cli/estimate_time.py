@@ -2,7 +2,8 @@
 predicted from three figures measured on the machine ([Note: the offload step time model] in debug/step_time.py).
 
 Every estimate row gets `"step_seconds"`: the prediction and its parts (`no_offload`, `gradients_to_host`,
-`host_step`, `uploads`, `parameter_reads`, `total`), or null without the three flags and for NVMe, whose file
+`host_step`, `uploads`, `parameter_reads`, `total`, and `hidden_behind_forward`: host work the next forward hides at
+stage 3, not in `total`), or null without the three flags and for NVMe, whose file
 traffic the model does not count.
 """
 

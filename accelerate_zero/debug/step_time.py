@@ -8,9 +8,11 @@ does not hide behind the device's compute; `n` is this rank's trainable elements
   micro-step, at stages 0 and 1 once per step), asynchronously while backward runs ([Note: asynchronous host
   copies] in engine/host_copies.py). Backward is taken as 2/3 of the compute, so what the copies need beyond it
   is exposed.
-- the host step: n elements at the measured rate of the optimizer's fused CPU kernel on the rank's cores, with
-  nothing to hide behind: the next forward waits for it. The norm and the clipping multiply (each one more pass over
-  the gradients) are not counted.
+- the host step: n elements at the measured rate of the optimizer's fused CPU kernel on the rank's cores. The norm
+  and the clipping multiply (each one more pass over the gradients) are not counted. Synchronous (stages 1 and 2, or
+  `ACCELERATE_ZERO_OVERLAP_STEP=0`) nothing hides it; at stage 3 it runs across the step boundary ([Note: the host
+  step across the step boundary] in engine/step_in_flight.py) and hides behind the next step's first forward (a
+  third of one micro-step's compute), with the last chunk's upload; the next backward waits for the rest.
 - uploads of the updated parameters: the fp32 masters, 4n bytes (an asynchronous copy into a parameter of another
   dtype copies the source as it is and casts on the device). They run chunk by chunk beside the host step
   ([Note: the pipelined host step] in offload/pipelined_step.py), so only the last chunk's is exposed. Under
@@ -50,15 +52,23 @@ class Measured:
 
 
 def offload_step_seconds(
-    numel: int, stage: int, offload: str, accumulation: int, measured: Measured, compute_bytes: int = 2
+    numel: int,
+    stage: int,
+    offload: str,
+    accumulation: int,
+    measured: Measured,
+    compute_bytes: int = 2,
+    overlapped: bool | None = None,
 ) -> dict[str, float]:
     """The predicted step time of `offload` ("none", "cpu", "cpu+param") and its parts, in seconds
-    ([Note: the offload step time model]).
+    ([Note: the offload step time model]); `hidden_behind_forward` is host work the next forward hides (not in
+    `total`).
 
     Args:
         numel: this rank's trainable elements (the model's trainable parameters / world size at stages 1-3).
         accumulation: micro-steps per optimizer step.
         compute_bytes: bytes per element of the parameters on the device (bf16 / fp16: 2, fp32: 4).
+        overlapped: the host step runs across the step boundary; None: the engine's default (at stage 3).
 
     Raises:
         ValueError: an offload mode the model does not cover (nvme), or parameter offload below stage 3.
@@ -68,7 +78,7 @@ def offload_step_seconds(
     if offload == "cpu+param" and stage != 3:
         raise ValueError(f"offload={offload!r} at stage {stage}: parameter offload needs stage 3")
     parts = {"no_offload": measured.step_seconds, "gradients_to_host": 0.0, "host_step": 0.0, "uploads": 0.0}
-    parts["parameter_reads"] = 0.0
+    parts["parameter_reads"] = parts["hidden_behind_forward"] = 0.0
     if offload != "none":
         per_second = measured.copy_gbps * 1e9
         reductions = accumulation if stage >= 2 else 1
@@ -80,5 +90,12 @@ def offload_step_seconds(
         else:
             reads = accumulation * 2 * compute_bytes * numel / per_second
             parts["parameter_reads"] = max(0.0, reads - measured.step_seconds)
-    parts["total"] = sum(parts.values())
+        if overlapped if overlapped is not None else stage == 3:
+            forward = (1 - BACKWARD_SHARE) * measured.step_seconds / accumulation
+            hidden = min(forward, parts["host_step"] + parts["uploads"])
+            parts["hidden_behind_forward"] = hidden
+            from_step = min(hidden, parts["host_step"])
+            parts["host_step"] -= from_step
+            parts["uploads"] -= hidden - from_step
+    parts["total"] = sum(value for key, value in parts.items() if key != "hidden_behind_forward")
     return {key: round(value, 4) for key, value in parts.items()}

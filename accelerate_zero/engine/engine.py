@@ -197,6 +197,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         the accumulation boundary (other micro-steps communicate nothing).
         """
         self.sleeping.check_awake("backward")
+        self.sharded_optimizer.settle()  # backward writes the gradients a host step in flight reads
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
@@ -229,8 +230,12 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 self.reducer.finish_step()
                 if self.scheduler is not None:
                     self.scheduler.end_backward()
-                outcome = self.sharded_optimizer.step()
-                self.reducer.zero_grad()
+                # At stage 3 an offloaded host step may still run when this returns: the gradients are zeroed when
+                # it is settled ([Note: the host step across the step boundary] in engine/step_in_flight.py).
+                gated = [flat.shard for unit in self.units for flat in unit.flats]  # read through the store
+                outcome = self.sharded_optimizer.step(then=self.reducer.zero_grad, gated=gated)
+                if self.scheduler is not None and self.sharded_optimizer.stepping:
+                    self.scheduler.prefetch_ahead()  # the next forward's first units, while the rest steps
                 self._global_grad_norm = outcome.grad_norm
                 if outcome.overflow:
                     self.skipped_steps += 1
@@ -243,6 +248,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     def zero_grad(self) -> None:
         """Drops the accumulated gradients (the engine also does this after every optimizer step)."""
         self.sleeping.check_awake("zero_grad()", _GRADIENTS)
+        self.sharded_optimizer.settle()
         self.reducer.zero_grad()
 
     # ---------------------------------------------------- accumulation control
@@ -465,6 +471,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.reducer.scratch.clear()
         if self.grad_store is not None:
             self.grad_store.close()
+        self.sharded_optimizer.settle()
         self.sharded_optimizer.step_runner.close()
         self.shard_store.close()
         self.host_copies.drain()  # before the pinned memory they may copy from is unregistered

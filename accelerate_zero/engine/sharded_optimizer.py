@@ -7,6 +7,7 @@ accelerate does for FSDP2), so its class, hyperparameters, groups, and any LR sc
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -23,6 +24,7 @@ from accelerate_zero.engine.loss_scaler import LossScaler
 from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
 from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 from accelerate_zero.engine.shard_slice import ShardSlice
+from accelerate_zero.engine.step_in_flight import StepInFlight, overlap_enabled
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 
 
@@ -85,6 +87,10 @@ class ShardedOptimizer:
         self.shard_store = shard_store if shard_store is not None else ShardsInMemory()
         self.buckets = list({id(s.bucket): s.bucket for s in self.slices}.values())
         self.host_threads = host_threads if host_threads is not None else contextlib.nullcontext()
+        # The worker enters a context of its own: HostThreads remembers what to restore, per entry.
+        self._worker_threads = copy.copy(host_threads)
+        self.in_flight: StepInFlight | None = None
+        """The host step on its worker thread, once the first step ran across the boundary."""
 
     def switch_param_groups(self) -> None:
         """Points the optimizer's param groups at the master slices."""
@@ -102,12 +108,35 @@ class ShardedOptimizer:
             self.optimizer.state.update(constructor_state(self.optimizer))
 
     # -------------------------------------------------------------------- step
-    def step(self) -> StepOutcome:
-        """Clips, unscales and steps the shard, copies it into the 16-bit parameters and publishes them."""
-        with record_function(OPTIMIZER_STEP), self.host_threads:
-            return self._step()
+    def step(self, then: Callable[[], None] | None = None, gated: list[torch.Tensor] | None = None) -> StepOutcome:
+        """Clips, unscales and steps the shard, copies it into the 16-bit parameters and publishes them; then calls
+        `then` (the engine zeroes the gradients).
 
-    def _step(self) -> StepOutcome:
+        `gated`: the parameter shards every later read of which goes through `shard_store` (stage 3's unit shards):
+        an offloaded host step of their slices may run on a worker thread after this returns ([Note: the host step
+        across the step boundary] in engine/step_in_flight.py), `then` running when it is settled."""
+        self.settle()
+        with record_function(OPTIMIZER_STEP), self.host_threads:
+            outcome, coefficient = self._decide()
+            if coefficient is None:  # skipped: nothing to step
+                if then is not None:
+                    then()
+                return outcome
+            flight = self._flight_for(gated or [])
+            if flight is not None:
+                flight.step_direct(self, coefficient)  # what is read without the gate: published now
+                self.publish()  # stage 3: also drops gathered copies; the next gathers wait for their slices
+                flight.launch(self, coefficient, [then] if then is not None else [])
+                return outcome
+            self.step_runner.step(self, coefficient)
+            self.shard_store.flush()
+            self.publish()
+        if then is not None:
+            then()
+        return outcome
+
+    def _decide(self) -> tuple[StepOutcome, float | None]:
+        """The norm, the overflow and the coefficient the gradients are multiplied by (None: the step is skipped)."""
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # Masters and offloaded shards are written below: no copy may still be reading them (engine/host_copies.py).
         self.copies.drain()
@@ -116,34 +145,59 @@ class ShardedOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         if overflow:
-            return StepOutcome(grad_norm=norm, overflow=True)
+            return StepOutcome(grad_norm=norm, overflow=True), None
         coefficient = 1.0 / scale
         if self.gradient_clipping > 0:
             # Same coefficient as torch.nn.utils.clip_grad_norm_, folded into the unscale multiply.
             coefficient *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        self.step_runner.step(self, coefficient)
-        self.shard_store.flush()
-        self.publish()
-        return StepOutcome(grad_norm=norm, overflow=False)
+        return StepOutcome(grad_norm=norm, overflow=False), coefficient
+
+    def _flight_for(self, gated: list[torch.Tensor]) -> StepInFlight | None:
+        """The worker that steps across the boundary, made on first use; None where the step stays synchronous."""
+        if not (gated and self.step_runner.on_host and self.shard_store.gates_reads and overlap_enabled(self.device)):
+            return None
+        if self.in_flight is None:
+            self.in_flight = StepInFlight(
+                self.step_runner, self.slices, self.device, self._worker_threads, OPTIMIZER_STEP
+            )
+            self.shard_store.gate_reads(self.in_flight.wait_for)
+        return self.in_flight if self.in_flight.plan(gated) else None
+
+    @property
+    def stepping(self) -> bool:
+        """A host step is running on its worker thread (until `settle`)."""
+        return self.in_flight is not None and self.in_flight.running
+
+    def settle(self) -> None:
+        """Waits for a host step still running on its worker and runs what follows it ([Note: the host step across
+        the step boundary] in engine/step_in_flight.py); nothing when none is."""
+        if self.in_flight is not None:
+            self.in_flight.settle()
 
     def step_slices(
-        self, slices: list[ShardSlice], coefficient: float, grads: list[torch.Tensor] | None = None
+        self,
+        slices: list[ShardSlice],
+        coefficient: float,
+        grads: list[torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        copies: HostCopies | None = None,
     ) -> None:
         """Attaches the clipped gradients of `slices` (`grads` when already read), steps the optimizer, copies the
-        masters into parameters."""
+        masters into parameters. A worker thread passes its own view of the optimizer and its own `copies`."""
         self._attach_grads(slices, coefficient, grads)
-        self.optimizer.step()
+        (optimizer if optimizer is not None else self.optimizer).step()
         for shard_slice in slices:
             shard_slice.master.grad = None
-        self.write_params(slices)
+        self.write_params(slices, copies)
 
-    def write_params(self, slices: list[ShardSlice]) -> None:
+    def write_params(self, slices: list[ShardSlice], copies: HostCopies | None = None) -> None:
         """Copies the masters of `slices` into the parameter shards (into their files under NVMe offload)."""
+        copies = copies if copies is not None else self.copies
         for shard_slice in slices:
             if self.shard_store.holds(shard_slice):
                 self.shard_store.write_slice(shard_slice)
             elif not shard_slice.aliased:
-                self.copies.into_device(shard_slice.master, shard_slice.params)
+                copies.into_device(shard_slice.master, shard_slice.params)
 
     def _global_norm(self) -> float:
         # [Note: the norm of a large flat buffer]: summed in fp64 from chunks, exact to fp32 rounding at any size (a
@@ -183,6 +237,7 @@ class ShardedOptimizer:
 
     def refresh_masters(self) -> None:
         """Copies the parameter shards into the fp32 master weights (after parameters were overwritten)."""
+        self.settle()
         self.copies.drain()
         for slices in self.resident_slices(write_back=True):
             for shard_slice in slices:
@@ -194,10 +249,12 @@ class ShardedOptimizer:
     def resident_slices(self, write_back: bool) -> Iterator[list[ShardSlice]]:
         """Every slice, in batches whose masters and optimizer state are in memory while the batch is used (all
         at once, or one NVMe sub-group at a time: with `write_back` changes go back to its file)."""
+        self.settle()
         yield from self.step_runner.each_resident(self.optimizer, write_back)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Master weights and optimizer state tensors (for memory accounting)."""
+        self.settle()  # the worker adds state on a first step
         masters = [s.master for s in self.slices if not s.aliased]
         states = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         return {"master_weights": masters, "optimizer_states": states}

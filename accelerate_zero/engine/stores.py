@@ -14,7 +14,7 @@ runs, instead of asking whether a store exists.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -38,6 +38,15 @@ class UnitShards(Protocol):
 
 class ShardStore(Protocol):
     """Where the shards of stage-3 units live between gathers."""
+
+    gates_reads: bool
+    """`gate_reads` is honoured: every read and write of a shard first calls the gate ([Note: the host step across
+    the step boundary] in engine/step_in_flight.py)."""
+
+    def gate_reads(self, wait_for: Callable[[torch.Tensor], None]) -> None:
+        """From now on `wait_for(flat.shard)` runs before a shard is read or written (a host step may still be
+        writing it)."""
+        ...
 
     def place(self, units: Sequence[UnitShards], spilled: dict[int, Path]) -> None:
         """Once, when the units are built: takes the shards this store keeps outside memory ([Note: where an
@@ -89,6 +98,19 @@ class ShardStore(Protocol):
 class ShardsInMemory:
     """A `ShardStore` for shards that never leave memory (device or host: `flat.shard` is where they are)."""
 
+    gates_reads = True
+
+    def __init__(self) -> None:
+        self._wait_for: Callable[[torch.Tensor], None] | None = None
+
+    def gate_reads(self, wait_for: Callable[[torch.Tensor], None]) -> None:
+        self._wait_for = wait_for
+
+    def _gate(self, shard: torch.Tensor) -> torch.Tensor:
+        if self._wait_for is not None:
+            self._wait_for(shard)
+        return shard
+
     def place(self, units: Sequence[UnitShards], spilled: dict[int, Path]) -> None:
         pass
 
@@ -96,16 +118,16 @@ class ShardsInMemory:
         return False
 
     def acquire(self, flat: FlatUnitBuffer) -> torch.Tensor:
-        return flat.shard
+        return self._gate(flat.shard)
 
     def release(self, flat: FlatUnitBuffer) -> None:
         pass
 
     def read(self, flat: FlatUnitBuffer) -> torch.Tensor:
-        return flat.shard
+        return self._gate(flat.shard)
 
     def overwrite(self, flat: FlatUnitBuffer, values: torch.Tensor, offset: int = 0) -> None:
-        flat.shard[offset : offset + values.numel()].copy_(values)
+        self._gate(flat.shard)[offset : offset + values.numel()].copy_(values)
 
     def read_ahead(self, flats: list[FlatUnitBuffer]) -> None:
         pass
@@ -114,7 +136,7 @@ class ShardsInMemory:
         return False
 
     def read_slice(self, shard_slice: ShardSlice) -> torch.Tensor:
-        return shard_slice.params
+        return self._gate(shard_slice.params)
 
     def write_slice(self, shard_slice: ShardSlice) -> None:
         raise AssertionError("write_slice() on shards in memory: the slice's parameters are written in place")
@@ -142,6 +164,10 @@ class SliceStepper(Protocol):
 class StepRunner(Protocol):
     """How the optimizer step reaches the master weights and their optimizer state."""
 
+    on_host: bool
+    """The step is host work (offloaded masters): it may run on a worker thread ([Note: the host step across the
+    step boundary] in engine/step_in_flight.py)."""
+
     def step(self, sharded: SliceStepper, coefficient: float) -> None:
         """Steps every slice with its gradient times `coefficient` (`sharded.step_slices` on each batch)."""
         ...
@@ -158,6 +184,8 @@ class StepRunner(Protocol):
 
 class StepsInMemory:
     """A `StepRunner` for masters and state held in memory: one step over all slices at once."""
+
+    on_host = False
 
     def __init__(self, slices: list[ShardSlice]) -> None:
         self.slices = slices

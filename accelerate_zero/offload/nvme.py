@@ -172,6 +172,8 @@ def check_folder(key: str, nvme_path: str, folder: Path, rank: int, needed: int,
 class NvmeSwapper:
     """Steps the optimizer sub-group by sub-group from files (see the module docstring)."""
 
+    on_host = True
+
     def __init__(
         self,
         folder: Path,
@@ -214,22 +216,35 @@ class NvmeSwapper:
 
     def step(self, sharded: SliceStepper, coefficient: float) -> None:
         """One optimizer step over every sub-group, reading ahead and writing behind."""
+        self.step_where(sharded, coefficient, None)
+
+    def step_where(self, sharded: SliceStepper, coefficient: float, keep: Callable[[ShardSlice], bool] | None) -> None:
+        """Steps the slices `keep` accepts (None: all): the sub-groups holding one are read, stepped (those slices
+        only) and written back whole; the others are not read."""
         optimizer = sharded.optimizer
+        kept = [[keep is None or keep(s) for _, s in subgroup] for subgroup in self.subgroups]
+        order = [index for index, flags in enumerate(kept) if any(flags)]
+        if not order:
+            return
         all_params = [group["params"] for group in optimizer.param_groups]
         writes: collections.deque[Future] = collections.deque()
-        reading = self._pool.submit(self._read_for_step, 0)
+        reading = self._pool.submit(self._read_for_step, order[0])
         try:
-            for index, subgroup in enumerate(self.subgroups):
+            for position, index in enumerate(order):
+                subgroup, flags = self.subgroups[index], kept[index]
                 loaded, grads = reading.result()
                 while len(writes) + 2 > self.buffer_count:  # current + read-ahead + writes in flight
                     writes.popleft().result()
-                if index + 1 < len(self.subgroups):
-                    reading = self._pool.submit(self._read_for_step, index + 1)
-                self.peak_resident = max(self.peak_resident, len(writes) + 1 + int(index + 1 < len(self.subgroups)))
+                ahead = position + 1 < len(order)
+                if ahead:
+                    reading = self._pool.submit(self._read_for_step, order[position + 1])
+                self.peak_resident = max(self.peak_resident, len(writes) + 1 + int(ahead))
                 _restore(subgroup, loaded, optimizer)
+                stepped = [(g, s) for (g, s), flag in zip(subgroup, flags, strict=True) if flag]
                 for group_index, group in enumerate(optimizer.param_groups):
-                    group["params"] = [s.master for g, s in subgroup if g == group_index]
-                sharded.step_slices([s for _, s in subgroup], coefficient, grads)
+                    group["params"] = [s.master for g, s in stepped if g == group_index]
+                grads = [grad for grad, flag in zip(grads, flags, strict=True) if flag]
+                sharded.step_slices([s for _, s in stepped], coefficient, grads)
                 tensors = _tensors(subgroup, optimizer.state)
                 _release(subgroup, optimizer.state)
                 writes.append(self._pool.submit(self._write, index, tensors))

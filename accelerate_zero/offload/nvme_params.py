@@ -29,6 +29,7 @@ import collections
 import os
 import shutil
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,11 @@ class NvmeParamStore:
     all-gather (see the notes above); the shards it was not given stay in memory.
 
     Built before the units (they are constructed with it), empty; `take` then moves the chosen shards into files."""
+
+    gates_reads = False  # its reads and writes of files are in flight of their own: the host step stays synchronous
+
+    def gate_reads(self, wait_for: Callable[[torch.Tensor], None]) -> None:
+        raise AssertionError("NvmeParamStore does not gate its reads (gates_reads is False)")
 
     def __init__(
         self,

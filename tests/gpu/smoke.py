@@ -21,7 +21,8 @@ exits 1 if any failed. Checks (a CUDA-only check is reported as skipped on the C
 - CUDA, checked first in the fresh process: the engine bound this rank's device (`torch.cuda.current_device() ==
   LOCAL_RANK`); the host syncs per optimizer step (`torch.cuda.set_sync_debug_mode`) stay within a bound;
 - the offloaded host step cut into chunks (each chunk's upload beside the next chunk's step) trains bit for bit like
-  one step over everything, at stages 2 and 3 (tests/gpu/smoke_pipelined.py);
+  one step over everything, at stages 2 and 3, and at stage 3 run across the step boundary like the synchronous
+  step (tests/gpu/smoke_pipelined.py);
 - `from_pretrained` under CPU and NVMe parameter offload, a >= 100M-parameter Llama's memory per phase and time per
   step, and (last) the CUDA contexts this process holds: tests/gpu/smoke_offload.py.
 tests/gpu/test_smoke.py runs the same checks on 2 gloo ranks in the test suite.

@@ -59,17 +59,25 @@ def test_dry_run_on_the_cpu(tmp_path: Path) -> None:
     lane is drawn), FSDP2 where it applies, rows for what does not apply; ours and FSDP2 train the same model the
     same way (equal losses), and each timeline is drawn."""
     out = tmp_path / "out"
-    argv = ["--dry_run", "--systems", "ours", "fsdp2", "--modes", "cpu+param", "nvme", "--out", str(out)]
+    argv = ["--dry_run", "--systems", "ours", "fsdp2", "--modes", "cpu+param", "nvme", "cpu/sync", "--out", str(out)]
     argv += ["--nvme_dir", str(tmp_path / "nvme"), "--timeout", "240"]
     assert gpu_compare.main(argv) == 0
     rows = {(r["system"], r["mode"]): r for r in json.loads((out / "results.json").read_text())["results"]}
-    assert set(rows) == {("ours", "cpu+param"), ("ours", "nvme"), ("fsdp2", "cpu+param"), ("fsdp2", "nvme")}
+    assert set(rows) == {
+        ("ours", "cpu+param"),
+        ("ours", "nvme"),
+        ("ours", "cpu/sync"),
+        ("fsdp2", "cpu+param"),
+        ("fsdp2", "nvme"),
+    }
     assert "CPUOffloadPolicy" in rows["fsdp2", "nvme"]["skipped"]
     ours, fsdp2 = rows["ours", "cpu+param"], rows["fsdp2", "cpu+param"]
     for row in (ours, fsdp2, rows["ours", "nvme"]):
         assert row["tokens_per_second"] > 0 and row["host_peak_gib"] > 0 and len(row["losses"]) == 3
-    assert ours["losses"] == fsdp2["losses"] == rows["ours", "nvme"]["losses"]
+    # the host step overlapped (ours, every mode) or not (cpu/sync): the same training
+    assert ours["losses"] == fsdp2["losses"] == rows["ours", "nvme"]["losses"] == rows["ours", "cpu/sync"]["losses"]
     assert ours["losses"][2] < ours["losses"][0]
+    assert ours["host_step_overlapped"] and not rows["ours", "cpu/sync"]["host_step_overlapped"]
     assert ours["measured"]["copy_gbps"] > 0 and ours["measured"]["host_rate"] > 0  # for the predicted column
     nvme = rows["ours", "nvme"]["timeline"]
     assert nvme["busy"]["file I/O"] > 0 and nvme["busy"]["host step"] > 0 and nvme["busy"]["compute"] > 0

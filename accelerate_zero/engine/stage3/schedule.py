@@ -343,6 +343,14 @@ class UnitScheduler:
         self._grads_done.clear()
         self.release_all()
 
+    def prefetch_ahead(self) -> None:
+        """Between an optimizer step whose host step is still running and the next forward: starts gathering the
+        first units of the last forward's order, within the prefetch budget, each as soon as its own slices are
+        stepped ([Note: the host step across the step boundary] in engine/step_in_flight.py)."""
+        trace = self.traces.get(self._entry_key)
+        if self.phase is TrainingPhase.IDLE and trace:
+            self._prefetch(trace)
+
     def release_all(self) -> None:
         for unit in self.units:
             unit.reshard()
