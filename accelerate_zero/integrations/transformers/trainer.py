@@ -10,7 +10,9 @@ The Trainer keeps its loop; what it does with DeepSpeed (INTEGRATION_NOTES §2.1
   of model and optimizer, then resuming from an engine checkpoint (any world size, any stage).
 * Saving: `save_model` gathers the 16-bit weights (adapters only for a PEFT model); a checkpoint folder holds every
   rank's shards (`zero_model/`) next to Trainer's own files, and counts as complete only once `trainer_state.json`
-  is written, so `resume_from_checkpoint=True` never picks a half-written one.
+  is written, so `resume_from_checkpoint=True` never picks a half-written one. With `checkpoint.writer.decoupled`
+  the engine state is written in the background and the rotation waits for it ([Note: the Trainer's asynchronous
+  saves] in checkpoint_saves.py); `resume_from_checkpoint` may name a DCP folder written by FSDP2 or torchtitan.
 * Evaluation/prediction before training prepares the model for inference (sharded at stage 3); `train()` undoes it.
 """
 
@@ -31,11 +33,13 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable 
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from accelerate_zero.checkpoint import dcp_read
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
 from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
+from accelerate_zero.integrations.transformers import checkpoint_saves
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
 from accelerate_zero.integrations.transformers.checkpoint_files import verify_manifest, write_manifest
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
@@ -48,6 +52,7 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE_NAME = "trainer_state.json"
 SCHEDULER_NAME = "scheduler.pt"
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+_DCP_RESUME = "_zero_dcp_resume"
 
 
 class ZeroTrainerMixin:
@@ -239,8 +244,9 @@ class ZeroTrainerMixin:
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = model
 
-        if resume_from_checkpoint is not None:
-            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        dcp_folder = self.__dict__.pop(_DCP_RESUME, None)  # set by `train`
+        if resume_from_checkpoint is not None or dcp_folder is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint or dcp_folder)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -318,7 +324,10 @@ class ZeroTrainerMixin:
         if engine is None:
             super()._save_optimizer_and_scheduler(output_dir)
             return
-        engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG)
+        # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py
+        engine.save_checkpoint(
+            output_dir, tag=CHECKPOINT_TAG, async_save=checkpoint_saves.saves_asynchronously(self.args)
+        )
         if (
             self.args.should_save
             and self.lr_scheduler is not None
@@ -327,11 +336,20 @@ class ZeroTrainerMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        if self.zero_engine is None:
+        engine = self.zero_engine
+        if engine is None:
+            super()._save_checkpoint(model, trial)
             return
+        checkpoint_saves.finish_saves(self, engine)  # the previous save published, then its rotation
+        run_dir = self._get_output_dir(trial=trial)
+        if checkpoint_saves.saves_asynchronously(self.args) and not self.args.save_only_model:
+            # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py: rotated once published
+            with checkpoint_saves.rotation_deferred(self, run_dir):
+                super()._save_checkpoint(model, trial)
+        else:
+            super()._save_checkpoint(model, trial)
         # [Note: the Trainer's files are checksummed too] in checkpoint_files.py: once every rank wrote its files.
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.accelerator.wait_for_everyone()
         if self.args.should_save and os.path.isdir(folder):
             write_manifest(folder)
@@ -344,6 +362,10 @@ class ZeroTrainerMixin:
         engine = self.zero_engine
         if checkpoint is None or engine is None:
             super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        if dcp_read.is_dcp_folder(Path(checkpoint)):  # written by FSDP2 or torchtitan
+            own = None if isinstance(self.lr_scheduler, ZeroSchedulerWrapper) else self.lr_scheduler
+            checkpoint_saves.resume_from_dcp(self, engine, checkpoint, own)
             return
         _check_complete(checkpoint)
         engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
@@ -366,7 +388,19 @@ class ZeroTrainerMixin:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if resume_from_checkpoint is not None and dcp_read.is_dcp_folder(Path(resume_from_checkpoint)):
+            # A DCP folder (FSDP2, torchtitan) has no trainer_state.json, which transformers reads from the folder
+            # it resumes: the Trainer starts as a new run and `_prepare_for_training` loads the folder.
+            setattr(self, _DCP_RESUME, str(resume_from_checkpoint))
+            resume_from_checkpoint = None
+        try:
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.__dict__.pop(_DCP_RESUME, None)
+        engine = self.zero_engine
+        if engine is not None:  # the last asynchronous save published (its error raised here) and rotated
+            checkpoint_saves.finish_saves(self, engine)
+        return result
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):
