@@ -11,7 +11,8 @@ the engine files of the checkpoint they keep are byte for byte the same (the SHA
 Resume from DCP: run a saves `checkpoint-2` and, at step 2, a DCP checkpoint of the engine (the layout FSDP2 writes;
 tests/distributed/test_checkpoint_dcp.py loads it into FSDP2 and FSDP2's into ours). Run b resumes `checkpoint-2`
 with `ignore_data_skip=True`, run c the DCP folder: c continues from step 2 with the same learning rates, losses and
-final weights as b.
+final weights as b. Its `save_model` at stage 3 (files of 20 kB) has every rank write its files, and
+`from_pretrained` loads the trained weights.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _dcp_resume(root: Path) -> dict[str, Any]:
     a = _trainer(root / "a", False, [save_dcp], save_strategy="steps", save_steps=2)
     save_dcp.trainer = a
     a.train()
-    out = {"dcp_files": sorted(p.name for p in save_dcp.folder.iterdir())}
+    out = {"dcp_files": sorted(p.name for p in save_dcp.folder.iterdir()), "export": _export(a, root / "export")}
     for name, folder in (("b", root / "a" / "checkpoint-2"), ("c", save_dcp.folder)):
         trainer = _trainer(root / name, False, [], ignore_data_skip=True)
         trainer.train(resume_from_checkpoint=str(folder))
@@ -140,6 +141,34 @@ def _dcp_resume(root: Path) -> dict[str, Any]:
             "lrs": [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry],
             "global_step": trainer.state.global_step,
         }
+    return out
+
+
+def _export(trainer: Any, folder: Path) -> dict[str, Any]:
+    """save_model at stage 3 with files of 20 kB: each rank writes its files ([Note: parallel Hugging Face
+    export]); from_pretrained (rank 0) must give the trained weights."""
+    from transformers import LlamaForCausalLM
+
+    from accelerate_zero.checkpoint import hf_export
+    from accelerate_zero.integrations.transformers import checkpoint_saves
+
+    real_save, real_bytes, written = hf_export.save_file, checkpoint_saves.SAVE_PRETRAINED_SHARD_BYTES, []
+
+    def recording(tensors: dict[str, torch.Tensor], path: str, **kwargs: Any) -> None:
+        written.append(Path(path).name)
+        real_save(tensors, path, **kwargs)
+
+    hf_export.save_file, checkpoint_saves.SAVE_PRETRAINED_SHARD_BYTES = recording, 20_000
+    try:
+        trainer.save_model(str(folder))
+    finally:
+        hf_export.save_file, checkpoint_saves.SAVE_PRETRAINED_SHARD_BYTES = real_save, real_bytes
+    state = trainer.accelerator.get_state_dict(trainer.model)
+    out: dict[str, Any] = {"written": written}
+    if trainer.accelerator.is_main_process:  # the other ranks get meta tensors
+        loaded = LlamaForCausalLM.from_pretrained(folder).state_dict()
+        out["same"] = all(torch.equal(loaded[name], value) for name, value in state.items() if name in loaded)
+        out["files"] = sorted(p.name for p in folder.glob("*.safetensors*"))
     return out
 
 
@@ -154,8 +183,21 @@ def _body(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_distributed(_body, WORLD, str(tmp_path_factory.mktemp("trainer_async")), timeout=600)[0]
+def all_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(_body, WORLD, str(tmp_path_factory.mktemp("trainer_async")), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ranks(all_ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    return all_ranks[0]
+
+
+def test_save_model_at_stage_3_writes_from_every_rank(all_ranks: list[dict[str, Any]]) -> None:
+    first, second = (result["dcp"]["export"] for result in all_ranks)
+    assert first["written"] and second["written"], (first["written"], second["written"])  # both ranks wrote files
+    assert set(first["written"]).isdisjoint(second["written"])
+    assert len(first["files"]) == len(first["written"]) + len(second["written"]) + 1  # and the index
+    assert "model.safetensors.index.json" in first["files"] and first["same"]
 
 
 def test_rotation_waits_for_the_writer_to_publish(ranks: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_zero.checkpoint import dcp_read
+from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
 from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG
@@ -289,7 +290,8 @@ class ZeroTrainerMixin:
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Writes the full 16-bit weights (`model.safetensors`, sharded with an index when large) and the config
-        and tokenizer, loadable with `from_pretrained`; for a PEFT model, the adapter. Every rank must call it.
+        and tokenizer, loadable with `from_pretrained`; for a PEFT model, the adapter. Every rank must call it. At
+        stage 3 every rank writes its share of the weight files (`checkpoint_saves.exports_in_parallel`).
 
         At stage 3 without `stage3_gather_16bit_weights_on_model_save`, as with DeepSpeed, the sharded engine state
         is written instead (`accelerate-zero consolidate` turns it into weights); a Trainer checkpoint holds that
@@ -300,8 +302,17 @@ class ZeroTrainerMixin:
             super().save_model(output_dir, _internal_call)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        adapter_keys = _adapter_keys(self.model)
+        if checkpoint_saves.exports_in_parallel(self.model, engine, adapter_keys, self.accelerator.zero_plugin):
+            self._save(output_dir, state_dict={})  # config, generation config, tokenizer, arguments
+            _remove_weight_files(self.args.should_save, output_dir)
+            self.accelerator.wait_for_everyone()  # before any rank writes a weights file there
+            save_pretrained_parallel(engine, output_dir, checkpoint_saves.SAVE_PRETRAINED_SHARD_BYTES)
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return
         try:
-            state_dict = self.accelerator.get_state_dict(self.model, only=_adapter_keys(self.model))
+            state_dict = self.accelerator.get_state_dict(self.model, only=adapter_keys)
         except ValueError:
             logger.warning(
                 "stage3_gather_16bit_weights_on_model_save=false: saving the sharded engine state to %s instead of "
