@@ -18,14 +18,15 @@ checkpoint stays in host memory between saves (`release_staging` frees it), as t
 staged state dict.
 
 [Note: the snapshot is copied by the writer]
-The copy into the staging buffers is most of what a save costs the training thread (measured: 70-100 ms of a 0.4-1.4
-s step for a 96 MiB checkpoint, bench/checkpoint_async.py). What it copies from host memory (the masters and the
-optimizer's state, when they are on the CPU) only changes in an optimizer step, so the writer thread copies those
-itself, first, while the next forward and backward run, and every `torch.optim` optimizer's step waits until that
-copy is done (a global step pre-hook, `register_optimizer_step_pre_hook`). Only the tensors a step can change are
-left for the writer: device tensors (a copy from the device stays on the training thread, ordered with its
-streams), and everything under NVMe offload (its views live in buffers reused for the next sub-group) are copied at
-once. A load or a second save joins the writer first, so it finds the copy done. What else could write those
+The copy into the staging buffers is most of what a save costs the training thread (measured: 20-100 ms of a 0.1-1.4
+s step for a 96 MiB checkpoint, bench/checkpoint_async.py). The masters and the optimizer's state, when they are in
+host memory, only change in an optimizer step, so the writer thread copies those itself, first, while the next
+forward and backward run, and every `torch.optim` optimizer's step waits until that copy is done (a global step
+pre-hook, `register_optimizer_step_pre_hook`). Only what lives in the optimizer's own storages (its parameters and
+state, matched by storage address) is left for the writer; the rest is copied at once: device tensors (a copy from
+the device stays on the training thread, ordered with its streams), buffers (a forward changes running statistics),
+parameters the optimizer does not hold, and everything under NVMe offload (its views live in buffers reused for the
+next sub-group). A load or a second save joins the writer first, so it finds the copy done. What else could write those
 tensors while the copy is pending: `offload_states()` (sleep) of a CPU-resident engine, which resizes storages;
 it must call `wait_for_snapshots()` first.
 """
@@ -153,11 +154,17 @@ _UNCOPIED: dict[int, _Snapshot] = {}
 _STEP_HOOK: list[object] = []
 
 
-def _left_to_the_writer(engine: object) -> bool:
-    """Whether `engine`'s host tensors stay put until its next optimizer step (not under NVMe offload)."""
+def _stepped_storages(engine: object) -> set[int]:
+    """The host storages only `engine`'s optimizer step writes (its masters and their state), by address; none under
+    NVMe offload (its views live in buffers reused for the next sub-group)."""
     zero = getattr(getattr(engine, "config", None), "zero_optimization", None)
     blocks = (getattr(zero, "offload_optimizer", None), getattr(zero, "offload_param", None))
-    return zero is not None and all(getattr(block, "device", "none") != "nvme" for block in blocks)
+    if zero is None or any(getattr(block, "device", "none") == "nvme" for block in blocks):
+        return set()
+    optimizer = engine.checkpoint_state().optimizer  # type: ignore[attr-defined]
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    return {t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu"}
 
 
 def stage(engine: object, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -167,12 +174,12 @@ def stage(engine: object, tensors: Iterable[tuple[str, torch.Tensor]]) -> list[t
     the same buffers; then `start` the writer."""
     cache = _STAGING.setdefault(engine, {})
     staged, deferred = [], []
-    later = _left_to_the_writer(engine)
+    stepped = _stepped_storages(engine)
     for key, tensor in tensors:
         buffer = cache.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-        if later and tensor.device.type == "cpu" and tensor is not buffer:
+        if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in stepped:
             deferred.append((buffer, tensor))
         else:
             buffer.copy_(tensor)

@@ -114,16 +114,16 @@ def _failing_writer(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     held = _HeldWriter(engine_io.save_file, fail=rank == 1)
     held.release.set()
     engine_io.save_file = held
-    try:
+    try:  # the failing writer stays in place until the next save has waited for the writer that uses it
         engine.save_checkpoint(str(root / "failing"), tag="broken", async_save=True)
+        try:
+            engine.save_checkpoint(str(root / "failing"), tag="next")
+        except OSError as error:
+            raised = str(error)
+        else:
+            raised = None
     finally:
         engine_io.save_file = held.real
-    try:
-        engine.save_checkpoint(str(root / "failing"), tag="next")
-    except OSError as error:
-        raised = str(error)
-    else:
-        raised = None
     return {
         "raised": raised,
         "latest": (root / "failing" / "latest").read_text(),
