@@ -111,6 +111,7 @@ def _saving_run(root: Path, asynchronous: bool) -> dict[str, Any]:
         "state": trainer.accelerator.get_state_dict(trainer.model),
         "losses": trainer_checks.losses(trainer),
         "digests": json.loads((kept / "zero_model" / "meta.json").read_text())["files"],
+        "saved_limit": torch.load(kept / "training_args.bin", weights_only=False).save_total_limit,
     }
 
 
@@ -217,6 +218,7 @@ def test_asynchronous_run_equals_the_synchronous_one(ranks: dict[str, Any]) -> N
     sync, run = ranks["sync"], ranks["async"]
     assert run["after"] == sync["after"] and all(run["after"].values())
     assert run["best"] == sync["best"]
+    assert run["saved_limit"] == sync["saved_limit"] == 1  # the arguments saved are the run's own
     assert run["losses"] == sync["losses"]
     assert run["digests"] == sync["digests"]
     assert sync["state"].keys() == run["state"].keys()

@@ -17,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import rotate_checkpoints
+import torch
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from accelerate_zero.checkpoint import async_save
 from accelerate_zero.config.checkpoint_writer import decoupled
@@ -37,7 +40,8 @@ def saves_asynchronously(args: Any) -> bool:
 @contextlib.contextmanager
 def rotation_deferred(trainer: Any, run_dir: str) -> Iterator[None]:
     """While the block runs (transformers' `_save_checkpoint`), `save_total_limit` reads None, so it rotates
-    nothing; the rotation it would have done runs in `finish_saves`."""
+    nothing; the rotation it would have done runs in `finish_saves`. The arguments the block pickled into the new
+    checkpoint (`training_args.bin`) are written again with the real limit."""
     args = trainer.args
     limit = args.save_total_limit
     args.save_total_limit = None
@@ -46,6 +50,9 @@ def rotation_deferred(trainer: Any, run_dir: str) -> Iterator[None]:
     finally:
         args.save_total_limit = limit
     setattr(trainer, _PENDING, run_dir)
+    arguments = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}" / TRAINING_ARGS_NAME
+    if args.should_save and arguments.is_file():
+        torch.save(args, arguments)
 
 
 def finish_saves(trainer: Any, engine: Any) -> None:
