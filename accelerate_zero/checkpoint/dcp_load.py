@@ -4,7 +4,8 @@
 FSDP2 saves `{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer), ...}` with
 `dcp.save`; DCP flattens the nesting into keys `model.<parameter name>`, `optim.state.<parameter name>.<state>`
 (`exp_avg`, `exp_avg_sq`, `step`) and `optim.param_groups.<i>.<hyperparameter>`; torchtitan puts the model's keys
-at the top level and the optimizer under `optimizer.`. The prefixes are found from the model's own parameter names.
+at the top level and the optimizer under `optimizer.`, flattened (`flatten_optimizer_state_dict`: hyperparameters
+keyed by parameter name, `optimizer.param_groups.<name>.<hyperparameter>`). The prefixes are found from the model's own parameter names.
 The folder is checked whole before anything is read: every model parameter must be there with its shape, and no
 other tensor may be under the model's prefix (a checkpoint of another model is refused naming the keys); every
 data file must be present ([Note: reading DCP folders safely] in dcp_read.py). Each rank then reads, one trainable
@@ -122,7 +123,7 @@ def load_dcp(engine: ZeroEngine, folder: Path, load_optimizer_states: bool, load
         _load_rest(state, source, names, buffers)
         state.finish_load()
     if load_optimizer_states:
-        _load_param_groups(state, folder, metadata, opt_prefix)
+        _load_param_groups(state, folder, metadata, opt_prefix, trained)
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         _load_scheduler(engine.lr_scheduler, folder, metadata)
     step = dcp_read.load_value(folder, metadata, "train_state.step")
@@ -222,12 +223,34 @@ def _load_rest(state: CheckpointState, source: _Source, names: dict[int, str], b
         buffer.copy_(values[name, "param"].reshape(buffer.shape))
 
 
-def _load_param_groups(state: CheckpointState, folder: Path, metadata: Metadata, prefix: str | None) -> None:
-    for index, group in enumerate(state.optimizer.param_groups):
+def _load_param_groups(
+    state: CheckpointState, folder: Path, metadata: Metadata, prefix: str | None, trained: list[str]
+) -> None:
+    """The optimizer's hyperparameters: keyed by group index (`get_optimizer_state_dict`), or by parameter name
+    (`flatten_optimizer_state_dict=True`, as torchtitan saves), where every parameter must then agree on a value
+    when there is more than one group (the folder does not say which group a name was in)."""
+    groups = state.optimizer.param_groups
+    for index, group in enumerate(groups):
         for hyper in [k for k in group if k != "params"]:
             value = dcp_read.load_value(folder, metadata, f"{prefix}param_groups.{index}.{hyper}")
+            if value is None:
+                value = _by_name(folder, metadata, f"{prefix}param_groups.", trained, hyper, len(groups))
             if value is not None:
                 group[hyper] = value
+
+
+def _by_name(folder: Path, metadata: Metadata, head: str, trained: list[str], hyper: str, groups: int) -> Any:
+    values = [dcp_read.load_value(folder, metadata, f"{head}{name}.{hyper}") for name in trained]
+    found = [value for value in values if value is not None]
+    if not found or groups == 1:
+        return found[0] if found else None
+    if any(value != found[0] for value in found):
+        raise ValueError(
+            f"{folder} keys the optimizer's '{hyper}' by parameter name with different values, and the optimizer "
+            f"has {groups} groups: which name belongs to which group is not in the folder. Load it with "
+            "load_optimizer_states=False, or into an optimizer with one parameter group"
+        )
+    return found[0]
 
 
 def _load_scheduler(scheduler: Any, folder: Path, metadata: Metadata) -> None:

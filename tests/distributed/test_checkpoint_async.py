@@ -5,13 +5,15 @@ goes on for a step during the write (the writer is released by that step), `late
 until the writer publishes, and the files published are byte for byte those of a synchronous save taken at the same
 step (the same SHA-256s in meta.json). A second save waits for the first; a load (by another engine) waits for the
 save in flight and restores it exactly; a writer that fails on one rank makes the next save raise on every rank, naming the rank,
-with `latest` unchanged. A job killed while the writer runs is tests/integration/test_killed_save.py's "async" case.
+with `latest` unchanged. The writer copies the snapshot itself, and the next optimizer step waits for that copy:
+held for a second, the step waits and the checkpoint holds the values of its own step. A job killed while the writer runs is tests/integration/test_killed_save.py's "async" case.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from tests.helpers.models import gathered_flat, make_batches, make_model, train_
 
 STEPS, GLOBAL_BATCH = 5, 6
 RELEASE_SECONDS = 60.0
+HELD_COPY_SECONDS = 1.0
 
 
 def _engine(stage: int, seed: int = 0) -> tuple[Any, torch.nn.Module]:
@@ -111,20 +114,50 @@ def _failing_writer(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     held = _HeldWriter(engine_io.save_file, fail=rank == 1)
     held.release.set()
     engine_io.save_file = held
-    try:
+    try:  # the failing writer stays in place until the next save has waited for the writer that uses it
         engine.save_checkpoint(str(root / "failing"), tag="broken", async_save=True)
+        try:
+            engine.save_checkpoint(str(root / "failing"), tag="next")
+        except OSError as error:
+            raised = str(error)
+        else:
+            raised = None
     finally:
         engine_io.save_file = held.real
-    try:
-        engine.save_checkpoint(str(root / "failing"), tag="next")
-    except OSError as error:
-        raised = str(error)
-    else:
-        raised = None
     return {
         "raised": raised,
         "latest": (root / "failing" / "latest").read_text(),
         "broken_published": (root / "failing" / "broken").exists(),
+    }
+
+
+def _copy_held_past_a_step(rank: int, world_size: int, root: Path) -> dict[str, Any]:
+    """[Note: the snapshot is copied by the writer]: the writer's copy is held for a while; the next step's
+    optimizer step must wait for it, so the checkpoint still holds the values of the step it was taken at."""
+    from accelerate_zero.checkpoint import async_save
+
+    engine, _ = _engine(stage=2)
+    _steps(engine, rank, world_size, range(2))
+    engine.save_checkpoint(str(root / "fence"), tag="sync")
+    real_copy, release = async_save._Snapshot.copy, threading.Event()
+
+    def held_copy(snapshot: Any) -> None:
+        release.wait(RELEASE_SECONDS)
+        real_copy(snapshot)
+
+    async_save._Snapshot.copy = held_copy
+    try:
+        engine.save_checkpoint(str(root / "fence"), tag="async", async_save=True)
+        threading.Timer(HELD_COPY_SECONDS, release.set).start()
+        start = time.perf_counter()
+        _steps(engine, rank, world_size, range(2, 3))
+        step_seconds = time.perf_counter() - start
+    finally:
+        async_save._Snapshot.copy = real_copy
+    async_save.finish(engine.layout.world)
+    return {
+        "step_waited": step_seconds >= 0.8 * HELD_COPY_SECONDS,
+        "same_files": _files(root / "fence" / "sync") == _files(root / "fence" / "async"),
     }
 
 
@@ -154,3 +187,12 @@ def test_async_saves(tmp_path: Path) -> None:
         assert failing["raised"] is not None and "rank 1" in failing["raised"], (rank, failing)
         assert "disk full while writing rank00001.safetensors" in failing["raised"], failing
         assert failing["latest"] == "global_step1" and not failing["broken_published"], failing
+
+
+def _fence_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    return _copy_held_past_a_step(rank, world_size, Path(root))
+
+
+def test_the_next_step_waits_for_the_snapshot(tmp_path: Path) -> None:
+    for rank, result in enumerate(run_distributed(_fence_body, 2, str(tmp_path))):
+        assert result == {"step_waited": True, "same_files": True}, (rank, result)

@@ -3,7 +3,8 @@ accelerate_zero/checkpoint/dcp_load.py, [Note: DCP checkpoints out] in dcp_save.
 
 On 2 and on 3 gloo ranks, FSDP2 (`fully_shard` per Linear and on the root, AdamW, StepLR) trains 2 steps, saves
 `{"model": get_model_state_dict, "optim": get_optimizer_state_dict, "lr_scheduler": ...}` with `dcp.save`, and trains 2
-more: the run that never moved. Our engines at stages 1, 2 and 3 then load that folder (and the 3-rank group also
+more: the run that never moved; at step 2 it also saves the same state in torchtitan's layout (model keys at the top
+level, the optimizer flattened by parameter name, `train_state.step`). Our engines at stages 1, 2 and 3 then load that folder (and the 3-rank group also
 the 2-rank folder) with `engine.load_checkpoint(folder)` and train the same 2 steps: the weights must match FSDP2's
 to fp32 rounding, with the step counter and learning rate carried over; the 2-rank group also through
 `ZeroAccelerator.load_state(folder)`. A folder of another model (missing, extra
@@ -64,6 +65,16 @@ def _fsdp2_run(rank: int, world_size: int, folder: str) -> torch.Tensor:
                 "lr_scheduler": scheduler.state_dict(),
             }
             dcp.save(state, checkpoint_id=folder)
+            # torchtitan's layout: the model's keys at the top level, the optimizer flattened by parameter name
+            # (its OptimizersContainer), the step in train_state (a tensor, as its TrainState saves it)
+            flat = StateDictOptions(flatten_optimizer_state_dict=True)
+            titan = {
+                **get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=flat),
+                "lr_scheduler": scheduler.state_dict(),
+                "train_state": {"step": torch.tensor(SAVED_AT, dtype=torch.int32)},
+            }
+            dcp.save(titan, checkpoint_id=f"{folder}_torchtitan")
         x, y = batches.rank_slice(step, 0, rank, world_size)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -214,6 +225,7 @@ def _body(rank: int, world_size: int, root: str, other_folder: str | None) -> di
     out: dict[str, Any] = {"reference": _fsdp2_run(rank, world_size, folder)}
     for stage in (1, 2, 3):
         out[stage] = _ours(rank, world_size, folder, stage)
+    out["torchtitan"] = _ours(rank, world_size, f"{folder}_torchtitan", 3)
     if other_folder is not None:
         out["from_other_world_size"] = _ours(rank, world_size, other_folder, 3)
     for stage in (2, 3):  # and out: FSDP2 resumes what our engines saved
@@ -248,6 +260,9 @@ def test_fsdp2_checkpoint_resumes_in_our_engines(runs: tuple) -> None:
                 assert got["steps"] == SAVED_AT, where
                 assert got["lr"] == [pytest.approx(1e-2 * 0.5**SAVED_AT)], where
                 torch.testing.assert_close(got["params"], reference, rtol=0, atol=1e-6, msg=where)
+            titan = result["torchtitan"]  # the same state in torchtitan's layout, at stage 3
+            assert titan["steps"] == SAVED_AT and titan["lr"] == [pytest.approx(1e-2 * 0.5**SAVED_AT)], titan
+            torch.testing.assert_close(titan["params"], reference, rtol=0, atol=1e-6, msg=f"torchtitan {rank}")
     for result in two:  # ZeroAccelerator.load_state of the FSDP2 folder
         torch.testing.assert_close(result["accelerator"], two[0]["reference"], rtol=0, atol=1e-6)
     # The 2-rank FSDP2 checkpoint, resumed on 3 ranks at stage 3, continues as the 2-rank FSDP2 run did.

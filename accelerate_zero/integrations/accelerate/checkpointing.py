@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from accelerate.utils import load
 
 from accelerate_zero.checkpoint import async_save, dcp_read
+from accelerate_zero.config.checkpoint_writer import decoupled
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import (
@@ -44,11 +45,15 @@ def save_state(
     safe_serialization: bool,
     engine_kwargs: dict[str, Any],
 ) -> str:
-    """`ZeroAccelerator.save_state`: `save` (accelerate's own) with every trained engine saving its shards first.
+    """`ZeroAccelerator.save_state`: `save` (accelerate's own) with every trained engine saving its shards first,
+    asynchronously when `engine_kwargs` say so or, without `async_save` there, the config's
+    `checkpoint.writer.decoupled` does.
 
     Returns:
         The folder written.
     """
+
+    engine_kwargs = engine_save_kwargs(accelerator.zero_plugin, engine_kwargs)
 
     def save_engines(models: list, weights: list, folder: str) -> None:
         for tag, entry in checkpointed(prepared):
@@ -60,6 +65,14 @@ def save_state(
         async_save.finish(entry.engine.layout.world)
     with accelerate_state_only(accelerator, prepared, "_save_model_state_pre_hook", save_engines):
         return save(output_dir, safe_serialization)
+
+
+def engine_save_kwargs(plugin: ZeroPlugin, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`engine_kwargs` with `async_save=True` added when they do not set it and the plugin's config has
+    `checkpoint.writer.decoupled: true` ([Note: DeepSpeed's checkpoint writer] in config/checkpoint_writer.py)."""
+    if "async_save" not in engine_kwargs and decoupled(plugin.deepspeed_config()):
+        return {**engine_kwargs, "async_save": True}
+    return engine_kwargs
 
 
 def load_state(

@@ -10,7 +10,9 @@ The Trainer keeps its loop; what it does with DeepSpeed (INTEGRATION_NOTES §2.1
   of model and optimizer, then resuming from an engine checkpoint (any world size, any stage).
 * Saving: `save_model` gathers the 16-bit weights (adapters only for a PEFT model); a checkpoint folder holds every
   rank's shards (`zero_model/`) next to Trainer's own files, and counts as complete only once `trainer_state.json`
-  is written, so `resume_from_checkpoint=True` never picks a half-written one.
+  is written, so `resume_from_checkpoint=True` never picks a half-written one. With `checkpoint.writer.decoupled`
+  the engine state is written in the background and the rotation waits for it ([Note: the Trainer's asynchronous
+  saves] in checkpoint_saves.py); `resume_from_checkpoint` may name a DCP folder written by FSDP2 or torchtitan.
 * Evaluation/prediction before training prepares the model for inference (sharded at stage 3); `train()` undoes it.
 """
 
@@ -31,11 +33,14 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # importable 
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from accelerate_zero.checkpoint import dcp_read
+from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
 from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
+from accelerate_zero.integrations.transformers import checkpoint_saves
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
 from accelerate_zero.integrations.transformers.checkpoint_files import verify_manifest, write_manifest
 from accelerate_zero.integrations.transformers.sequence_steps import SequenceParallelStepsMixin
@@ -49,6 +54,7 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE_NAME = "trainer_state.json"
 SCHEDULER_NAME = "scheduler.pt"
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+_DCP_RESUME = "_zero_dcp_resume"
 
 
 class ZeroTrainerMixin(SequenceParallelStepsMixin):
@@ -212,8 +218,9 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = model
 
-        if resume_from_checkpoint is not None:
-            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        dcp_folder = self.__dict__.pop(_DCP_RESUME, None)  # set by `train`
+        if resume_from_checkpoint is not None or dcp_folder is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint or dcp_folder)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
@@ -256,7 +263,8 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Writes the full 16-bit weights (`model.safetensors`, sharded with an index when large) and the config
-        and tokenizer, loadable with `from_pretrained`; for a PEFT model, the adapter. Every rank must call it.
+        and tokenizer, loadable with `from_pretrained`; for a PEFT model, the adapter. Every rank must call it. At
+        stage 3 every rank writes its share of the weight files (`checkpoint_saves.exports_in_parallel`).
 
         At stage 3 without `stage3_gather_16bit_weights_on_model_save`, as with DeepSpeed, the sharded engine state
         is written instead (`accelerate-zero consolidate` turns it into weights); a Trainer checkpoint holds that
@@ -267,8 +275,17 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
             super().save_model(output_dir, _internal_call)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        adapter_keys = _adapter_keys(self.model)
+        if checkpoint_saves.exports_in_parallel(self.model, engine, adapter_keys, self.accelerator.zero_plugin):
+            self._save(output_dir, state_dict={})  # config, generation config, tokenizer, arguments
+            _remove_weight_files(self.args.should_save, output_dir)
+            self.accelerator.wait_for_everyone()  # before any rank writes a weights file there
+            save_pretrained_parallel(engine, output_dir, checkpoint_saves.SAVE_PRETRAINED_SHARD_BYTES)
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return
         try:
-            state_dict = self.accelerator.get_state_dict(self.model, only=_adapter_keys(self.model))
+            state_dict = self.accelerator.get_state_dict(self.model, only=adapter_keys)
         except ValueError:
             logger.warning(
                 "stage3_gather_16bit_weights_on_model_save=false: saving the sharded engine state to %s instead of "
@@ -291,7 +308,10 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
         if engine is None:
             super()._save_optimizer_and_scheduler(output_dir)
             return
-        engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG)
+        # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py
+        engine.save_checkpoint(
+            output_dir, tag=CHECKPOINT_TAG, async_save=checkpoint_saves.saves_asynchronously(self.args)
+        )
         if (
             self.args.should_save
             and self.lr_scheduler is not None
@@ -300,11 +320,20 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        if self.zero_engine is None:
+        engine = self.zero_engine
+        if engine is None:
+            super()._save_checkpoint(model, trial)
             return
+        checkpoint_saves.finish_saves(self, engine)  # the previous save published, then its rotation
+        run_dir = self._get_output_dir(trial=trial)
+        if checkpoint_saves.saves_asynchronously(self.args) and not self.args.save_only_model:
+            # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py: rotated once published
+            with checkpoint_saves.rotation_deferred(self, run_dir):
+                super()._save_checkpoint(model, trial)
+        else:
+            super()._save_checkpoint(model, trial)
         # [Note: the Trainer's files are checksummed too] in checkpoint_files.py: once every rank wrote its files.
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.accelerator.wait_for_everyone()
         if self.args.should_save and os.path.isdir(folder):
             write_manifest(folder)
@@ -317,6 +346,10 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
         engine = self.zero_engine
         if checkpoint is None or engine is None:
             super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        if dcp_read.is_dcp_folder(Path(checkpoint)):  # written by FSDP2 or torchtitan
+            own = None if isinstance(self.lr_scheduler, ZeroSchedulerWrapper) else self.lr_scheduler
+            checkpoint_saves.resume_from_dcp(self, engine, checkpoint, own)
             return
         _check_complete(checkpoint)
         engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
@@ -339,7 +372,19 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if resume_from_checkpoint is not None and dcp_read.is_dcp_folder(Path(resume_from_checkpoint)):
+            # A DCP folder (FSDP2, torchtitan) has no trainer_state.json, which transformers reads from the folder
+            # it resumes: the Trainer starts as a new run and `_prepare_for_training` loads the folder.
+            setattr(self, _DCP_RESUME, str(resume_from_checkpoint))
+            resume_from_checkpoint = None
+        try:
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.__dict__.pop(_DCP_RESUME, None)
+        engine = self.zero_engine
+        if engine is not None:  # the last asynchronous save published (its error raised here) and rotated
+            checkpoint_saves.finish_saves(self, engine)
+        return result
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):

@@ -1,0 +1,111 @@
+"""The Trainer's asynchronous checkpoint saves and their deferred rotation, and resuming from a DCP folder.
+
+[Note: the Trainer's asynchronous saves]
+With `checkpoint.writer.decoupled: true` in the ZeRO config ([Note: DeepSpeed's checkpoint writer] in
+config/checkpoint_writer.py), `_save_checkpoint` writes the Trainer's own files as usual and the engine state with
+`async_save=True`: it is published under `checkpoint-N/zero_model/` once every rank's writer is done, and until then
+the folder counts as incomplete (`last_complete_checkpoint`, `_check_complete`), so a job killed during the write
+resumes from the previous checkpoint. transformers rotates (`save_total_limit`) at the end of `_save_checkpoint`,
+which would delete the previous checkpoint, the last one published, while the new one is still being written. So
+the rotation is deferred: the next save, or the end of `train()`, first waits for the writer (raising its error on
+every rank, if it failed) and then rotates, keeping the best model's checkpoint as transformers does. Meanwhile the
+output folder holds one checkpoint more than the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from accelerate_zero.checkpoint import async_save
+from accelerate_zero.config.checkpoint_writer import decoupled
+from accelerate_zero.integrations.accelerate.checkpointing import check_16bit_weights_gathered
+
+
+_PENDING = "_zero_deferred_rotation"
+
+
+def saves_asynchronously(args: Any) -> bool:
+    """Whether the arguments' ZeRO config asks for asynchronous saves (`checkpoint.writer.decoupled: true`)."""
+    return decoupled(args.zero_fill.config)
+
+
+@contextlib.contextmanager
+def rotation_deferred(trainer: Any, run_dir: str) -> Iterator[None]:
+    """While the block runs (transformers' `_save_checkpoint`), `save_total_limit` reads None, so it rotates
+    nothing; the rotation it would have done runs in `finish_saves`. The arguments the block pickled into the new
+    checkpoint (`training_args.bin`) are written again with the real limit."""
+    args = trainer.args
+    limit = args.save_total_limit
+    args.save_total_limit = None
+    try:
+        yield
+    finally:
+        args.save_total_limit = limit
+    setattr(trainer, _PENDING, run_dir)
+    arguments = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}" / TRAINING_ARGS_NAME
+    if args.should_save and arguments.is_file():
+        torch.save(args, arguments)
+
+
+def finish_saves(trainer: Any, engine: Any) -> None:
+    """Waits for `engine`'s save in flight (every rank must call it), then runs the rotation it deferred."""
+    async_save.finish(engine.layout.world)
+    run_dir = trainer.__dict__.pop(_PENDING, None)
+    if run_dir is not None and trainer.args.should_save:
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=trainer.args.save_total_limit,
+            best_model_checkpoint=trainer.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+
+def resume_from_dcp(trainer: Any, engine: Any, folder: str, trainer_scheduler: Any) -> None:
+    """Loads a DCP checkpoint written by FSDP2 or torchtitan ([Note: DCP checkpoints in] in checkpoint/dcp_load.py)
+    and continues the Trainer's count from its step: the folder has no `trainer_state.json`, so the Trainer's step
+    becomes the engine's, and a scheduler the Trainer built (`trainer_scheduler`, None when the engine owns it) is
+    stepped to it, giving the learning rate of that step. The data order restarts from the first batch, as with
+    `ignore_data_skip=True`: a DCP folder does not say where the other framework's loader was.
+    """
+    engine.load_checkpoint(folder)
+    step = int(engine.global_steps)
+    trainer.state.global_step = step
+    if trainer_scheduler is not None:
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": no optimizer step here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step):
+                trainer_scheduler.step()
+
+
+SAVE_PRETRAINED_SHARD_BYTES = 50 * 10**9
+"""transformers 5's `save_pretrained` default `max_shard_size` ("50GB")."""
+
+
+def exports_in_parallel(model: Any, engine: Any, adapter_keys: set[str] | None, plugin: Any) -> bool:
+    """Whether `save_model` writes the weights with every rank writing its files ([Note: parallel Hugging Face
+    export] in checkpoint/hf_export.py) rather than gathering them onto rank 0: at stage 3 (below it every rank
+    holds the 16-bit weights already), not for a PEFT model (its adapter is one small file), and only when
+    `save_pretrained` would write the names the model uses: transformers 5 reverts a model's weight conversions when it
+    saves (fused experts split back, renamed keys), which may join tensors of several files, so a model with any is
+    saved through rank 0. Not either without `stage3_gather_16bit_weights_on_model_save` (the engine state is
+    saved instead, as with DeepSpeed)."""
+    if engine.stage != 3 or adapter_keys is not None:
+        return False
+    try:
+        check_16bit_weights_gathered(engine, plugin)
+    except ValueError:
+        return False
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # another transformers: keep the path save_pretrained takes
+        return False
+    meta = engine.meta_state_dict()
+    return revert_weight_conversion(model, meta) is meta
