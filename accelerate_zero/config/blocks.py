@@ -308,6 +308,9 @@ class CheckpointConfig(Block):
     """Every node saves to its own storage (transformers sets it with `save_on_each_node`)."""
     parallel_write: dict[str, Any] = _f(factory=lambda: {"pipeline_stage": False})
     """{"pipeline_stage": bool}: DeepSpeed's pipeline-parallel checkpoint writing."""
+    writer: dict[str, Any] | None = None
+    """DeepSpeed's checkpoint writer: `decoupled: true` makes every save asynchronous, `type` "fast" or "python"
+    ([Note: DeepSpeed's checkpoint writer] in config/checkpoint_writer.py, which checks the keys)."""
 
 
 @dataclass(kw_only=True)

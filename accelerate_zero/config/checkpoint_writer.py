@@ -60,6 +60,11 @@ def writer_problems(writer: Any) -> list[str]:
     return problems
 
 
+def writer_decoupled(writer: Mapping[str, Any] | None) -> bool:
+    """Whether a `checkpoint.writer` block asks for asynchronous saves (`decoupled: true`)."""
+    return isinstance(writer, Mapping) and writer.get("decoupled") is True
+
+
 def decoupled(deepspeed_config: Mapping[str, Any] | None) -> bool:
     """Whether a DeepSpeed config as written asks for asynchronous saves (`checkpoint.writer.decoupled: true`)."""
     checkpoint = (deepspeed_config or {}).get("checkpoint")

@@ -269,10 +269,8 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in _rename_aliases(raw, path, problems).items():
         if join_path(path, str(key)) == WRITER_PATH:
-            # [Note: DeepSpeed's checkpoint writer] in config/checkpoint_writer.py: checked here, read from the
-            # config as written by those who honour it (no field of its own).
+            # [Note: DeepSpeed's checkpoint writer] in config/checkpoint_writer.py: its keys are checked there.
             problems.extend(writer_problems(value))
-            continue
         if key not in fields:
             problems.append(_unknown_key(path, key, fields))
             continue

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accelerate_zero.checkpoint.async_save import wait_for_snapshots
 from accelerate_zero.config import ResolvedZeroConfig
 from accelerate_zero.engine.sleep import (
     OffloadDeviceEnum,
@@ -107,6 +108,7 @@ class DeepSpeedEngineAPI:
         """
         kinds = parse_include(include)
         check_device(device)
+        wait_for_snapshots()  # an asynchronous save's writer may still be copying the storages that move now
         self.empty_partition_cache()
         if any(flat.full.untyped_storage().nbytes() for unit in self.units for flat in unit.flats):
             raise RuntimeError(

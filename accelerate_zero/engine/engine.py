@@ -16,6 +16,7 @@ from torch import nn
 
 from accelerate_zero.checkpoint.engine_io import load_engine, save_engine
 from accelerate_zero.config import ResolvedZeroConfig, ZeroConfig, resolve_config
+from accelerate_zero.config.checkpoint_writer import writer_decoupled
 from accelerate_zero.debug.memory import engine_memory
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.assemble import assemble
@@ -332,7 +333,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         tag: str | None = None,
         client_state: dict | None = None,
         exclude_frozen_parameters: bool = True,
-        async_save: bool = False,
+        async_save: bool | None = None,
         checkpoint_format: str = "universal",
     ) -> str:
         """Saves the full training state (every rank its shard); every rank must call it.
@@ -348,7 +349,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 takes them from the model after checking they are the ones trained with ([Note: frozen parameters
                 are not saved] in checkpoint/frozen.py). DeepSpeed's default is False: pass False for a
                 checkpoint that holds the whole model.
-            async_save: return once the state is copied to host memory; a background thread writes and publishes
+            async_save: None: as the config's `checkpoint.writer.decoupled` says (default False; universal format
+                only). True: return
+                once the state is copied to host memory; a background thread writes and publishes
                 it while training goes on ([Note: asynchronous saves] in checkpoint/async_save.py). The next save or
                 load waits for it (and raises its error, on every rank); until then `latest` names the previous
                 checkpoint. Pass the same value on every rank.
@@ -366,8 +369,20 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 "save the universal format (it loads at any expert-parallel size, or without expert parallelism)"
             )
         return str(
-            save_engine(self, save_dir, tag, client_state, exclude_frozen_parameters, async_save, checkpoint_format)
+            save_engine(
+                self,
+                save_dir,
+                tag,
+                client_state,
+                exclude_frozen_parameters,
+                self._saves_asynchronously(checkpoint_format) if async_save is None else async_save,
+                checkpoint_format,
+            )
         )
+
+    def _saves_asynchronously(self, checkpoint_format: str) -> bool:
+        """The config's `checkpoint.writer.decoupled`, for our format (a DCP save is synchronous, as documented)."""
+        return checkpoint_format != "dcp" and writer_decoupled(self.config.checkpoint.writer)
 
     def load_checkpoint(
         self,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from accelerate_zero.checkpoint.async_save import wait_for_snapshots
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
@@ -115,6 +116,7 @@ def _by_engine(params: list[nn.Parameter]) -> list[tuple[ZeroEngine, list[nn.Par
 
 
 def _publish_writes(engine: ZeroEngine, units: list[ParamUnit], src: int, params: list[nn.Parameter]) -> None:
+    wait_for_snapshots()  # the masters are rewritten below: an asynchronous save's writer must have copied them
     with torch.no_grad():
         for unit in units:
             for flat in unit.flats:

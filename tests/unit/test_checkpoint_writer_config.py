@@ -5,7 +5,10 @@ otherwise. The Trainer's use of it is tests/integration/test_trainer_checkpoint_
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from accelerate_zero import ZeroConfig
 from accelerate_zero.config.checkpoint_writer import decoupled
@@ -50,3 +53,29 @@ def test_save_state_is_asynchronous_when_the_config_is_decoupled() -> None:
     assert engine_save_kwargs(plugin, {}) == {"async_save": True}
     assert engine_save_kwargs(plugin, {"async_save": False}) == {"async_save": False}  # the call wins
     assert engine_save_kwargs(ZeroPlugin(config=_config({"type": "fast"})), {}) == {}
+
+
+def test_engine_save_checkpoint_reads_decoupled_from_its_config(tmp_path: Any) -> None:
+    """`initialize(config=...)` users get the key too: `save_checkpoint()` without `async_save` follows it (never an
+    accepted key that does nothing); the call wins; a DCP save stays synchronous."""
+    from unittest import mock
+
+    import accelerate_zero
+
+    calls = []
+
+    def record(engine: Any, save_dir: Any, tag: Any, client: Any, exclude: Any, async_save: bool, fmt: str) -> str:
+        calls.append((async_save, fmt))
+        return str(save_dir)
+
+    for writer, expected in (({"decoupled": True}, True), ({"type": "fast"}, False)):
+        model = torch.nn.Linear(4, 2)
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, **_config(writer)}
+        engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+        with mock.patch("accelerate_zero.engine.engine.save_engine", record):
+            engine.save_checkpoint(str(tmp_path))
+            engine.save_checkpoint(str(tmp_path), async_save=False)
+            engine.save_checkpoint(str(tmp_path), checkpoint_format="dcp")
+        engine.destroy()
+        assert calls == [(expected, "universal"), (False, "universal"), (False, "dcp")], (writer, calls)
+        calls.clear()
