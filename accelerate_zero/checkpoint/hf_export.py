@@ -64,6 +64,11 @@ def save_pretrained_parallel(
     Returns:
         The names of the files this rank wrote.
     """
+    if getattr(engine, "experts", None) is not None:
+        raise NotImplementedError(
+            "save_pretrained_parallel with expert_parallel: split experts are written whole from rank 0; use "
+            "engine.save_16bit_model or the Trainer's save_model (they gather the experts)"
+        )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     world = engine.layout.world

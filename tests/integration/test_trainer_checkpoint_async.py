@@ -173,6 +173,49 @@ def _export(trainer: Any, folder: Path) -> dict[str, Any]:
     return out
 
 
+def _accelerator_export(folder: Path) -> dict[str, Any]:
+    """`ZeroAccelerator.save_model` at stage 3 with files of 20 kB: each rank writes its files too, and
+    from_pretrained (rank 0) gives the trained weights."""
+    from safetensors.torch import load_file
+
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.checkpoint import hf_export
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {
+        "stage": 3, "stage3_gather_16bit_weights_on_model_save": True, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+    accelerator = ZeroAccelerator(ZeroPlugin(config=config))
+    model = trainer_checks.tiny_llama()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    rows = trainer_checks.PROBE
+    accelerator.backward(model(input_ids=rows, labels=rows).loss)
+    optimizer.step()
+    real_save, written = hf_export.save_file, []
+
+    def recording(tensors: dict[str, torch.Tensor], path: str, **kwargs: Any) -> None:
+        written.append(Path(path).name)
+        real_save(tensors, path, **kwargs)
+
+    hf_export.save_file = recording
+    try:
+        accelerator.save_model(model, str(folder), max_shard_size=20_000)
+    finally:
+        hf_export.save_file = real_save
+    state = accelerator.get_state_dict(model)
+    out: dict[str, Any] = {"written": written}
+    if accelerator.is_main_process:
+        # The files the index names, read as from_pretrained reads them (from_pretrained itself would gather under
+        # this process's ZeRO-3 context, with rank 1 gone).
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        loaded = {}
+        for name in sorted(set(index.values())):
+            loaded.update(load_file(folder / name))
+        tied = set(state) - set(loaded)  # save_pretrained leaves out a tied head, as from_pretrained ties it back
+        out["same"] = tied <= {"lm_head.weight"} and all(torch.equal(v, state[n]) for n, v in loaded.items())
+        out["files"] = sorted(p.name for p in folder.glob("*.safetensors*"))
+    return out
+
+
 def _body(rank: int, world_size: int, root: str) -> dict[str, Any]:
     plain_torchrun_environment()
     folder = Path(root)
@@ -180,6 +223,7 @@ def _body(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "sync": _saving_run(folder, asynchronous=False),
         "async": _saving_run(folder, asynchronous=True),
         "dcp": _dcp_resume(folder),
+        "accelerator_export": _accelerator_export(folder / "accelerator_export"),
     }
 
 
@@ -237,3 +281,11 @@ def test_resume_from_a_dcp_folder_continues_exactly(ranks: dict[str, Any]) -> No
     assert c["losses"] == b["losses"][2:]
     for name, value in b["state"].items():
         assert torch.equal(value, c["state"][name]), name
+
+
+def test_zero_accelerator_save_model_at_stage_3_writes_from_every_rank(all_ranks: list[dict[str, Any]]) -> None:
+    first, second = (result["accelerator_export"] for result in all_ranks)
+    assert first["written"] and second["written"], (first["written"], second["written"])
+    assert set(first["written"]).isdisjoint(second["written"])
+    assert len(first["files"]) == len(first["written"]) + len(second["written"]) + 1  # and the index
+    assert first["same"]

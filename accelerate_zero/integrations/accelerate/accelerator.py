@@ -383,8 +383,11 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
         max_shard_size: int | str = "10GB",
         safe_serialization: bool = True,
     ) -> None:
-        """accelerate's `save_model` (the main process writes the 16-bit weights); the other ranks take part in the
-        gather and write nothing. Every rank must call it."""
+        """accelerate's `save_model`: at stage 3 every rank writes its share of the weight files
+        (`checkpointing.save_model_in_parallel`); otherwise the main process writes the 16-bit weights and the other
+        ranks take part in the gather. Every rank must call it."""
+        if safe_serialization and checkpointing.save_model_in_parallel(self, model, save_directory, max_shard_size):
+            return
         if self.prepared_model_of(model) is None or self.is_main_process:
             super().save_model(model, save_directory, max_shard_size, safe_serialization)
         else:

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import load
+from accelerate.utils import convert_file_size_to_int, load
 
 from accelerate_zero.checkpoint import async_save, dcp_read
+from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.config.checkpoint_writer import decoupled
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
@@ -230,3 +231,47 @@ class _LoadedByZero(list):
 
     def __len__(self) -> int:
         return self._count
+
+
+def exports_in_parallel(model: Any, engine: Any, adapter_keys: set[str] | None, plugin: Any) -> bool:
+    """Whether `save_model` writes the weights with every rank writing its files ([Note: parallel Hugging Face
+    export] in checkpoint/hf_export.py) rather than gathering them onto rank 0: at stage 3 (below it every rank
+    holds the 16-bit weights already), not for a PEFT model (its adapter is one small file), and only when
+    `save_pretrained` would write the names the model uses: transformers 5 reverts a model's weight conversions when it
+    saves (fused experts split back, renamed keys), which may join tensors of several files, so a model with any is
+    saved through rank 0. Not either without `stage3_gather_16bit_weights_on_model_save` (the engine state is
+    saved instead, as with DeepSpeed)."""
+    if engine.stage != 3 or adapter_keys is not None or getattr(engine, "experts", None) is not None:
+        return False  # split experts: full_state_dict gathers them whole (rank 0's path)
+    try:
+        check_16bit_weights_gathered(engine, plugin)
+    except ValueError:
+        return False
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # another transformers: keep the path save_pretrained takes
+        return False
+    meta = engine.meta_state_dict()
+    return revert_weight_conversion(model, meta) is meta
+
+
+def save_model_in_parallel(
+    accelerator: Any, model: Any, save_directory: str | os.PathLike[str], max_shard_size: int | str
+) -> bool:
+    """`ZeroAccelerator.save_model` at stage 3: every rank writes its share of the weight files ([Note: parallel
+    Hugging Face export] in checkpoint/hf_export.py) when `exports_in_parallel` allows it (not for a PEFT model,
+    whose adapter is one small file); returns False (nothing written) otherwise. Every rank must call it."""
+    prepared = accelerator.prepared_model_of(model)
+    adapter = getattr(model, "peft_config", None)
+    if prepared is None or adapter is not None:
+        return False
+    if not exports_in_parallel(model, prepared.engine, None, accelerator.zero_plugin):
+        return False
+    folder = Path(save_directory)
+    if accelerator.is_main_process:  # a previous save's files would mix with this one's (as accelerate cleans)
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in [*folder.glob("model*.safetensors"), *folder.glob("model.safetensors.index.json")]:
+            old.unlink()
+    accelerator.wait_for_everyone()
+    save_pretrained_parallel(prepared.engine, folder, convert_file_size_to_int(max_shard_size))
+    return True

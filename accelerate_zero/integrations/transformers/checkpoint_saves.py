@@ -26,7 +26,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from accelerate_zero.checkpoint import async_save
 from accelerate_zero.config.checkpoint_writer import decoupled
-from accelerate_zero.integrations.accelerate.checkpointing import check_16bit_weights_gathered
 
 
 _PENDING = "_zero_deferred_rotation"
@@ -87,25 +86,3 @@ def resume_from_dcp(trainer: Any, engine: Any, folder: str, trainer_scheduler: A
 
 SAVE_PRETRAINED_SHARD_BYTES = 50 * 10**9
 """transformers 5's `save_pretrained` default `max_shard_size` ("50GB")."""
-
-
-def exports_in_parallel(model: Any, engine: Any, adapter_keys: set[str] | None, plugin: Any) -> bool:
-    """Whether `save_model` writes the weights with every rank writing its files ([Note: parallel Hugging Face
-    export] in checkpoint/hf_export.py) rather than gathering them onto rank 0: at stage 3 (below it every rank
-    holds the 16-bit weights already), not for a PEFT model (its adapter is one small file), and only when
-    `save_pretrained` would write the names the model uses: transformers 5 reverts a model's weight conversions when it
-    saves (fused experts split back, renamed keys), which may join tensors of several files, so a model with any is
-    saved through rank 0. Not either without `stage3_gather_16bit_weights_on_model_save` (the engine state is
-    saved instead, as with DeepSpeed)."""
-    if engine.stage != 3 or adapter_keys is not None:
-        return False
-    try:
-        check_16bit_weights_gathered(engine, plugin)
-    except ValueError:
-        return False
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # another transformers: keep the path save_pretrained takes
-        return False
-    meta = engine.meta_state_dict()
-    return revert_weight_conversion(model, meta) is meta

@@ -37,7 +37,7 @@ from accelerate_zero.checkpoint import dcp_read
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
-from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG
+from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG, exports_in_parallel
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
 from accelerate_zero.integrations.transformers import checkpoint_saves
@@ -264,7 +264,7 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Writes the full 16-bit weights (`model.safetensors`, sharded with an index when large) and the config
         and tokenizer, loadable with `from_pretrained`; for a PEFT model, the adapter. Every rank must call it. At
-        stage 3 every rank writes its share of the weight files (`checkpoint_saves.exports_in_parallel`).
+        stage 3 every rank writes its share of the weight files (`checkpointing.exports_in_parallel`).
 
         At stage 3 without `stage3_gather_16bit_weights_on_model_save`, as with DeepSpeed, the sharded engine state
         is written instead (`accelerate-zero consolidate` turns it into weights); a Trainer checkpoint holds that
@@ -276,7 +276,7 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         adapter_keys = _adapter_keys(self.model)
-        if checkpoint_saves.exports_in_parallel(self.model, engine, adapter_keys, self.accelerator.zero_plugin):
+        if exports_in_parallel(self.model, engine, adapter_keys, self.accelerator.zero_plugin):
             self._save(output_dir, state_dict={})  # config, generation config, tokenizer, arguments
             _remove_weight_files(self.args.should_save, output_dir)
             self.accelerator.wait_for_everyone()  # before any rank writes a weights file there
