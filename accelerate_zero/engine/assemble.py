@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from accelerate_zero.config import ResolvedZeroConfig
 from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE
-from accelerate_zero.engine import collectives, quantized_comm
+from accelerate_zero.engine import collectives, quantized_comm, setup
 from accelerate_zero.engine.activation_offload import ActivationsToHost
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
@@ -348,9 +348,7 @@ class _Assembly:
         self.hooks = register_unit_hooks(parts.units, scheduler)
         self.hooks += register_entry_hooks(self.module, parts.units, scheduler)  # sub-module calls
         attach_registered(self.module, parts.units)  # register_external_parameter before initialize
-        # Under stage 3 every forward is a collective: transformers' generate() must keep all ranks stepping
-        # until the longest sequence is done (synced_gpus). It enables that for modules flagged this way.
-        self.module._is_fsdp_managed_module = True
+        setup.keep_generate_in_step(self.module)  # under stage 3 every forward is a collective
         self.state_dict_guard = PlaceholderStateDictGuard()
         self.hooks.append(self.module.register_state_dict_post_hook(self.state_dict_guard))
 

@@ -442,8 +442,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
         }
         with self._state_dict_guard.disabled() if self._state_dict_guard else contextlib.nullcontext():
             local = self.module.state_dict(keep_vars=True)
+        whole = {key: shape for key, (_, shape) in expert_element_offsets(self.experts).items()}  # split experts
         return {
-            name: torch.empty(views.get(id(t), t).shape, dtype=views.get(id(t), t).dtype, device="meta")
+            name: torch.empty(
+                whole.get(id(t)) or views.get(id(t), t).shape, dtype=views.get(id(t), t).dtype, device="meta"
+            )
             for name, t in local.items()
             if only is None or name in only
         }

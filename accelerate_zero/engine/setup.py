@@ -222,6 +222,17 @@ def _rebuild(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.opti
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
 
 
+def keep_generate_in_step(module: nn.Module) -> None:
+    """Makes transformers' `generate()` keep every rank stepping until the longest sequence is done (`synced_gpus`),
+    for an engine whose every forward is a collective (stage 3's gathers, expert parallelism's all-to-alls).
+    transformers enables it for a model flagged `_is_fsdp_managed_module`, and reads the flag on the model whose
+    `generate` runs: a wrapper's (peft's `PeftModel.generate` calls its base model's), so every module with a
+    `generate` is flagged, not only the root."""
+    for each in module.modules():
+        if each is module or callable(getattr(each, "generate", None)):
+            each._is_fsdp_managed_module = True
+
+
 TARGET_KWARGS = frozenset({"labels", "label"})
 """Keyword arguments of a forward that `cast_forward_inputs` leaves in their dtype: they hold targets, not inputs."""
 

@@ -378,8 +378,20 @@ def _refusals(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         generated = generator.module.generate(
             input_ids=prompt, max_new_tokens=2 + rank, do_sample=False, pad_token_id=0
         )
+    meta = generator.meta_state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape  # what other ranks see
     generator.destroy()
+    # the same through peft (PeftModel.generate runs its base model's generate, which must know to stay in step)
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(_built("qwen3_moe"), LoraConfig(r=2, target_modules=["q_proj"]))  # B = 0: same tokens
+    trainable = [p for p in wrapped.parameters() if p.requires_grad]
+    engine = accelerate_zero.initialize(wrapped, torch.optim.SGD(trainable, lr=0.1), config=settings)
+    with torch.no_grad():
+        through_peft = wrapped.generate(input_ids=prompt, max_new_tokens=2 + rank, do_sample=False, pad_token_id=0)
+    engine.destroy()
     return {
+        "peft_generated": torch.equal(through_peft, expected),
+        "meta_shape": list(meta),
         "generated": torch.equal(generated, expected) and generated.shape[1] == LENGTH + 2 + rank,
         "preset": error_of(lambda: initialized(_built("qwen3_moe"), preset_model="mixtral")),
         "dense": error_of(lambda: initialized(checks.tiny_llama())),
@@ -401,7 +413,8 @@ def test_what_expert_parallelism_cannot_do_is_refused_by_name_and_generate_keeps
         assert "preset_model='mixtral' but the model is a 'qwen3_moe'" in errors["preset"], errors
         assert "no fused experts module" in errors["dense"], errors
         assert "checkpoint_format='dcp' with expert_parallel" in errors["dcp"], errors
-        assert errors["generated"] is True, errors
+        assert errors["generated"] is True and errors["peft_generated"] is True, errors
+        assert errors["meta_shape"] == [4, 48, 32], errors  # the whole layer's experts, as the main rank's state dict
 
 
 def test_bf16_with_expert_parallel_equals_bf16_without(by_rank: list[dict[Any, Any]]) -> None:

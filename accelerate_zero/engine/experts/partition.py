@@ -39,6 +39,7 @@ from accelerate_zero.engine.experts.parallel import ExpertPlacement, split_exper
 from accelerate_zero.engine.flat_buffer import GroupShard, group_slices
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.layout import ShardingLayout
+from accelerate_zero.engine.setup import keep_generate_in_step
 from accelerate_zero.engine.shard_slice import ShardSlice
 
 
@@ -69,9 +70,7 @@ def split_for_engine(
                     "rank keeps its own experts of the layer, so every rank must build the model with real weights"
                 )
             collectives.broadcast(param.data, 0, layout.world, stats)
-    # Every forward is now a collective of the expert group (its all-to-alls): transformers' generate() must keep
-    # all ranks stepping until the longest sequence is done (synced_gpus), at every stage, as under stage 3.
-    module._is_fsdp_managed_module = True
+    keep_generate_in_step(module)  # every forward is now a collective of the expert group, at every stage
     return split_experts(module, layout.expert, stats, layout.expert_peers)
 
 
