@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         print_report(saved["raw"], saved["machine"])
         return
     facts = report.machine_facts()
+    args.systems = steps.runnable(args.systems, args.ds_venv)
     print(f"running {len(args.systems)} systems on {args.world_size} processes, {args.steps} timed steps each")
     raw: dict[str, list[list[dict[str, Any]]]] = {system: [] for system in args.systems}
     for round_index, system in launch.interleaved(args.systems, args.rounds):
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         report.save_json(args.json, payload, facts)
     failed = [system for system, rounds in raw.items() if len(rounds) < args.rounds]
     if failed:
-        sys.exit(f"these systems failed or were skipped (see {args.out_dir}): {', '.join(failed)}")
+        sys.exit(f"these systems failed (see their logs in {args.out_dir}): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

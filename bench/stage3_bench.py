@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         accumulation_from_json(args.accumulation_from_json)
         return
     facts = report.machine_facts()
+    args.systems = steps.runnable(args.systems, args.ds_venv)
     print(report.header(facts, "stage3_bench: stage 3 against DDP, stage 2, FSDP2 and DeepSpeed stage 3"))
     payload: dict[str, Any] = {"args": vars(args), "worlds": {}}
     all_lines: list[str] = []

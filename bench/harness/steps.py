@@ -175,6 +175,16 @@ def train(
     return asdict(measurement)
 
 
+def runnable(systems: list[str], ds_venv: Path) -> list[str]:
+    """`systems` without DeepSpeed's when its virtualenv does not exist (says so): they are skipped, not failed."""
+    if launch.deepspeed_python(ds_venv) is not None:
+        return list(systems)
+    skipped = [system for system in systems if system.startswith("ds")]
+    if skipped:
+        print(f"no DeepSpeed virtualenv at {ds_venv}: skipping {', '.join(skipped)}")
+    return [system for system in systems if not system.startswith("ds")]
+
+
 def launch_train(
     system: str,
     world_size: int,
@@ -187,12 +197,10 @@ def launch_train(
     """Driver side: `train` for `system` on `world_size` fresh ranks (DeepSpeed from `ds_venv`).
 
     Returns every rank's record (`summary.records`), or None when the group failed (its log's end is printed).
+    DeepSpeed's virtualenv must exist (`runnable` leaves its systems out otherwise).
     """
     name = system if round_index == 0 else f"{system}.round{round_index + 1}"
     python = launch.deepspeed_python(ds_venv) if system.startswith("ds") else None
-    if system.startswith("ds") and python is None:
-        print(f"  {name}: skipped, no DeepSpeed virtualenv at {ds_venv}")
-        return None
     try:
         ranks = launch.on_ranks(
             world_size, train, {"system": system, **train_kwargs}, name=name, out_dir=out_dir, python=python
