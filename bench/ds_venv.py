@@ -1,16 +1,12 @@
-"""Where the benchmarks find DeepSpeed: in its own virtualenv, never in this project's (it is compared, not used).
+"""Where DeepSpeed's virtualenv is: its one home is now harness/launch.py (`DEFAULT_DS_VENV`, `deepspeed_python`).
 
-`$DS_VENV` if set, else `.ds-venv` at the top of this checkout (ignored by git). Create it once with
-
-    python3 -m venv .ds-venv && DS_BUILD_OPS=0 .ds-venv/bin/pip install deepspeed "torch==2.13.0" transformers
-
-Every benchmark takes `--ds_venv` too; a DeepSpeed system is skipped with a note when the folder does not exist.
+This name stays until trainer_bench.py and phase_peaks.py (edited by another piece of work today) import it from
+the harness; then this file goes.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from harness.launch import DEFAULT_DS_VENV
 
 
-DEFAULT_DS_VENV = Path(os.environ.get("DS_VENV", Path(__file__).resolve().parent.parent / ".ds-venv"))
+__all__ = ["DEFAULT_DS_VENV"]

@@ -5,59 +5,47 @@ Usage:
     .venv/bin/python bench/engine_bench.py --world_size 2 --steps 30 --json bench/out/w2.json
     .venv/bin/python bench/engine_bench.py --systems ddp az2     # a subset
 
-Each system runs alone, in its own freshly launched `torchrun --standalone` group (gloo, one thread per rank,
-MALLOC_MMAP_THRESHOLD_=131072), on a stack of 16 `nn.Linear(1024, 1024)` (16.8M fp32 parameters) trained with
-AdamW on a fixed random 8x1024 batch per rank and an MSE loss. DeepSpeed runs only from its own virtualenv
-(`--ds_venv`, default: bench/ds_venv.py), skipped when that does not exist. How each number is measured:
-bench_common.py, [Note: how the benchmark measures]. Compare ratios within one run: the machine is shared.
+Each system runs alone, in its own fresh group (harness/launch.py), on the Linear stack of harness/models.py
+(16 x Linear(1024, 1024), 16.8M fp32 parameters) trained with AdamW on a fixed random 8x1024 batch per rank and an
+MSE loss (harness/steps.py `train`). DeepSpeed runs only from its own virtualenv (`--ds_venv`), skipped when that
+does not exist. How each number is measured: [Note: how the benchmark measures] in harness/readings.py. Compare
+ratios within one run: the machine is shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import report
-from ds_venv import DEFAULT_DS_VENV
+from harness import launch, report, steps
+from harness.peers import FORMULA_TEXT, PEERS
+from harness.report import Check, fmt, ratio
+from harness.summary import Summary, summarize
 
 
-BENCH_DIR = Path(__file__).resolve().parent
-TORCH_SYSTEMS = ["ddp", "ddp_bucket_view", "ddp_zero_r", "az0", "az1", "az2"]
-DS_SYSTEMS = ["ds1", "ds2"]
-WORKER_TIMEOUT_SECONDS = 600
+SYSTEMS = ["ddp", "ddp_bucket_view", "ddp_zero_r", "az0", "az1", "az2", "ds1", "ds2"]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world_size", type=int, default=4, help="processes per system (default 4)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system, at least 20 (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before measuring (default 3)")
     parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run the whole list this many times, every other round in reverse order; step times pool all rounds",
+        "--rounds", type=int, default=1, help="run the list this many times, every other round reversed; times pool"
     )
-    parser.add_argument("--systems", nargs="+", default=TORCH_SYSTEMS + DS_SYSTEMS, choices=TORCH_SYSTEMS + DS_SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument(
-        "--reduce_bucket_size",
-        type=int,
-        default=None,
-        help="zero_optimization.reduce_bucket_size for accelerate_zero and DeepSpeed (default: theirs, 5e8 elements)",
+        "--reduce_bucket_size", type=int, default=None, help="zero_optimization.reduce_bucket_size (default: theirs)"
     )
-    parser.add_argument("--ds_venv", type=Path, default=DEFAULT_DS_VENV, help="DeepSpeed's own virtualenv")
-    parser.add_argument("--out_dir", type=Path, default=BENCH_DIR / "out", help="worker logs and raw JSON")
+    parser.add_argument("--ds_venv", type=Path, default=launch.DEFAULT_DS_VENV, help="DeepSpeed's own virtualenv")
+    parser.add_argument("--out_dir", type=Path, default=launch.BENCH_DIR / "out", help="logs and per-rank JSON")
     parser.add_argument("--json", type=Path, default=None, help="write every raw and summarized number here")
-    parser.add_argument(
-        "--from_json", type=Path, default=None, help="print the report of a run saved with --json; run nothing"
-    )
-    args = parser.parse_args()
+    parser.add_argument("--from_json", type=Path, default=None, help="print a run saved with --json; run nothing")
+    args = parser.parse_args(argv)
     if args.steps < 20:
         parser.error(f"--steps {args.steps}: medians need at least 20 timed steps")
     if args.world_size < 2:
@@ -65,126 +53,140 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def worker_command(system: str, args: argparse.Namespace, out: Path) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command line and environment that run `system` on `args.world_size` fresh processes."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
-    if args.reduce_bucket_size is not None and (system.startswith(("ds", "az"))):
-        common += ["--reduce_bucket_size", str(args.reduce_bucket_size)]
-    grad_accum = getattr(args, "grad_accum", 1)  # stage3_bench.py --grad_accums; bench_worker.py systems only
-    if grad_accum != 1:
-        if system.startswith("ds"):
-            raise ValueError(f"{system}: ds_worker.py has no gradient accumulation option (grad_accum={grad_accum})")
-        common += ["--grad_accum", str(grad_accum)]
-    launch = ["--standalone", "--nproc_per_node", str(args.world_size)]
-    if system.startswith("ds"):  # ds1, ds2 here; ds3 from stage3_bench.py
-        env.pop("PYTHONPATH", None)
-        env.pop("VIRTUAL_ENV", None)
-        env["DS_ACCELERATOR"] = "cpu"
-        torchrun = [str(args.ds_venv / "bin" / "torchrun")]
-        return [*torchrun, *launch, str(BENCH_DIR / "ds_worker.py"), "--stage", system[-1], *common], env
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    extra = getattr(args, "worker_extra", {}).get(system, [])  # stage3_bench.py: the loading systems' folder
-    return [*torchrun, *launch, str(BENCH_DIR / "bench_worker.py"), "--system", system, *common, *extra], env
+def main_table(summaries: list[Summary], reference: Summary | None) -> str:
+    """The headline table: memory, bytes and time against the ZeRO formulas and against DDP."""
+    columns = [
+        "system", "RSS per rank (MB, max over ranks)", "anonymous RSS (MB)", "engine-held (MB)", "ZeRO formula (MB)",
+        "RSS / formula", "held / formula", "bytes per step per rank (MB)", "formula 2Ψ(W−1)/W·4 (MB)",
+        "bytes / formula", "step time (ms, median)", "step time / DDP",
+    ]  # fmt: skip
+    rows = [
+        (PEERS[s.system].label, fmt(s.rss_mb), fmt(s.anon_rss_mb), fmt(s.held_mb),
+         f"{FORMULA_TEXT[PEERS[s.system].memory]} = {fmt(s.memory_formula_mb)}", ratio(s.rss_mb, s.memory_formula_mb),
+         ratio(s.held_mb, s.memory_formula_mb), f"{fmt(s.comm_mb_per_step)} ({PEERS[s.system].counted_by})",
+         fmt(s.comm_formula_mb), ratio(s.comm_mb_per_step, s.comm_formula_mb), fmt(s.step_ms, 0),
+         ratio(s.step_ms, reference.step_ms if reference else None))
+        for s in summaries
+    ]  # fmt: skip
+    return report.table(columns, rows)
 
 
-def run_system(system: str, args: argparse.Namespace, round_index: int) -> list[dict[str, Any]] | None:
-    """Runs one system to completion; returns every rank's raw measurement, or None (the log says why)."""
-    stem = system if round_index == 0 else f"{system}.round{round_index + 1}"
-    out, log = args.out_dir / f"{stem}.json", args.out_dir / f"{stem}.log"
-    out.unlink(missing_ok=True)
-    command, env = worker_command(system, args, out)
-    load_before, start = os.getloadavg()[0], time.perf_counter()
-    with open(log, "w") as log_file:
-        try:
-            code = subprocess.run(
-                command, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=WORKER_TIMEOUT_SECONDS
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-    seconds = time.perf_counter() - start
-    if code != 0 or not out.exists():
-        tail = log.read_text().splitlines()[-15:]
-        print(f"  {stem}: FAILED ({code}) after {seconds:.0f}s; end of {log}:\n    " + "\n    ".join(tail))
-        return None
-    load_after = os.getloadavg()[0]
-    print(f"  {stem}: done in {seconds:.0f}s (1-min load average {load_before:.1f} -> {load_after:.1f})", flush=True)
-    ranks = json.loads(out.read_text())
-    for rank in ranks:
-        rank["extra"]["loadavg_1min"] = [load_before, load_after]
-    return ranks
+def crosscheck_table(summaries: list[Summary]) -> str:
+    """Independent readings: peak RSS, tensors the GC sees, bytes really written to gloo's sockets, the loss."""
+    columns = [
+        "system", "peak RSS (MB)", "live tensors (MB)", "anonymous RSS − live tensors (MB)",
+        "wire bytes per step per rank (MB)", "wire / formula", "counted / wire", "step ms p25–p75",
+        "step ms median by round", "CPU ms per step per rank", "page faults per step", "load avg before → after",
+        "final loss (mean over ranks)",
+    ]  # fmt: skip
+    rows = [
+        (PEERS[s.system].label, fmt(s.peak_rss_mb), fmt(s.live_tensor_mb), fmt(s.anon_rss_mb - s.live_tensor_mb),
+         fmt(s.wire_mb_per_step), ratio(s.wire_mb_per_step, s.comm_formula_mb),
+         ratio(s.comm_mb_per_step, s.wire_mb_per_step), f"{s.step_ms_p25_p75[0]:.0f}–{s.step_ms_p25_p75[1]:.0f}",
+         " / ".join(f"{ms:.0f}" for ms in s.step_ms_by_round), f"{s.cpu_ms_per_rank:.0f}",
+         fmt(s.minor_faults_per_step, 0),
+         " / ".join("—" if pair is None else f"{pair[0]:.1f} → {pair[1]:.1f}" for pair in s.loadavg_1min),
+         f"{s.final_loss:.7f}")
+        for s in summaries
+    ]  # fmt: skip
+    return report.table(columns, rows, "l" + "r" * 7 + "l" + "r" * 4)
 
 
-def main() -> None:
-    args = parse_args()
-    if args.from_json is not None:
-        raw = json.loads(args.from_json.read_text())["raw"]
-        # A run saved before --rounds existed holds one list of ranks per system.
-        raw = {k: [v] if v and isinstance(v[0], dict) else v for k, v in raw.items()}
-        report_and_save(raw, args)
-        return
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    systems = list(args.systems)
-    if not (args.ds_venv / "bin" / "torchrun").exists():
-        skipped = [s for s in systems if s in DS_SYSTEMS]
-        systems = [s for s in systems if s not in DS_SYSTEMS]
-        if skipped:
-            print(f"no DeepSpeed virtualenv at {args.ds_venv}: skipping {', '.join(skipped)}")
-    print(
-        f"running {len(systems)} systems on {args.world_size} processes, {args.steps} timed steps each, "
-        f"{args.rounds} round(s)"
-    )
-    raw: dict[str, list[list[dict[str, Any]]]] = {system: [] for system in systems}
-    failed = set()
-    for round_index in range(args.rounds):
-        for system in systems if round_index % 2 == 0 else systems[::-1]:
-            ranks = run_system(system, args, round_index)
-            if ranks is None:
-                failed.add(system)
-            else:
-                raw[system].append(ranks)
-    report_and_save(raw, args)
-    if failed:
-        sys.exit(f"these systems failed (see their logs in {args.out_dir}): {', '.join(sorted(failed))}")
+def checks(by_name: dict[str, Summary]) -> list[Check]:
+    """The engine's targets (issue 2), each PASS/FAIL (SKIP when a system it needs did not run)."""
+    az1, zero_r, az2, ddp = (by_name.get(k) for k in ("az1", "ddp_zero_r", "az2", "ddp"))
+    out = [
+        _memory_check("stage 1 RSS <= ZeroRedundancyOptimizer RSS", az1, zero_r, 1.0),
+        _memory_check("stage 2 RSS <= 0.5 x DDP RSS", az2, ddp, 0.5),
+    ]
+    for stage in range(3):
+        s = by_name.get(f"az{stage}")
+        name = f"stage {stage} bytes per step within 5% of 2Ψ(W−1)/W·4"
+        if s is None:
+            out.append(Check(name, None, f"az{stage} missing"))
+            continue
+        value = s.comm_mb_per_step / s.comm_formula_mb
+        detail = f"comm_stats {s.comm_mb_per_step:.2f} MB vs {s.comm_formula_mb:.2f} MB (ratio {value:.3f})"
+        out.append(Check(name, abs(value - 1) <= 0.05, detail))
+    step = [s.step_ms if s else None for s in (az2, ddp)]
+    out.append(report.at_most("stage 2 step time <= 1.15 x DDP", *step, 1.15, " ms"))
+    return out
 
 
-def report_and_save(raw: dict[str, list[list[dict[str, Any]]]], args: argparse.Namespace) -> None:
-    """Prints the tables and the target lines; writes everything to `args.json` when given.
+def wire_checks(by_name: dict[str, Summary]) -> list[Check]:
+    """Not a target: the same 5% test on the bytes really written to the sockets (gloo's own algorithms)."""
+    out = []
+    for s in (by_name[system] for system in ("az0", "az1", "az2") if system in by_name):
+        value = s.wire_mb_per_step / s.comm_formula_mb
+        detail = f"wire {s.wire_mb_per_step:.2f} MB vs {s.comm_formula_mb:.2f} MB (ratio {value:.3f})"
+        out.append(
+            Check(f"(info) stage {s.system[-1]} wire bytes within 5% of formula", abs(value - 1) <= 0.05, detail)
+        )
+    return out
 
-    `raw` maps each system to its rounds, each round a list of every rank's raw measurement.
+
+def _memory_check(name: str, s: Summary | None, ref: Summary | None, limit: float) -> Check:
+    """Passes only when both the process RSS and its anonymous part are within `limit` x the reference's.
+
+    File-backed pages (shared libraries) count in RSS but the kernel may drop them under memory pressure from
+    other processes; the anonymous part cannot be dropped without swap, so it is the steadier reading.
     """
-    summaries = [report.summarize(system, rounds) for system, rounds in raw.items() if rounds]
-    by_name = {s.system: s for s in summaries}
-    check_list = report.checks(by_name)
-    info_list = report.wire_checks(by_name)
-    print_report(summaries, by_name, check_list + info_list)
-    if args.json is not None:
-        payload = {"args": {k: str(v) for k, v in vars(args).items()}, "raw": raw}
-        payload.update(report.as_json(summaries, check_list + info_list))
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"\nraw numbers: {args.json}")
+    if s is None or ref is None:
+        return Check(name, None, "a system it compares did not run")
+    rss, anon = s.rss_mb / ref.rss_mb, s.anon_rss_mb / ref.anon_rss_mb
+    detail = (
+        f"RSS {s.rss_mb:.1f} MB vs {ref.rss_mb:.1f} MB (ratio {rss:.2f}); anonymous {s.anon_rss_mb:.1f} MB vs "
+        f"{ref.anon_rss_mb:.1f} MB (ratio {anon:.2f}); limit {limit}"
+    )
+    return Check(name, rss <= limit and anon <= limit, detail)
 
 
-def print_report(
-    summaries: list[report.Summary], by_name: dict[str, report.Summary], lines: list[report.Check]
-) -> None:
+def print_report(raw: dict[str, list[list[dict[str, Any]]]], facts: dict[str, Any]) -> list[Summary]:
+    """Prints the tables and the target lines of `raw` ({system: rounds, each a list of rank records})."""
+    summaries = [summarize(system, rounds) for system, rounds in raw.items() if rounds]
     if not summaries:
         print("no system finished")
-        return
-    first = summaries[0]
+        return summaries
+    by_name, first = {s.system: s for s in summaries}, summaries[0]
+    print("\n" + report.header(facts, "engine_bench: accelerate_zero stages 0-2 against DDP, ZeRO-R and DeepSpeed"))
     print(
         f"\nΨ = {first.params:,} parameters, W = {first.world_size}, {first.steps} timed steps x {first.rounds} "
         "round(s); MB = 10^6 bytes\n"
     )
-    print(report.main_table(summaries, by_name.get("ddp")))
-    print("\nCross-checks\n")
-    print(report.crosscheck_table(summaries))
-    print("\nCollectives as each system counted them\n")
-    print(report.comm_kind_table(summaries))
-    print()
-    for check in lines:
+    print(main_table(summaries, by_name.get("ddp")))
+    print("\nCross-checks\n\n" + crosscheck_table(summaries))
+    print("\nCollectives as each system counted them\n\n" + report.comm_kind_table(summaries) + "\n")
+    for check in checks(by_name) + wire_checks(by_name):
         print(check.line())
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        print_report(saved["raw"], saved["machine"])
+        return
+    facts = report.machine_facts()
+    args.systems = steps.runnable(args.systems, args.ds_venv)
+    print(f"running {len(args.systems)} systems on {args.world_size} processes, {args.steps} timed steps each")
+    raw: dict[str, list[list[dict[str, Any]]]] = {system: [] for system in args.systems}
+    for round_index, system in launch.interleaved(args.systems, args.rounds):
+        ranks = steps.launch_train(
+            system, args.world_size, out_dir=args.out_dir, ds_venv=args.ds_venv, round_index=round_index,
+            steps=args.steps, warmup=args.warmup, reduce_bucket_size=args.reduce_bucket_size,
+        )  # fmt: skip
+        if ranks is not None:
+            raw[system].append(ranks)
+    summaries = print_report(raw, facts)
+    if args.json is not None:
+        by_name = {s.system: s for s in summaries}
+        found = [vars(c) for c in checks(by_name) + wire_checks(by_name)]
+        payload = {"args": vars(args), "raw": raw, "summaries": [vars(s) for s in summaries], "checks": found}
+        report.save_json(args.json, payload, facts)
+    failed = [system for system, rounds in raw.items() if len(rounds) < args.rounds]
+    if failed:
+        sys.exit(f"these systems failed (see their logs in {args.out_dir}): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def _split_bytes(calls: list[tuple[str, int, float]], ep: int, fractions: dict[i
 def _rank(rank: int, name: str, accum: int, steps: int, seq: int, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
-    from bench_common import proc_status, reset_peak_rss
+    from harness.readings import proc_status, reset_peak_rss
 
     import accelerate_zero
     from accelerate_zero.engine.experts.blocks import find_expert_layers

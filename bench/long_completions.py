@@ -33,7 +33,7 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import proc_status, reset_peak_rss  # noqa: E402
+from harness.readings import proc_status, reset_peak_rss  # noqa: E402
 
 
 VOCAB, HIDDEN, LAYERS, TILE, PROMPT, PADS = 32000, 256, 4, 256, 32, 8

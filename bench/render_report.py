@@ -1,7 +1,7 @@
 """Writes bench/RESULTS.md and its PNG plots from the readings run_report.py collected (its report.json).
 
 The estimate beside each measured memory number is `accelerate_zero.debug.estimate.estimate_stage` for the same
-model (bench_common.build_model at the run's size), the same config (bench_worker.engine_config), world size and
+model (harness/models.py `build_model` at the run's size), the same config (`models.engine_config`), world size and
 rank: the engine's own layout code, not a formula.
 """
 
@@ -12,12 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import report
+import engine_bench
 import report_plots
 import report_sections as sections
 import stage3_bench
-from bench_common import build_model
-from bench_worker import engine_config
+from harness.models import build_model, engine_config
+from harness.peers import PEERS
+from harness.summary import Summary, summarize
 from sweep_worker import LLAMA, build_llama
 
 
@@ -113,7 +114,7 @@ def _offload_section(offload: dict[str, Any]) -> str:
     return out
 
 
-def _target_note(summaries: list[report.Summary]) -> str:
+def _target_note(summaries: list[Summary]) -> str:
     """The memory targets were set at Ψ = 16.8M; RSS carries a fixed non-tensor part that weighs more when Ψ is smaller."""
     torch_side = [s.rss_mb - s.live_tensor_mb for s in summaries if not s.system.startswith("ds")]
     if not torch_side:
@@ -126,7 +127,7 @@ def _target_note(summaries: list[report.Summary]) -> str:
     )
 
 
-def _memory_notes(summaries: list[report.Summary]) -> str:
+def _memory_notes(summaries: list[Summary]) -> str:
     """Says why a system's live tensors exceed its RSS by far (allocated pages never touched)."""
     notes = []
     for s in summaries:
@@ -138,13 +139,13 @@ def _memory_notes(summaries: list[report.Summary]) -> str:
                 else ""
             )
             notes.append(
-                f"{report.LABELS[s.system]}: its live tensors ({s.live_tensor_mb:,.0f} MB) exceed its RSS "
+                f"{PEERS[s.system].label}: its live tensors ({s.live_tensor_mb:,.0f} MB) exceed its RSS "
                 f"({s.rss_mb:,.0f} MB): RSS does not count allocated pages that were never written.{why}"
             )
     return "".join(f"\n\n{note}" for note in notes)
 
 
-def _machine_lines(payload: dict[str, Any], summaries: list[report.Summary]) -> str:
+def _machine_lines(payload: dict[str, Any], summaries: list[Summary]) -> str:
     m = payload["machine"]
     world_size = summaries[0].world_size if summaries else 0
     readings = [value for s in summaries for pair in s.loadavg_1min if pair for value in pair]
@@ -188,7 +189,7 @@ def write(payload: dict[str, Any], results: Path, plots_dir: Path) -> None:
     from_systems = sections.sweep_from_systems(payload["main"])
     if from_systems and from_systems[0]["world_size"] not in sweep:
         sweep[from_systems[0]["world_size"]] = from_systems
-    summaries = [report.summarize(system, rounds) for system, rounds in payload["main"].items() if rounds]
+    summaries = [summarize(system, rounds) for system, rounds in payload["main"].items() if rounds]
     by_name = {s.system: s for s in summaries}
     ddp = by_name.get("ddp")
     for s in summaries:
@@ -207,7 +208,7 @@ def write(payload: dict[str, Any], results: Path, plots_dir: Path) -> None:
     if summaries:
         report_plots.comparison(summaries, comparison_png, f"W = {world} processes on 2 shared cores; {model}")
     link = lambda path: os.path.relpath(path, results.parent)  # noqa: E731
-    checks = [c.line() for c in report.checks(by_name)] + stage3_bench.training_checks(by_name)
+    checks = [c.line() for c in engine_bench.checks(by_name)] + stage3_bench.training_checks(by_name)
     spread = sections.step_ratio_spread(summaries)
     first = summaries[0] if summaries else None
     notes = payload.get("notes", []) + [
@@ -290,7 +291,7 @@ size above{_llama_text(llama_rows)}. **{"PASS" if honest else "FAIL"}: {
 
 ## How each number is measured
 
-See [README.md](README.md) ("How each number is measured") and `bench_common.py`, [Note: how the benchmark
+See [README.md](README.md) ("How each number is measured") and `harness/readings.py`, [Note: how the benchmark
 measures]. Raw readings of this run: `{raw}` (not committed); `bench/report --from_json {raw}`
 renders this page again from them.
 """

@@ -10,7 +10,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 
 import matplotlib.pyplot as plt  # noqa: E402
-import report  # noqa: E402
+from harness.peers import PEERS  # noqa: E402
+from harness.summary import Summary  # noqa: E402
 
 
 DPI = 100
@@ -47,9 +48,9 @@ def memory_vs_world_size(series: dict[int, dict[str, list[float]]], path: Path, 
     plt.close(fig)
 
 
-def comparison(summaries: list[report.Summary], path: Path, subtitle: str) -> None:
+def comparison(summaries: list[Summary], path: Path, subtitle: str) -> None:
     """Left: memory per rank of every system (live tensors, RSS, formula); right: median step time / DDP."""
-    names = [report.LABELS[s.system] for s in summaries]
+    names = [PEERS[s.system].label for s in summaries]
     ddp = next((s for s in summaries if s.system == "ddp"), None)
     ys = range(len(summaries))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(summaries) + 2.2), sharey=True)

@@ -1,7 +1,7 @@
 """The sections of bench/RESULTS.md and the data behind its plots, from the numbers run_report.py collected.
 
 Pure Python (no torch, no matplotlib): tests/unit/test_bench_report.py feeds it made-up readings. MB means 10**6
-bytes. The per-system summaries come from report.py (`report.summarize`); the memory sweep readings are what
+bytes. The per-system summaries come from harness/summary.py (`summary.summarize`); the memory sweep readings are what
 sweep_worker.py wrote, beside `accelerate_zero.debug.estimate`'s numbers for the same rank, stage and world size.
 """
 
@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import report
+from harness import summary
+from harness.peers import FORMULA_TEXT, PEERS
 
 
-MB = report.MB
+MB = summary.MB
 MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
 HONESTY_TOLERANCE = 0.10
 """The estimate of model-state bytes per rank must be within 10% of `memory_breakdown()` (issue 8)."""
@@ -25,7 +26,7 @@ STAGE3_SYSTEMS = ("az3", "fsdp2", "ds3")
 def comm_formula(system: str, params: int, world_size: int) -> tuple[str, float]:
     """The ZeRO paper's bytes per step per rank for `system` (fp32 elements, ring volume): (text, bytes)."""
     factor = 3 if system in STAGE3_SYSTEMS else 2
-    return f"{factor}Ψ(W−1)/W·4", factor * params * (world_size - 1) / world_size * report.BYTES_FP32
+    return f"{factor}Ψ(W−1)/W·4", factor * params * (world_size - 1) / world_size * summary.BYTES_FP32
 
 
 def _mb(value: float | None, digits: int = 1) -> str:
@@ -37,7 +38,7 @@ def _over(value: float | None, reference: float | None) -> str:
 
 
 # ------------------------------------------------------------------------------------ the systems compared
-def memory_table(summaries: list[report.Summary]) -> str:
+def memory_table(summaries: list[summary.Summary]) -> str:
     """Memory per rank (max over ranks) of every system beside the ZeRO formula for fp32 Adam."""
     rows = [
         "| system | ZeRO formula | formula (MB) | engine-held (MB) | held / formula | live tensors (MB) | "
@@ -49,7 +50,7 @@ def memory_table(summaries: list[report.Summary]) -> str:
         held = None if s.held_mb is None else s.held_mb * MB
         peak = None if s.peak_rss_mb is None else s.peak_rss_mb * MB
         rows.append(
-            f"| {report.LABELS[s.system]} | {report.FORMULA_TEXT[report.MEMORY_FORMULA[s.system]]} | "
+            f"| {PEERS[s.system].label} | {FORMULA_TEXT[PEERS[s.system].memory]} | "
             f"{_mb(formula)} | {_mb(held)} | {_over(held, formula)} | {_mb(s.live_tensor_mb * MB)} | "
             f"{_over(s.live_tensor_mb, s.memory_formula_mb)} | {s.rss_mb:,.1f} | "
             f"{_over(s.rss_mb, s.memory_formula_mb)} | {s.anon_rss_mb:,.1f} | {_mb(peak)} |"
@@ -57,7 +58,7 @@ def memory_table(summaries: list[report.Summary]) -> str:
     return "\n".join(rows)
 
 
-def traffic_time_table(summaries: list[report.Summary], ddp: report.Summary | None) -> str:
+def traffic_time_table(summaries: list[summary.Summary], ddp: summary.Summary | None) -> str:
     """Bytes moved per step per rank beside the formula, and the median step time as a ratio to DDP's."""
     rows = [
         "| system | bytes per step per rank (MB) | counted by | ZeRO formula (MB) | counted / formula | "
@@ -70,7 +71,7 @@ def traffic_time_table(summaries: list[report.Summary], ddp: report.Summary | No
         counted, wire = s.comm_mb_per_step * MB, s.wire_mb_per_step * MB
         by_round = " / ".join(f"{ms:.0f}" for ms in s.step_ms_by_round)
         rows.append(
-            f"| {report.LABELS[s.system]} | {_mb(counted)} | {report.COUNTED_BY[s.system]} | "
+            f"| {PEERS[s.system].label} | {_mb(counted)} | {PEERS[s.system].counted_by} | "
             f"{text} = {_mb(formula)} | {_over(counted, formula)} | {_mb(wire)} | {_over(wire, formula)} | "
             f"{s.step_ms:.0f} | {s.step_ms_p25_p75[0]:.0f}–{s.step_ms_p25_p75[1]:.0f} | {by_round} | "
             f"**{_over(s.step_ms, ddp.step_ms if ddp else None)}** | {s.cpu_ms_per_rank:.0f} | {s.final_loss:.7f} |"
@@ -94,7 +95,7 @@ class SweepRow:
     live_tensor_bytes: int
     rss_bytes: int
     model: str = "linear"
-    """"linear" (bench_common's stack) or "llama" (sweep_worker.LLAMA)."""
+    """"linear" (harness/models.py's stack) or "llama" (sweep_worker.LLAMA)."""
 
     @property
     def measured_model_states(self) -> int:
@@ -111,7 +112,7 @@ class SweepRow:
 
     @property
     def formula_bytes(self) -> float:
-        return report.memory_formula_bytes(f"az{self.stage}", self.params, self.world_size)
+        return summary.memory_formula_bytes(f"az{self.stage}", self.params, self.world_size)
 
 
 def sweep_from_systems(main: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any]] | None:
@@ -281,7 +282,7 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def step_ratio_spread(summaries: list[report.Summary]) -> float | None:
+def step_ratio_spread(summaries: list[summary.Summary]) -> float | None:
     """How far DDP's own rounds are apart (max/min of its per-round medians): the noise floor of the ratios."""
     ddp = next((s for s in summaries if s.system == "ddp"), None)
     if ddp is None or len(ddp.step_ms_by_round) < 2:

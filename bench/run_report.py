@@ -11,9 +11,9 @@ Usage:
 Phases, each system in its own fresh `torchrun --standalone` group (gloo, one thread per rank, as engine_bench.py):
 1. memory against world size: sweep_worker.py at W = 1, 2, 3, 4 reads `memory_breakdown()`, live tensors and RSS of
    stages 0-3; `accelerate_zero.debug.estimate` computes the same rank's bytes for the same model and config;
-2. the systems compared at W = 4 (engine_bench.run_system): DDP, DDP + ZeroRedundancyOptimizer, our stages 0-3,
-   FSDP2, and DeepSpeed stages 1-3 from --ds_venv when it exists; DDP runs first and again last, so its two
-   medians show how much the machine's load moved during the run;
+2. the systems compared at W = 4 (harness/steps.py `launch_train`, as engine_bench.py): DDP, DDP +
+   ZeroRedundancyOptimizer, our stages 0-3, FSDP2, and DeepSpeed stages 1-3 from --ds_venv when it exists; DDP runs
+   first and again last, so its two medians show how much the machine's load moved during the run;
 3. offload: bench/offload_bench.py when it exists (its printed markdown tables are copied);
 4. the transformers Trainer under DDP, our stages 2/3 and DeepSpeed's: bench/trainer_bench.py, one round (its
    printed table is copied; `--skip_trainer` leaves it out).
@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -36,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import engine_bench
-from bench_common import SIZE_ENV
-from ds_venv import DEFAULT_DS_VENV
+from harness import report, steps
+from harness.launch import DEFAULT_DS_VENV
+from harness.models import SIZE_ENV
 
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -89,34 +87,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-# ----------------------------------------------------------------------------------------------- machine
-def machine_facts() -> dict[str, Any]:
-    """What the report says about where it ran: CPU, cores, RAM, versions, load, the commit."""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    versions = {}
-    for package in ("torch", "transformers", "accelerate", "matplotlib"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    git = ["git", "-C", str(REPO)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "accelerate_zero"], capture_output=True, text=True
-    ).stdout.splitlines()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_gib": mem_kib / 2**20,
-        "python": platform.python_version(),
-        "versions": versions,
-        "commit": head,
-        "uncommitted_engine_files": [line[3:] for line in dirty],
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 def load_average() -> dict[str, Any]:
     """The 1, 5 and 15-minute load averages (other users' jobs show here)."""
     return {"loadavg": list(os.getloadavg())}
@@ -156,20 +126,14 @@ def run_sweep(world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]
 
 def run_systems(args: argparse.Namespace) -> tuple[dict[str, list[list[dict[str, Any]]]], list[str]]:
     """Every system once at --world_size, then DDP again; returns {system: rounds} and the systems that failed."""
-    run_args = argparse.Namespace(
-        world_size=args.world_size,
-        steps=args.steps,
-        warmup=args.warmup,
-        reduce_bucket_size=None,
-        ds_venv=args.ds_venv,
-        out_dir=args.out_dir / f"w{args.world_size}",
-    )
-    run_args.out_dir.mkdir(parents=True, exist_ok=True)
     order = [(system, 0) for system in args.systems] + ([("ddp", 1)] if "ddp" in args.systems else [])
     raw: dict[str, list[list[dict[str, Any]]]] = {system: [] for system in args.systems}
     failed = []
     for system, round_index in order:
-        ranks = engine_bench.run_system(system, run_args, round_index)
+        ranks = steps.launch_train(
+            system, args.world_size, out_dir=args.out_dir / f"w{args.world_size}", ds_venv=args.ds_venv,
+            round_index=round_index, steps=args.steps, warmup=args.warmup,
+        )  # fmt: skip
         if ranks is None:
             failed.append(system)
         else:
@@ -267,7 +231,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     os.environ[SIZE_ENV["hidden"]], os.environ[SIZE_ENV["layers"]] = str(args.hidden), str(args.layers)
     payload: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": machine_facts(),
+        "machine": report.machine_facts(),
         "load_start": load_average(),
         "seconds": {},
         "notes": [],

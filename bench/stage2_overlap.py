@@ -4,7 +4,7 @@ Usage:
     .venv/bin/python bench/stage2_overlap.py                  # 24 x Linear(2048) (101M params), 2 ranks, ~4 minutes
     .venv/bin/python bench/stage2_overlap.py --layers 16 --width 1024 --world_size 2
 
-Runs one `torchrun --standalone` group (gloo, one thread per rank) that trains the same stack of Linear+GELU layers
+One group of fresh ranks (harness/launch.py: gloo, one thread per rank) trains the same stack of Linear+GELU layers
 with AdamW at stage 2 under each config in turn, twice in alternating order, and prints the median wall time of an
 optimizer step per config (rank 0, after warm-up steps). Configs: DeepSpeed's defaults (reduce_bucket_size 5e8,
 overlap_comm false), ours (5e7, true), and 1e7 with overlap. Compare ratios within one run: the machine is shared.
@@ -13,12 +13,10 @@ overlap_comm false), ours (5e7, true), and 1e7 with overlap. Compare ratios with
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
+
+from harness import launch, report
 
 
 CONFIGS = {
@@ -28,40 +26,36 @@ CONFIGS = {
 }
 
 
-def _worker(args: argparse.Namespace) -> None:
+def time_configs(layers: int, width: int, batch: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Rank function: every config twice (forward then reversed order); the timed steps' seconds per config."""
     import torch
     from torch import nn
 
     import accelerate_zero
 
-    torch.set_num_threads(1)
     names = list(CONFIGS)
-    order = names + names[::-1]
     times: dict[str, list[float]] = {name: [] for name in names}
-    for name in order:
+    for _, name in launch.interleaved(names, 2):
         torch.manual_seed(0)
-        model = nn.Sequential(
-            *[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.layers)]
-        )
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
         config = {
-            "train_micro_batch_size_per_gpu": args.batch,
+            "train_micro_batch_size_per_gpu": batch,
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": 2, **CONFIGS[name]},
         }
         engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
-        x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-        for step in range(args.warmup + args.steps):
+        x, y = torch.randn(batch, width), torch.randn(batch, width)
+        for step in range(warmup + steps):
             start = time.perf_counter()
             engine.backward(nn.functional.mse_loss(engine(x), y))
             engine.step()
-            if step >= args.warmup:
+            if step >= warmup:
                 times[name].append(time.perf_counter() - start)
         engine.destroy()
-    if int(os.environ["RANK"]) == 0:
-        print(json.dumps({name: statistics.median(values) for name, values in times.items()}))
+    return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=2048)
@@ -69,20 +63,16 @@ def main() -> None:
     parser.add_argument("--world_size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per config and round")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        _worker(args)
-        return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}"]
-    forwarded = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("worker", "world_size")]
-    output = subprocess.run([*command, __file__, "--worker", *forwarded], check=True, capture_output=True, text=True)
-    medians = json.loads(output.stdout.strip().splitlines()[-1])
+    args = parser.parse_args(argv)
+    facts = report.machine_facts()
+    kwargs = {k: v for k, v in vars(args).items() if k != "world_size"}
+    times = launch.on_ranks(args.world_size, time_configs, kwargs).results[0]
+    medians = {name: statistics.median(values) for name, values in times.items()}
     params = args.layers * (args.width * args.width + args.width)
-    print(f"stage 2, {args.world_size} ranks, {params / 1e6:.1f}M parameters, median step time (rank 0):")
+    title = f"stage 2, {args.world_size} ranks, {params / 1e6:.1f}M parameters, median step time (rank 0)"
     base = medians[next(iter(CONFIGS))]
-    for name, seconds in medians.items():
-        print(f"  {name:<45} {seconds:7.3f} s  x{seconds / base:.2f}")
+    rows = [(name, f"{seconds:.3f}", f"{seconds / base:.2f}") for name, seconds in medians.items()]
+    print(report.header(facts, title) + "\n\n" + report.table(["config", "s", "x DeepSpeed's defaults"], rows))
 
 
 if __name__ == "__main__":

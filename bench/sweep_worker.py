@@ -3,10 +3,10 @@
 Usage (what run_report.py runs, once per world size 1..4):
     torchrun --standalone --nproc_per_node 2 bench/sweep_worker.py --stages 0 1 2 3 --steps 1 --out sweep_w2.json
 
-In one process group, for each stage in turn: build the benchmark model (bench_common.build_model, its size from
-AZ_BENCH_HIDDEN / AZ_BENCH_LAYERS), wrap it with `accelerate_zero.initialize` and the config bench_worker.py uses,
+In one process group, for each stage in turn: build the benchmark model (harness/models.py `build_model`, its size from
+AZ_BENCH_HIDDEN / AZ_BENCH_LAYERS), wrap it with `accelerate_zero.initialize` and `models.engine_config`,
 take `--steps` optimizer steps (so that Adam's states exist), then read `engine.memory_breakdown()`, the bytes of
-every live tensor (bench_common.live_tensor_bytes, each storage once) and RSS, all minus the same readings taken
+every live tensor (`readings.live_tensor_bytes`, each storage once) and RSS, all minus the same readings taken
 before the model was built; then destroy the engine and free everything before the next stage. A run on a tiny
 model comes first, so that one-time costs (code pages, allocator arenas) do not land in the first stage's RSS.
 `--llama` measures a LlamaForCausalLM shaped like offload_bench.py's too (for the estimate-honesty check). Nothing is timed.
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_common import LR, build_model, live_tensor_bytes, make_batch, proc_status
-from bench_worker import engine_config
+from harness.models import LR, build_model, engine_config, make_batch
+from harness.readings import live_tensor_bytes, proc_status
 from torch import nn
 
 
@@ -54,7 +54,7 @@ Loss = Callable[[nn.Module], torch.Tensor]
 
 
 def linear_stack(hidden: int | None = None, layers: int | None = None) -> tuple[nn.Module, Loss]:
-    """bench_common's model (its size from AZ_BENCH_HIDDEN / AZ_BENCH_LAYERS unless given) and its MSE loss."""
+    """harness/models.py's stack (its size from AZ_BENCH_HIDDEN / AZ_BENCH_LAYERS unless given) and its MSE loss."""
     model = build_model(*(v for v in (hidden, layers) if v is not None))
     x, y = make_batch(dist.get_rank(), model[0].in_features)
     return model, lambda engine: nn.functional.mse_loss(engine(x), y)

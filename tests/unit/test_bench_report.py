@@ -119,7 +119,7 @@ def _raw_ranks(step_seconds: float, world_size: int = 4) -> list[dict[str, Any]]
 
 
 def test_tables_show_formulas_and_step_time_ratio_to_ddp(sections: ModuleType) -> None:
-    report = sections.report
+    report = sections.summary
     ddp = report.summarize("ddp", [_raw_ranks(0.2), _raw_ranks(0.4)])
     az3 = report.summarize("az3", [_raw_ranks(0.15)])
     memory = sections.memory_table([ddp, az3])
