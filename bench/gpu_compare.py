@@ -32,7 +32,7 @@ MODES = ("none", "cpu", "cpu+param")
 ONE_THREAD = "cpu/omp1"  # ours in mode cpu with OMP_NUM_THREADS=1, as torchrun and accelerate launch set it
 SYNCHRONOUS = "cpu/sync"  # ours in mode cpu with the host step inside engine.step() (ACCELERATE_ZERO_OVERLAP_STEP=0)
 VARIANTS = (ONE_THREAD, SYNCHRONOUS)
-DRY_RUN = {"hidden": 256, "layers": 2, "batch": 2, "seq": 32, "accumulation": 2, "steps": 2}
+DRY_RUN = {"hidden": 256, "layers": 2, "batch": 2, "seq": 32, "accumulation": 2, "steps": 2, "vocab": 1024}
 
 
 def skip_reason(system: str, mode: str) -> str | None:
@@ -63,7 +63,8 @@ def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, A
     env = {"OMP_NUM_THREADS": str(threads), "ACCELERATE_ZERO_OVERLAP_STEP": "0" if variant == "sync" else "1"}
     timeline = str(args.out / f"timeline_{tag(system, run_mode)}") if system in args.timeline_systems else None
     worker = {
-        key: getattr(args, key) for key in ("hidden", "layers", "batch", "seq", "accumulation", "steps", "nvme_dir")
+        key: getattr(args, key)
+        for key in ("hidden", "layers", "batch", "seq", "accumulation", "steps", "nvme_dir", "vocab")
     }
     worker.update(system=system, mode=mode, timeline=timeline, cpu=args.dry_run)
     begin = time.perf_counter()
@@ -139,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000, help="the Llama's vocabulary (the dry run: 1024)")
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--timeout", type=int, default=150, help="seconds per (system, mode) process")

@@ -36,12 +36,11 @@ MODES = ("none", "cpu", "cpu+param", "nvme")
 LR, BETAS, EPS = 1e-5, (0.9, 0.999), 1e-8
 
 
-def llama_config(hidden: int, layers: int, seq: int) -> Any:
+def llama_config(hidden: int, layers: int, seq: int, vocab: int = 32000) -> Any:
     """Heads of 128 dimensions (fewer when hidden is small), intermediate 8/3 x hidden rounded to 64."""
     heads = max(1, hidden // 128)
-    return models.llama_config(
-        hidden, layers, intermediate=64 * max(1, round(hidden * 8 / 3 / 64)), heads=heads, seq=seq
-    )
+    intermediate = 64 * max(1, round(hidden * 8 / 3 / 64))
+    return models.llama_config(hidden, layers, vocab=vocab, intermediate=intermediate, heads=heads, seq=seq)
 
 
 def deepspeed_config(mode: str, batch: int, accumulation: int, nvme_dir: str | None, optimizer_block: bool) -> dict:
@@ -209,7 +208,7 @@ def measure_figures(device: torch.device, numel: int = 1 << 24) -> dict[str, flo
 
 def run(args: dict[str, Any]) -> dict[str, Any]:
     """Rank function (one process, its own process group: NCCL on a GPU, gloo on the CPU): `args` holds system,
-    mode, hidden, layers, batch, seq, accumulation, steps, nvme_dir, timeline (a path stem or None) and cpu."""
+    mode, hidden, layers, batch, seq, accumulation, steps, nvme_dir, timeline (a path stem or None), cpu, vocab."""
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available() and not args["cpu"]
@@ -224,13 +223,13 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     args = dict(args, nvme_dir=args["nvme_dir"] or tempfile.mkdtemp(prefix="gpu_compare_nvme_"))
     start = time.perf_counter()
-    config = llama_config(args["hidden"], args["layers"], args["seq"])
+    config = llama_config(args["hidden"], args["layers"], args["seq"], args.get("vocab", 32000))
     micro, boundary, destroy = BUILDERS[args["system"]](
         args, device, models.llama(config, device=device, dtype=torch.bfloat16)
     )
     setup_seconds = time.perf_counter() - start
     numel = sum(p.numel() for p in models.llama(config, device="meta").parameters())
-    tokens = models.tokens(args["batch"], args["seq"], 32000, seed=1).to(device)
+    tokens = models.tokens(args["batch"], args["seq"], config.vocab_size, seed=1).to(device)
 
     def step() -> float:
         with torch.profiler.record_function("bench::step"):
@@ -266,6 +265,6 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         result["timeline"] = profile_step(args, step, device)
     result.update(destroy())
     if args["system"] == "ours":
-        result["measured"] = measure_figures(device)
+        result["measured"] = measure_figures(device, 1 << (24 if cuda else 20))  # a CPU only checks the script
     dist.destroy_process_group()
     return result

@@ -393,7 +393,8 @@ def header(meta: dict[str, Any]) -> str:
         f"{a['layers']} layers, vocab {VOCAB}), fp32, micro-batch {a['micro']}, accumulation {a['accumulation']}, "
         f"seq {SEQ}; {a['rounds']} rounds x {a['steps']} timed steps after {a['warmup']} warm-up; offload "
         f"{a['offload']}; prefetch {a.get('prefetch', 'as_written')}; {meta['start_utc']} to {meta['end_utc']} UTC "
-        f"({meta['seconds'] / 60:.1f} min); load average (1 min) {min(loads):.2f}-{max(loads):.2f}; code: {meta['code']}"
+        f"({meta['seconds'] / 60:.1f} min); load average (1 min) {min(loads):.2f}-{max(loads):.2f}; code: "
+        f"{meta['code']}"
     )
 
 
