@@ -107,9 +107,6 @@ def write(payload: dict[str, Any], results: Path, plots_dir: Path) -> None:
     args = payload["args"]
     hidden, layers = int(args["hidden"]), int(args["layers"])
     sweep = {int(w): ranks for w, ranks in payload["sweep"].items() if ranks}
-    from_systems = sections.sweep_from_systems(payload["main"])
-    if from_systems and from_systems[0]["world_size"] not in sweep:
-        sweep[from_systems[0]["world_size"]] = from_systems
     summaries = [summarize(system, rounds) for system, rounds in payload["main"].items() if rounds]
     by_name = {s.system: s for s in summaries}
     for s in summaries:
@@ -167,8 +164,8 @@ Targets of the engine (issue 2) and stage 3 (issue 3) benchmarks, on this run:
 
 ## Memory per rank against world size: measured and estimated
 
-Stages 0-3 at W = {worlds} (run_report.py's sweep, after one optimizer step; the comparison's own runs at W = {world})
-against `accelerate_zero.debug.estimate.estimate_stage` for the same model, config, world size and rank.
+Stages 0-3 at W = {worlds} (run_report.py's sweep: at the end of a backward after one optimizer step, the whole model
+state) against `accelerate_zero.debug.estimate.estimate_stage` for the same model, config, world size and rank.
 
 ![memory per rank against world size]({link(memory_png)})
 

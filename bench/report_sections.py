@@ -115,27 +115,6 @@ class SweepRow:
         return summary.memory_formula_bytes(f"az{self.stage}", self.params, self.world_size)
 
 
-def sweep_from_systems(main: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any]] | None:
-    """The compared systems' stage runs (az0-az3, first round) as sweep readings, or None if one is missing:
-    run_report.py takes the sweep's point at the comparison's world size from them instead of a second run."""
-    runs = {stage: main.get(f"az{stage}") for stage in range(4)}
-    if not all(runs.values()):
-        return None
-    out = []
-    for index, first in enumerate(runs[0][0]):
-        stages = {}
-        for stage, rounds in runs.items():
-            rank = rounds[0][index]
-            stages[str(stage)] = {
-                "memory_breakdown": rank["extra"]["memory_breakdown"],
-                "live_tensor_bytes": rank["live_tensor_bytes"],
-                "rss_bytes": rank["after"]["VmRSS"] - rank["baseline"]["VmRSS"],
-            }
-        out.append({"rank": first["rank"], "world_size": first["world_size"], "params": first["params"],
-                    "stages": stages})  # fmt: skip
-    return out
-
-
 def sweep_rows(
     readings: dict[int, list[dict[str, Any]]],
     estimates: dict[tuple[int, int, int], dict[str, int]],

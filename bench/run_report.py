@@ -72,7 +72,8 @@ def parse_args() -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- the sweep (a rank function)
 def _measure_stage(stage: int, optimizer_steps: int, make: Callable[[], tuple[Any, Callable]]) -> dict[str, Any]:
-    """What this rank holds after `optimizer_steps` steps at `stage`, above what it held before the model existed."""
+    """What this rank holds at the end of a backward after `optimizer_steps` steps at `stage` (the whole model state:
+    gradients live from the first backward to the step), above what it held before the model existed."""
     import torch
     import torch.distributed as dist
     from harness.readings import live_tensor_bytes, proc_status
@@ -88,6 +89,7 @@ def _measure_stage(stage: int, optimizer_steps: int, make: Callable[[], tuple[An
     for _ in range(optimizer_steps):
         engine.backward(loss_of(engine))
         engine.step()
+    engine.backward(loss_of(engine))  # read before its step: the gradients are freed after it
     gc.collect()
     dist.barrier()
     status = proc_status()
@@ -97,6 +99,7 @@ def _measure_stage(stage: int, optimizer_steps: int, make: Callable[[], tuple[An
         "rss_bytes": status["VmRSS"] - status_before["VmRSS"],
         "anon_rss_bytes": status["RssAnon"] - status_before["RssAnon"],
     }
+    engine.step()
     engine.destroy()
     del engine, optimizer, model, loss_of
     gc.collect()
@@ -189,9 +192,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     payload.update(machine=report.machine_facts(), load_start={"loadavg": list(os.getloadavg())})
     start = time.perf_counter()
     print(f"memory against world size: W = {args.sweep_world_sizes}", flush=True)
-    # The comparison's own stage runs give the sweep's point at its world size (report_sections.sweep_from_systems).
-    in_comparison = args.world_size if all(f"az{stage}" in args.systems for stage in range(4)) else None
-    payload["sweep"] = {w: run_sweep(w, args) for w in args.sweep_world_sizes if w != in_comparison}
+    payload["sweep"] = {w: run_sweep(w, args) for w in args.sweep_world_sizes}
     payload["seconds"]["sweep"] = time.perf_counter() - start
     runnable = steps.runnable(args.systems, args.ds_venv)
     if runnable != args.systems:

@@ -136,22 +136,6 @@ def test_markdown_tables_are_cut_out_of_printed_output(sections: ModuleType) -> 
     assert sections.markdown_tables(text) == "| a | b |\n|---|---|\n| 1 | 2 |\n\n| c |\n|---|"
 
 
-def test_the_comparisons_stage_runs_give_the_sweeps_point_at_their_world_size(sections: ModuleType) -> None:
-    main = {f"az{stage}": [_raw_ranks(0.1, world_size=2)] for stage in range(4)}
-    for stage in range(4):
-        for rank, record in enumerate(main[f"az{stage}"][0]):
-            record["rank"] = rank
-            record["extra"]["memory_breakdown"] = _breakdown(stage, 2)
-    readings = sections.sweep_from_systems(main)
-    assert [r["rank"] for r in readings] == [0, 1] and readings[0]["world_size"] == 2
-    assert readings[1]["stages"]["3"]["memory_breakdown"] == _breakdown(3, 2)
-    assert readings[0]["stages"]["0"]["rss_bytes"] == 100_000_000
-    rows = sections.sweep_rows({2: readings}, _estimates([2]))
-    assert sections.honesty_table(rows)[1]
-    del main["az1"]
-    assert sections.sweep_from_systems(main) is None
-
-
 def test_llama_readings_join_the_honesty_table_under_their_own_model(sections: ModuleType) -> None:
     sweep = _sweep([1, 2])
     for rank in sweep[2]:
