@@ -22,7 +22,6 @@ import argparse
 import functools
 import gc
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------------ training
+def train_arena_whole(**kwargs: Any) -> dict[str, Any]:
+    """Rank function: `steps.train` with the engine's gradient arenas counted whole from their allocation, as a
+    device allocator counts them ([Note: resident pages against allocated bytes] in user_load.py)."""
+    from user_load import count_gradient_arenas_whole
+
+    if kwargs["system"].startswith("az"):
+        count_gradient_arenas_whole()
+    return steps.train(**kwargs)
+
+
 def run_world(world_size: int, args: argparse.Namespace, grad_accum: int = 1) -> dict[str, list[dict[str, Any]]]:
     """Runs every system on `world_size` processes; returns each one's per-rank records."""
     out_dir = args.out_dir / (f"w{world_size}" if grad_accum == 1 else f"w{world_size}_accum{grad_accum}")
@@ -76,7 +85,7 @@ def run_world(world_size: int, args: argparse.Namespace, grad_accum: int = 1) ->
         timed = args.ds3_steps if system == "ds3" and args.ds3_steps else args.steps
         ranks = steps.launch_train(
             system, world_size, out_dir=out_dir, ds_venv=args.ds_venv, steps=timed, warmup=args.warmup,
-            grad_accum=grad_accum,
+            grad_accum=grad_accum, function=train_arena_whole if args.arena_whole else None,
         )  # fmt: skip
         if ranks is not None:
             raw[system] = ranks
@@ -344,8 +353,6 @@ def run_loading(args: argparse.Namespace) -> tuple[str, list[str], dict[str, Any
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.arena_whole:
-        os.environ[steps.ARENA_WHOLE_ENV] = "1"  # the ranks inherit it
     if args.accumulation_from_json is not None:
         accumulation_from_json(args.accumulation_from_json)
         return
