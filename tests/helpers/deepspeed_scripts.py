@@ -46,6 +46,9 @@ def tutorial(ds: Any, config: dict, folder: str, rank: int) -> dict[str, Any]:
     engine, _, loader, scheduler = ds.initialize(
         args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler, training_data=data
     )
+    # Both loaders read this attribute when iterated: no worker processes (DeepSpeed's default is 2; in a spawned
+    # test rank each would import the test modules again), the same batches.
+    loader.num_local_io_workers = 0
     losses = []
     for x, y in loader:
         loss = nn.functional.mse_loss(engine(x), y)
