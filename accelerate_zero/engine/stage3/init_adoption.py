@@ -50,8 +50,7 @@ def adopt_init_shards(
             "the model without zero.Init, or load it with accelerate_zero.from_pretrained"
         )
     records = {id(p): init_shards.init_shard_of(p) for p in partitioned}
-    layout = unit_layout(model, config, unit_classes, numel_of=lambda p: records[id(p)].numel if id(p) in records
-                         else p.numel())
+    layout = unit_layout(model, config, unit_classes, numel_of=lambda p: _numel(records, p))
     names = {id(p): name for name, p in model.named_parameters()}
     num_shards, shard_rank = sharding.shard_size, sharding.shard_index_of(world.rank)
     dtype = config.compute_dtype
@@ -62,9 +61,9 @@ def adopt_init_shards(
         shapes = [tuple(records[id(p)].shape) if id(p) in records else tuple(p.shape) for p in params]
         plan = plan_group(shapes, sys.maxsize, num_shards).buckets[0]
         unit = _GatheredUnit({names[id(p)]: _full_values(p) for p in params})
-        flats[tuple(id(p) for p in params)] = load_flat(params, plan, names, unit, shard_rank, dtype, device,
-                                                        shard_device)
-    in_units = {id(p) for ps in flats for p in ps}
+        flat = load_flat(params, plan, names, unit, shard_rank, dtype, device, shard_device)
+        flats[tuple(id(p) for p in params)] = flat
+    in_units = {param_id for ids in flats for param_id in ids}
     for param in partitioned:
         if id(param) not in in_units:  # persistent (small) parameters stay whole on every rank
             values = _full_values(param)
@@ -72,6 +71,11 @@ def adopt_init_shards(
     for param in partitioned:
         init_shards.forget(param)
     setattr(model, PRELOADED_ATTR, Preloaded(num_shards, shard_rank, dtype, flats))
+
+
+def _numel(records: dict[int, init_shards.InitShard], param: nn.Parameter) -> int:
+    record = records.get(id(param))
+    return record.numel if record is not None else param.numel()
 
 
 def _full_values(param: nn.Parameter) -> torch.Tensor:
