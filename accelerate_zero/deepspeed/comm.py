@@ -46,6 +46,7 @@ from torch.distributed import (  # noqa: F401  (re-exported: deepspeed.comm's na
     send,
 )
 
+from accelerate_zero.deepspeed.accelerator import get_accelerator  # noqa: F401  (deepspeed.comm re-exports it)
 from accelerate_zero.deepspeed.unavailable import DeepSpeedUnavailable
 from accelerate_zero.engine.groups import init_data_parallel_group, resolve_device
 
@@ -53,14 +54,10 @@ from accelerate_zero.engine.groups import init_data_parallel_group, resolve_devi
 logger = logging.getLogger(__name__)
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+default_pg_timeout = datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "30")))
 allgather_fn = all_gather_into_tensor
 reduce_scatter_fn = reduce_scatter_tensor
 inference_all_reduce = all_reduce
-
-
-def _default_timeout() -> datetime.timedelta:
-    # DeepSpeed's default_pg_timeout: DEEPSPEED_TIMEOUT minutes, else 30.
-    return datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "30")))
 
 
 def init_distributed(
@@ -107,7 +104,7 @@ def init_distributed(
     _dist.init_process_group(
         backend=backend,
         init_method=init_method,
-        timeout=timeout or _default_timeout(),
+        timeout=timeout or default_pg_timeout,
         rank=rank,
         world_size=world_size,
     )
@@ -147,15 +144,62 @@ def configure(deepspeed_config: object = None, **kwargs: object) -> None:
         )
 
 
+_INTERNALS = "DeepSpeed's comm internals (its backends, timers, logger) are not available: use torch.distributed"
+_COMMS_LOGGER = "DeepSpeed's comms logger is not available; engine.comm_stats() counts the engine's collectives"
+_CLUSTER_ENV = "cluster environment detection is not available; start with `accelerate-zero deepspeed` or torchrun"
+_HINTS = {
+    "log_summary": _COMMS_LOGGER,
+    "reset_log": _COMMS_LOGGER,
+    "has_comm_data": _COMMS_LOGGER,
+    "get_comm_operation_count": _COMMS_LOGGER,
+    "get_logged_comm_ops": _COMMS_LOGGER,
+    "timed_op": _COMMS_LOGGER,
+    "get_debug_log_name": _COMMS_LOGGER,
+    "get_msg_size_from_args": _COMMS_LOGGER,
+    "initialize_mesh_device": "device meshes are built from the config (sequence_parallel_size, mics_shard_size)",
+    "all_reduce_coalesced": "call all_reduce per tensor, or on one flattened tensor",
+    "all_gather_coalesced": "call all_gather_into_tensor per tensor",
+    "has_all_reduce_coalesced": "call all_reduce per tensor, or on one flattened tensor",
+    "enable_symm_mem_for_group": "symmetric memory is not available",
+    "init_deepspeed_backend": "init_distributed creates torch's process group; there is no other backend",
+    "set_backend": "init_distributed creates torch's process group; there is no other backend",
+    "ProcessGroup": "use torch.distributed.ProcessGroup (new_group returns one)",
+    "mpi_discovery": _CLUSTER_ENV,
+    "in_aml": _CLUSTER_ENV,
+    "in_aws_sm": _CLUSTER_ENV,
+    "in_dlts": _CLUSTER_ENV,
+    "patch_aml_env_for_torch_nccl_backend": _CLUSTER_ENV,
+    "patch_aws_sm_env_for_torch_nccl_backend": _CLUSTER_ENV,
+    "get_local_rank_from_launcher": "use get_local_rank() (LOCAL_RANK)",
+    "get_world_rank_from_launcher": "use get_rank()",
+    "get_world_size_from_launcher": "use get_world_size()",
+    "get_default_args": "DeepSpeed's comm utilities are not available",
+    "get_tensor_position": "DeepSpeed's comm utilities are not available",
+    "get_tensor_kwarg": "DeepSpeed's comm utilities are not available",
+    **{
+        name: _INTERNALS
+        for name in (
+            "CCLBackend",
+            "TorchBackend",
+            "CommsLogger",
+            "cdb",
+            "ccl_backend",
+            "hccl_backend",
+            "mpi_backend",
+            "nccl_backend",
+            "comms_logger",
+            "timer",
+            "timers",
+            "timer_summary",
+            "utils",
+            "get_caller_func",
+        )
+    },
+}
+
+
 def __getattr__(name: str) -> object:
-    hints = {
-        "log_summary": "DeepSpeed's comms logger is not available; engine.comm_stats() counts the engine's collectives",
-        "initialize_mesh_device": "device meshes are built from the config (sequence_parallel_size, mics_shard_size)",
-        "all_reduce_coalesced": "call all_reduce per tensor, or on one flattened tensor",
-        "all_gather_coalesced": "call all_gather_into_tensor per tensor",
-        "mpi_discovery": "MPI discovery is not available; start with `accelerate-zero deepspeed` or torchrun",
-        "enable_symm_mem_for_group": "symmetric memory is not available",
-    }
+    hints = _HINTS
     if name in hints:
         raise DeepSpeedUnavailable(f"deepspeed.comm.{name} is not available in accelerate_zero: {hints[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

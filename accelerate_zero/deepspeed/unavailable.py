@@ -58,6 +58,10 @@ _MODULE_HINTS = {
     "runtime": "deepspeed.runtime internals are not available: use the public API (initialize, zero, comm)",
     "utils": "deepspeed.utils is not available: use the engine's methods and accelerate_zero.debug",
     "set_optimizer_flags": "Muon parameter flags are set by the engine itself",
+    **{
+        name: "DeepSpeed's per-head Muon tags are not available: the engine's Muon steps whole matrices"
+        for name in ("QUERY", "KV", "MLA_Q", "MLA_KV", "NOT_HEAD_BLOCKED")
+    },
     "resolve_per_head_muon_after_sharding": "Muon parameter flags are set by the engine itself",
 }
 
