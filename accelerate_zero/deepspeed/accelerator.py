@@ -22,7 +22,7 @@ class Accelerator:
         self._name = "cuda" if has_accelerator() and torch.cuda.is_available() else "cpu"
 
     def device_name(self, device_index: int | None = None) -> str:
-        """"cuda" / "cuda:<index>", or "cpu"."""
+        """ "cuda" / "cuda:<index>", or "cpu"."""
         if device_index is None or self._name == "cpu":
             return self._name
         return f"{self._name}:{device_index}"

@@ -203,4 +203,3 @@ def __getattr__(name: str) -> object:
     if name in hints:
         raise DeepSpeedUnavailable(f"deepspeed.comm.{name} is not available in accelerate_zero: {hints[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

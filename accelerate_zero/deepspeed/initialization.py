@@ -200,4 +200,3 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration file."
     )
     return parser
-

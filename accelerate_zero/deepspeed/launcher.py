@@ -57,7 +57,7 @@ def read_hostfile(path: str | os.PathLike[str]) -> dict[str, int] | None:
 
 
 def _node_specs(spec: str) -> dict[str, list[int]]:
-    """"host-a@host-b:0,2" -> {"host-a": [], "host-b": [0, 2]} (no slots: the whole host)."""
+    """ "host-a@host-b:0,2" -> {"host-a": [], "host-b": [0, 2]} (no slots: the whole host)."""
     nodes: dict[str, list[int]] = {}
     for node in spec.split("@"):
         host, _, slots = node.partition(":")
@@ -166,6 +166,7 @@ def run_processes(processes: Sequence[RankProcess], log_dir: str | None = None) 
         subprocess.Popen(p.command, env=p.env, stdout=logs[i] if logs else None, stderr=logs[i] if logs else None)
         for i, p in enumerate(processes)
     ]
+
     def stop_and_exit(signum: int, frame: object) -> None:
         _stop(started)
         sys.exit(128 + signum)

@@ -66,8 +66,7 @@ _MODULE_HINTS = {
 }
 
 _ENGINE_HINTS = {
-    "compile": "DeepSpeed's engine.compile() is not available here: call torch.compile on the model before "
-    "initialize",
+    "compile": "DeepSpeed's engine.compile() is not available here: call torch.compile on the model before initialize",
     "flops_profiler": "the flops profiler is not available: use torch.profiler",
     "monitor": "DeepSpeed's monitors are not available: log from the script",
     "timers": "DeepSpeed's timers are not available: wall_clock_breakdown logs the phases (or use torch.profiler)",

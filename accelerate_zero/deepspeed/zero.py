@@ -81,8 +81,10 @@ class Init:
             param_swapper=param_swapper,
             tensor_overrides=tensor_overrides,
         )
-        for name, group in (("data_parallel_group", data_parallel_group), ("sequence_data_parallel_group",
-                                                                           sequence_data_parallel_group)):
+        for name, group in (
+            ("data_parallel_group", data_parallel_group),
+            ("sequence_data_parallel_group", sequence_data_parallel_group),
+        ):
             if group is not None and group is not dist.group.WORLD:
                 raise DeepSpeedUnavailable(
                     f"zero.Init({name}=<a sub-group>): not available, parameters are partitioned over every rank; "
@@ -92,9 +94,11 @@ class Init:
         self._construction: PartitionedConstruction | None = None
         if not enabled:
             return
-        zero = ZeroConfig.from_any(config_dict_or_path if config_dict_or_path is not None else config) if (
-            config_dict_or_path is not None or config is not None
-        ) else None
+        zero = (
+            ZeroConfig.from_any(config_dict_or_path if config_dict_or_path is not None else config)
+            if (config_dict_or_path is not None or config is not None)
+            else None
+        )
         init_distributed()
         device = resolve_device(None)
         self._construction = PartitionedConstruction(
@@ -153,7 +157,9 @@ def _refuse_arguments(**values: Any) -> None:
 def _dtype(zero: ZeroConfig | None, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"Invalid data type {dtype}, allowed values are [torch.half, torch.bfloat16, torch.float]")
+            raise ValueError(
+                f"Invalid data type {dtype}, allowed values are [torch.half, torch.bfloat16, torch.float]"
+            )
         return dtype
     if zero is None:
         return torch.float16 if has_accelerator() else torch.bfloat16

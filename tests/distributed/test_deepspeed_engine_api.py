@@ -59,7 +59,9 @@ def _checkpoints(ds: Any, folder: str, rank: int) -> dict[str, Any]:
     path, client_state = engine.load_checkpoint(folder)
     out["loaded"] = (Path(path).name, client_state, engine.global_steps)
     with ds.zero.GatheredParameters(list(engine.module.parameters())):
-        out["restored"] = all(torch.equal(a, b) for a, b in zip(saved_weights, engine.module.parameters()))
+        out["restored"] = all(
+            torch.equal(a, b) for a, b in zip(saved_weights, engine.module.parameters(), strict=True)
+        )
     _steps(engine, rank)
     engine.load_checkpoint(folder, load_module_only=True)
     out["module_only_steps"] = engine.global_steps  # 4 steps taken: the counters stay
@@ -96,7 +98,9 @@ def _surface(ds: Any, folder: str, rank: int) -> dict[str, Any]:
     args = parser.parse_args(["--deepspeed", f"--local_rank={1 - rank}"])
     out["local_rank"] = _raises(lambda: ds.initialize(args=args, model=make_model(), config=config), ValueError)
     out["no_config"] = _raises(lambda: ds.initialize(model=make_model()), ValueError)
-    out["mpu"] = _raises(lambda: ds.initialize(model=make_model(), config=config, mpu=object()), ds.DeepSpeedUnavailable)
+    out["mpu"] = _raises(
+        lambda: ds.initialize(model=make_model(), config=config, mpu=object()), ds.DeepSpeedUnavailable
+    )
     frozen = make_model()
     engine3, optimizer3, _, _ = ds.initialize(model=frozen, config=_config())
     out["inference"] = (optimizer3, any(p.requires_grad for p in frozen.parameters()), engine3(torch.ones(1, 7)).shape)
@@ -110,7 +114,7 @@ def _engine_api(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
 
 def test_deepspeed_engine_signatures_and_refusals(tmp_path: Path) -> None:
-    for rank, r in enumerate(run_distributed(_engine_api, 2, str(tmp_path))):
+    for r in run_distributed(_engine_api, 2, str(tmp_path)):
         assert r["returns"] == (True, None, None)
         assert r["missing"] == (None, None)
         assert r["saved"] is True

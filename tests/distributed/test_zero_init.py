@@ -135,7 +135,9 @@ def _llama_and_modifier(ds: Any, rank: int) -> dict[str, Any]:
     torch.manual_seed(1)
     reference = LlamaForCausalLM(tiny_llama_config())
     with ds.zero.GatheredParameters(list(llama.parameters())):
-        out["llama_equal"] = all(torch.equal(a, b) for a, b in zip(llama.parameters(), reference.parameters()))
+        out["llama_equal"] = all(
+            torch.equal(a, b) for a, b in zip(llama.parameters(), reference.parameters(), strict=True)
+        )
     weight = llama.model.norm.weight
     with ds.zero.GatheredParameters(weight, modifier_rank=1):
         if rank == 1:

@@ -42,7 +42,9 @@ def tutorial(ds: Any, config: dict, folder: str, rank: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(param_groups(model, lr=0.02, decay=0.1), lr=0.02)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
     generator = torch.Generator().manual_seed(3)
-    data = torch.utils.data.TensorDataset(torch.randn(48, 7, generator=generator), torch.randn(48, 3, generator=generator))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 7, generator=generator), torch.randn(48, 3, generator=generator)
+    )
     engine, _, loader, scheduler = ds.initialize(
         args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler, training_data=data
     )

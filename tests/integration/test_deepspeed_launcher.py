@@ -55,7 +55,9 @@ def test_deepspeed_command_line_launches_every_rank_with_local_rank(tmp_path: Pa
 
 def test_a_failing_rank_stops_the_others_and_its_code_is_returned(tmp_path: Path) -> None:
     port = str(free_port())
-    code = main(["deepspeed", "--num_gpus", "2", "--master_port", port, str(SCRIPT), "--out", str(tmp_path)]
-                + ["--fail_rank", "1"])
+    code = main(
+        ["deepspeed", "--num_gpus", "2", "--master_port", port, str(SCRIPT), "--out", str(tmp_path)]
+        + ["--fail_rank", "1"]
+    )
     assert code == 3
     assert not (tmp_path / "rank0.json").exists()

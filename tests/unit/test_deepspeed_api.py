@@ -170,12 +170,22 @@ def test_hostfile_and_the_processes_of_a_node(tmp_path: Path) -> None:
     procs = launcher.rank_processes(
         resources, 1, "train.py", ["--deepspeed", "--x=1"], master_addr="n0", master_port=1234, base_env={"A": "b"}
     )
-    assert [p.command[2:] for p in procs] == [["train.py", f"--local_rank={i}", "--deepspeed", "--x=1"] for i in range(3)]
+    assert [p.command[2:] for p in procs] == [
+        ["train.py", f"--local_rank={i}", "--deepspeed", "--x=1"] for i in range(3)
+    ]
     assert [(p.env["RANK"], p.env["LOCAL_RANK"]) for p in procs] == [("2", "0"), ("3", "1"), ("4", "2")]
     env = procs[0].env
-    assert (env["WORLD_SIZE"], env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"], env["A"]) == ("5", "3", "1", "2", "b")
+    assert (env["WORLD_SIZE"], env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"], env["A"]) == (
+        "5",
+        "3",
+        "1",
+        "2",
+        "b",
+    )
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("n0", "1234")
-    bare = launcher.rank_processes(resources, 0, "t.py", [], master_addr="x", master_port=1, no_local_rank=True, no_python=True)
+    bare = launcher.rank_processes(
+        resources, 0, "t.py", [], master_addr="x", master_port=1, no_local_rank=True, no_python=True
+    )
     assert bare[0].command == ["t.py"]
     with pytest.raises(ours.DeepSpeedUnavailable, match="no_ssh"):
         launcher.refuse_remote_launch(resources, no_ssh=False, force_multi=False, launcher="pdsh")

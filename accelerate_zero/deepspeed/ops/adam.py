@@ -58,7 +58,9 @@ def DeepSpeedCPUAdam(  # noqa: N802
         DeepSpeedUnavailable: `bias_correction=False`, `amsgrad=True` or `fp32_optimizer_states=False`.
     """
     if amsgrad:
-        raise DeepSpeedUnavailable("DeepSpeedCPUAdam(amsgrad=True): not available; use torch.optim.AdamW(amsgrad=True)")
+        raise DeepSpeedUnavailable(
+            "DeepSpeedCPUAdam(amsgrad=True): not available; use torch.optim.AdamW(amsgrad=True)"
+        )
     if not fp32_optimizer_states:
         raise DeepSpeedUnavailable(
             "DeepSpeedCPUAdam(fp32_optimizer_states=False): not available, optimizer states are kept in fp32"

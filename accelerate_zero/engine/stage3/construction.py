@@ -244,7 +244,7 @@ class _Disabled:
 
 
 def _access_kind(func: Any) -> str:
-    """"placeholder": the placeholder answers (dtype, device, ...); "shape": a shape query; "overwrite": writes
+    """ "placeholder": the placeholder answers (dtype, device, ...); "shape": a shape query; "overwrite": writes
     every element of its first argument; "read": anything else."""
     descriptor = getattr(func, "__self__", None)
     if getattr(func, "__name__", None) in ("__get__", "__set__") and type(descriptor).__name__ == "getset_descriptor":

@@ -128,8 +128,15 @@ def keep_slice_of(param: nn.Parameter, full: torch.Tensor) -> None:
     if full.shape != record.shape:
         del _INIT_SHARDS[param]
         device, shard_device, pin = record.device, record.shard.device, record.shard.is_pinned()
-        partition(param, record.dp, record.stats, dtype=record.dtype, device=device, shard_device=shard_device,
-                  pin_memory=pin)
+        partition(
+            param,
+            record.dp,
+            record.stats,
+            dtype=record.dtype,
+            device=device,
+            shard_device=shard_device,
+            pin_memory=pin,
+        )
         return
     start, end = record.element_range()
     with torch.no_grad():
