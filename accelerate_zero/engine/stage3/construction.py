@@ -10,8 +10,9 @@ context installs, for its duration only, torch's public global registration hook
   (the root) is partitioned when the context exits;
 - the mode keeps code that runs later in the construction exact: a parent that re-initialises a child's weight
   (`nn.init.zeros_(self.out.weight)`), transformers' `post_init()` over the whole model, or a read of a weight.
-  A torch function that touches a partitioned parameter gets its full values back in the parameter first:
-  allocated uninitialised when the function overwrites all of it (every `torch.nn.init` function; `zero_`,
+  A torch function that touches a partitioned parameter gets its full values back in the parameter first, on the
+  device and in the dtype it was built with (so a CPU build re-initialised on a GPU machine draws from the CPU's
+  random generator, as an eager build does): allocated uninitialised when the function overwrites all of it (every `torch.nn.init` function; `zero_`,
   `fill_`, `normal_`, `uniform_`, `copy_` on it), gathered otherwise; shape queries are answered from the recorded
   shape. It is partitioned again (this rank's slice taken, no communication) when another partitioned parameter is
   touched, a module is attached, or the context exits, so one parameter at a time is whole.
@@ -161,11 +162,12 @@ class PartitionedConstruction:
         for param in params:
             if not init_shards.is_placeholder(param):
                 continue
+            device, dtype = init_shards.init_shard_of(param).built_on
             if param is overwritten:
-                record = init_shards.init_shard_of(param)
-                init_shards.restore(param, torch.empty(record.shape, dtype=record.dtype, device=record.device))
+                values = torch.empty(init_shards.init_shard_of(param).shape, dtype=dtype, device=device)
             else:
-                init_shards.restore(param, init_shards.gather(param))
+                values = init_shards.gather(param).to(device=device, dtype=dtype)
+            init_shards.restore(param, values)
             self._whole[param] = None
 
     def release_whole(self, keep: set[int] = frozenset()) -> None:

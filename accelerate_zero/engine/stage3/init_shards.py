@@ -39,6 +39,9 @@ class InitShard:
     shard: torch.Tensor  # 1-D, ceil(numel / W) elements
     dp: DataParallelGroup
     stats: collectives.CommStats
+    built_on: tuple[torch.device, torch.dtype] | None = None
+    """Where and in which dtype the construction code made the parameter: while the construction is still running,
+    its full values come back there (the code that touches them expects them there)."""
     whole: bool = False
     """The parameter holds its full values for now (`restore`), until `keep_slice_of` partitions it again."""
 
@@ -96,7 +99,7 @@ def partition(
     per_rank = math.ceil(values.numel() / dp.world_size)
     pin = pin_memory and shard_device.type == "cpu" and device.type != "cpu"
     shard = torch.zeros(per_rank, dtype=kept, device=shard_device, pin_memory=pin)
-    record = InitShard(values.shape, kept, device, shard, dp, stats)
+    record = InitShard(values.shape, kept, device, shard, dp, stats, built_on=(values.device, values.dtype))
     _INIT_SHARDS[param] = record
     keep_slice_of(param, values)
 
