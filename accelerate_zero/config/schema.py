@@ -154,7 +154,8 @@ class ZeroConfig(Block):
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig)
     """Checkpoint options."""
     dataloader_drop_last: bool = False
-    """DeepSpeed's own dataloader option; `true` is refused."""
+    """`drop_last` of the loader `accelerate_zero.deepspeed.initialize(training_data=...)` builds
+    (`engine.deepspeed_io`); as in DeepSpeed, nothing else reads it."""
     aio: AioConfig = _f(factory=AioConfig)
     """Asynchronous file IO for NVMe offload."""
     activation_checkpointing: ActivationCheckpointingConfig = _f(factory=ActivationCheckpointingConfig)
@@ -302,9 +303,6 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
     "bf16.bf16_optimizer_states": RefusedFeature(False, _FP32_MASTER),
     "bf16.immediate_grad_update": RefusedFeature(
         True, "accelerate_zero always accumulates gradients as they are produced"
-    ),
-    "dataloader_drop_last": RefusedFeature(
-        False, "accelerate_zero.initialize takes no training_data; set drop_last on your DataLoader"
     ),
     # DeepSpeed reads the keys below only inside its own `deepspeed.checkpointing.checkpoint`; here the model's
     # gradient checkpointing (transformers' `gradient_checkpointing_enable`) checkpoints the layers.

@@ -37,6 +37,7 @@ from accelerate_zero.engine.setup import (
     forward_input_dtype,
 )
 from accelerate_zero.engine.sleep import OffloadStateTypeEnum, SleepingState
+from accelerate_zero.engine.stage3.init_adoption import adopt_init_shards
 from accelerate_zero.engine.step_log import StepLog
 
 
@@ -52,6 +53,7 @@ def initialize(
     device: torch.device | str | None = None,
     process_group: dist.ProcessGroup | None = None,
     unit_classes: list[type[nn.Module] | str] | None = None,
+    engine_class: type[ZeroEngine] | None = None,
 ) -> ZeroEngine:
     """Shards `model`'s training state across the data-parallel ranks, as `deepspeed.initialize` does.
 
@@ -67,6 +69,7 @@ def initialize(
         process_group: the data-parallel group; default: torch's default group (created if needed).
         unit_classes: stage 3: the module classes (or class names) whose parameters are gathered together;
             default: `model._no_split_modules` for transformers models, else the root's children.
+        engine_class: a `ZeroEngine` subclass to build instead (accelerate_zero.deepspeed's engine).
 
     Returns:
         The engine: `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`.
@@ -81,16 +84,10 @@ def initialize(
     resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=world.world_size)
     check_implemented(resolved)
     plan = plan_from_config(resolved, node_layout_from_env(world.world_size))
+    adopt_init_shards(model, resolved, world, plan, device, unit_classes)  # a model built under zero.Init
     layout = build_sharding_layout(world, plan)
-    return ZeroEngine(
-        model,
-        optimizer,
-        resolved,
-        lr_scheduler,
-        layout=layout,
-        device=device,
-        unit_classes=unit_classes,
-    )
+    build = engine_class or ZeroEngine
+    return build(model, optimizer, resolved, lr_scheduler, layout=layout, device=device, unit_classes=unit_classes)
 
 
 _PARAMETERS = (OffloadStateTypeEnum.lp_params,)
