@@ -45,7 +45,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from accelerate_zero.config.blocks import (
     DEFAULT_GRAD_ACCUM_DTYPE,
@@ -69,7 +69,16 @@ from accelerate_zero.config.blocks import (
     _f,
     default_overlap_comm,
 )
+from accelerate_zero.config.deepspeed_keys import library_problems
 from accelerate_zero.config.loading import auto_keys, filled_autos, load_config
+from accelerate_zero.config.monitor_blocks import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from accelerate_zero.config.values import AUTO, ZeroConfigError, is_auto, join_path
 
 
@@ -145,6 +154,10 @@ class ZeroConfig(Block):
     """DeepSpeed requires its CPU Adam with optimizer offload; kept for compatibility."""
     communication_data_type: DataType | None = _f(None, case="lower")
     """Dtype of gradient communication; None means the gradient accumulation dtype (no cast copy)."""
+    seq_parallel_communication_data_type: DataType | None = _f(None, case="lower")
+    """With `sequence_parallel_size` > 1 DeepSpeed reduces gradients in this dtype (its default: fp32) instead of
+    `communication_data_type`; resolve_config does the same. None: the gradient accumulation dtype, fp32 unless
+    `data_types.grad_accum_dtype` says otherwise, as DeepSpeed's default."""
     prescale_gradients: bool = False
     """Divide gradients by the world size before (instead of after) reduction."""
     gradient_predivide_factor: float = _f(1.0, gt=0)
@@ -154,13 +167,32 @@ class ZeroConfig(Block):
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig)
     """Checkpoint options."""
     dataloader_drop_last: bool = False
-    """DeepSpeed's own dataloader option; `true` is refused."""
+    """Drop the last incomplete batch of the dataloader DeepSpeed builds from `training_data`; DeepSpeed ignores it
+    without `training_data`, and `accelerate_zero.initialize` takes none (set drop_last on your DataLoader), so
+    either value trains the same."""
     aio: AioConfig = _f(factory=AioConfig)
     """Asynchronous file IO for NVMe offload."""
     activation_checkpointing: ActivationCheckpointingConfig = _f(factory=ActivationCheckpointingConfig)
     """DeepSpeed's activation checkpointing block: `cpu_checkpointing` keeps what backward needs in host memory."""
     expert_parallel: ExpertParallelConfig = _f(factory=ExpertParallelConfig)
     """DeepSpeed's AutoEP block: each MoE layer's experts split over `autoep_size` ranks (accelerate_zero/engine/experts)."""
+    tensorboard: TensorBoardConfig = _f(factory=TensorBoardConfig)
+    """The engine's events as TensorBoard scalars (accelerate_zero/monitor)."""
+    wandb: WandbConfig = _f(factory=WandbConfig)
+    """The engine's events logged to Weights & Biases (needs wandb)."""
+    csv_monitor: CSVMonitorConfig = _f(factory=CSVMonitorConfig)
+    """The engine's events as CSV files."""
+    comet: CometConfig = _f(factory=CometConfig)
+    """The engine's events logged to Comet (needs comet_ml)."""
+    comms_logger: CommsLoggerConfig = _f(factory=CommsLoggerConfig)
+    """Counts, sizes and times of the engine's collectives."""
+    flops_profiler: FlopsProfilerConfig = _f(factory=FlopsProfilerConfig)
+    """The model's floating-point operations, measured at one step."""
+
+    notes: ClassVar[tuple[str, ...]] = ()
+    """What `from_any` accepted without using it (keys DeepSpeed ignores too, blocks that are off), one line each
+    ([Note: DeepSpeed's config rule] in config/deepspeed_keys.py); not part of the config (`to_dict` leaves it
+    out)."""
 
     @classmethod
     def from_any(cls, source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
@@ -216,7 +248,36 @@ class RefusedFeature(NamedTuple):
 
 _NOT_IMPLEMENTED = "is a DeepSpeed feature accelerate_zero does not implement"
 _FP32_MASTER = "accelerate_zero always keeps fp32 master weights, gradients and optimizer states"
-_NO_PATCH = "accelerate_zero never patches nn.Module"
+
+
+def _not_built_yet() -> dict[str, RefusedFeature]:
+    """DeepSpeed options this version has not built (they may come); before issue 48 the engine refused them at
+    `initialize` only, so `accelerate-zero validate` accepted what the run then refused."""
+    return {
+        "zero_optimization.stage3_allgather_sequential": RefusedFeature(False, "units are always gathered flat"),
+        "zero_optimization.stage3_module_granularity_threshold": RefusedFeature(
+            0, "not available; choose the gather units with initialize(unit_classes=...) or leaf_module"
+        ),
+        "zero_optimization.pipeline_loading_checkpoint": RefusedFeature(
+            False, "partitioned loading is not available yet"
+        ),
+        "zero_optimization.offload_optimizer.ratio": RefusedFeature(
+            1.0,
+            "partial offload (part of the optimizer step on the device) is not available, since memory accounting "
+            "and offload_states would take those device masters for host ones; remove the key to offload all of it, "
+            "or remove offload_optimizer",
+        ),
+        "zero_optimization.load_from_fp32_weights": RefusedFeature(
+            True, "accelerate_zero checkpoints always restore the fp32 master weights"
+        ),
+        "checkpoint.use_node_local_storage": RefusedFeature(False, "not available (every rank writes its own files)"),
+        "checkpoint.parallel_write": RefusedFeature(
+            {"pipeline_stage": False}, "pipeline-stage parallel writing is not available (no pipeline parallelism)"
+        ),
+        "comms_logger.enabled": RefusedFeature(False, "the collectives logger is not built yet"),
+        **{f"{name}.enabled": RefusedFeature(False, "the monitors are not built yet") for name in ("tensorboard", "csv_monitor")},
+        "flops_profiler.enabled": RefusedFeature(False, "the flops profiler is not built yet"),
+    }
 
 _OWN_ROUTER = "the router, its top-k and scores stay the model's (set them in the model's config)"
 _OWN_EXPERTS = "the model's own experts module runs on each rank's experts (transformers' experts_implementation)"
@@ -290,8 +351,6 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
     "zero_optimization.use_multi_rank_bucket_allreduce": RefusedFeature(
         True, "accelerate_zero reduces gradients with a real reduce-scatter"
     ),
-    "zero_optimization.memory_efficient_linear": RefusedFeature(True, _NO_PATCH),
-    "zero_optimization.override_module_apply": RefusedFeature(True, _NO_PATCH),
     "zero_optimization.offload_optimizer.super_offload": RefusedFeature(
         False,
         f"SuperOffload (DeepSpeed's stage 3 for Superchips: a speculative host step, GraceAdam) {_NOT_IMPLEMENTED}; "
@@ -303,9 +362,15 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
     "bf16.immediate_grad_update": RefusedFeature(
         True, "accelerate_zero always accumulates gradients as they are produced"
     ),
-    "dataloader_drop_last": RefusedFeature(
-        False, "accelerate_zero.initialize takes no training_data; set drop_last on your DataLoader"
+    "data_types.buffer_dtype": RefusedFeature(
+        None, "casting the model's buffers is not built: they keep the dtype they were loaded in"
     ),
+    "data_types.keep_in_fp32_modules": RefusedFeature(
+        None,
+        "it only names buffers to keep in fp32 when data_types.buffer_dtype casts them, which is not built",
+        accepts=lambda value: value is None or value == "auto",
+    ),
+    **_not_built_yet(),
     # DeepSpeed reads the keys below only inside its own `deepspeed.checkpointing.checkpoint`; here the model's
     # gradient checkpointing (transformers' `gradient_checkpointing_enable`) checkpoints the layers.
     "activation_checkpointing.partition_activations": RefusedFeature(
@@ -342,6 +407,9 @@ def static_problems(config: ZeroConfig) -> list[str]:
     return [
         *_refused_problems(config),
         *_precision_problems(config),
+        *_param_dtype_problems(config),
+        *library_problems({name: module for name, module in (("wandb", "wandb"), ("comet", "comet_ml"),
+                           ("tensorboard", "tensorboard")) if getattr(config, name).enabled is True}),  # fmt: skip
         *_loss_scale_problems(config),
         *_parallel_write_problems(config),
         *_optimizer_block_problems(config),
@@ -375,6 +443,21 @@ def _precision_problems(config: ZeroConfig) -> list[str]:
             "set one of them to false"
         ]
     return []
+
+
+def _param_dtype_problems(config: ZeroConfig) -> list[str]:
+    """DeepSpeed 0.19.8's `_assert_valid_mixed_precision_config`: `data_types.param_dtype` names the enabled one."""
+    wanted = config.data_types.param_dtype
+    fp16, bf16 = config.fp16.enabled, config.bf16.enabled
+    if wanted is None or is_auto(wanted) or is_auto(fp16) or is_auto(bf16):
+        return []
+    model = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    if wanted == model:
+        return []
+    return [
+        f"data_types.param_dtype={wanted!r} conflicts with the enabled precision mode (model dtype {model}): set the "
+        f"matching fp16/bf16 'enabled' flag or omit data_types.param_dtype"
+    ]
 
 
 def _loss_scale_problems(config: ZeroConfig) -> list[str]:

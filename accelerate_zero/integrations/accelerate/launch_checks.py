@@ -44,6 +44,10 @@ def resolve_leaving_auto(config: ZeroConfig | Mapping[str, Any], world_size: int
     validated = config if isinstance(config, ZeroConfig) else ZeroConfig.from_any(dict(config))
     autos = validated.auto_keys()
     concrete = validated.to_dict()
+    # The optimizer and scheduler blocks were checked by `from_any`, where an "auto" counts as given (the Trainer
+    # fills WarmupDecayLR's total_num_steps when training starts); no run-time rule reads them, and dropping their
+    # "auto" values would make a required parameter look missing. They are put back as written.
+    written = {name: concrete.pop(name) for name in _CHECKED_AT_LOAD if concrete.get(name) is not None}
     for path in autos:
         node, key = find_node(concrete, path)
         if node is not None:
@@ -53,7 +57,11 @@ def resolve_leaving_auto(config: ZeroConfig | Mapping[str, Any], world_size: int
         node, key = find_node(resolved, path)
         if isinstance(node, dict):
             node[key] = "auto"
+    resolved.update(written)
     return Resolved(resolved, autos)
+
+
+_CHECKED_AT_LOAD = ("optimizer", "scheduler")
 
 
 def with_parallelism_block(
