@@ -199,6 +199,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """
         self.sleeping.check_awake("backward")
         self.sharded_optimizer.settle()  # backward writes the gradients a host step in flight reads
+        self.step_log.record_loss(loss)  # the monitors' train_loss (nothing without a monitor)
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
@@ -243,7 +244,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 elif self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 self.global_steps += 1
-                self.step_log.after_step(self)
+            self.step_log.after_step(self)  # the step's time included
         self.micro_steps += 1
 
     def zero_grad(self) -> None:

@@ -1,5 +1,6 @@
 """What the engine logs every `steps_per_print` steps: progress, and with `wall_clock_breakdown` /
-`memory_breakdown` the time per phase and the bytes held."""
+`memory_breakdown` the time per phase and the bytes held; and, after every optimizer step, the events of the
+monitors the config turns on (accelerate_zero/monitor: [Note: the monitor's events] in monitor/events.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.engine import collectives
+from accelerate_zero.monitor import StepValues, build_monitors, step_events
+from accelerate_zero.monitor.writers import any_enabled
 
 
 class ZeroEngine(Protocol):
@@ -21,6 +25,9 @@ class ZeroEngine(Protocol):
 
     global_steps: int
     skipped_steps: int
+    config: ZeroConfig
+    layout: Any
+    comm_stats_counter: collectives.CommStats
 
     @property
     def loss_scale(self) -> float: ...
@@ -49,6 +56,12 @@ class StepLog:
         self.memory = bool(config.memory_breakdown)
         self.rank = rank
         self.seconds: dict[str, float] = defaultdict(float)
+        self.step_seconds: dict[str, float] = defaultdict(float)
+        """The current optimizer step's seconds per phase, for the monitors."""
+        self.monitors = build_monitors(config, rank)
+        self.records_loss = any_enabled(config)
+        """Every rank records its losses when a monitor is on: rank 0 writes their mean over the ranks."""
+        self._losses: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -61,9 +74,18 @@ class StepLog:
             yield
         finally:
             _synchronize(self.device)
-            self.seconds[phase] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.seconds[phase] += elapsed
+            self.step_seconds[phase] += elapsed
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss as passed to backward (kept on its device until the step: no synchronization)."""
+        if self.records_loss:
+            self._losses.append(loss.detach().float().mean())
 
     def after_step(self, engine: ZeroEngine) -> None:
+        if self.records_loss:
+            self._write_monitors(engine)
         step = engine.global_steps
         due = self.interval is not None and self.interval > 0 and step % self.interval == 0
         if self.rank != 0:
@@ -83,6 +105,28 @@ class StepLog:
             self.seconds.clear()
         if (due or not self.interval) and self.memory:
             logger.info("step=%d memory held (bytes): %s", step, engine.memory_breakdown())
+
+    def _write_monitors(self, engine: ZeroEngine) -> None:
+        """The step's events ([Note: the monitor's events]); every rank takes part in the loss's all-reduce."""
+        losses, self._losses = self._losses, []
+        # [sum, count] of the losses, summed over the ranks (every rank takes part, with or without losses)
+        summed = torch.stack(losses).sum().to(self.device) if losses else torch.zeros((), device=self.device)
+        total = torch.stack([summed, torch.tensor(float(len(losses)), device=self.device)])
+        collectives.all_reduce(total, engine.layout.world, engine.comm_stats_counter, kind="monitor_loss")
+        seconds, self.step_seconds = self.step_seconds, defaultdict(float)
+        if self.monitors is None:
+            return
+        batch = engine.config.train_batch_size
+        values = StepValues(
+            samples=engine.global_steps * (batch if batch else 1),
+            lr=engine.get_lr()[0],
+            train_loss=float(total[0] / total[1]) if total[1] > 0 else None,
+            loss_scale=engine.loss_scale if engine.config.fp16.enabled else None,
+            grad_norm=engine.get_global_grad_norm(),
+            elapsed_ms={phase: 1000 * s for phase, s in seconds.items()} if self.wall_clock else {},
+            memory_bytes=engine.memory_breakdown() if self.memory else {},
+        )
+        self.monitors.write_events(step_events(values))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -99,8 +99,6 @@ REFUSED_SAMPLES = {
     "checkpoint.use_node_local_storage": True,
     "checkpoint.parallel_write": {"pipeline_stage": True},
     "comms_logger.enabled": True,
-    "tensorboard.enabled": True,
-    "csv_monitor.enabled": True,
     "flops_profiler.enabled": True,
     "activation_checkpointing.partition_activations": True,
     "activation_checkpointing.contiguous_memory_optimization": True,

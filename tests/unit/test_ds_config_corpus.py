@@ -42,7 +42,6 @@ REFUSED: dict[str, tuple[tuple[str, ...], bool]] = {
     ),
     "llama_factory/ds_z2_autotp_config.json": (("tensor_parallel.autotp_size",), True),
     "megatron_deepspeed/offload_pp__ds_config_gpt.json": (("zero_optimization.offload_optimizer.ratio",), True),
-    "deepspeed_chat/step1_sft_train_tensorboard.json": (("tensorboard.enabled",), True),
 }
 """Every file not listed here is accepted; DeepSpeed 0.19.8 accepts it too, except those in `LAXER_THAN_DEEPSPEED`."""
 

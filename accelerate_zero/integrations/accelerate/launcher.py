@@ -111,8 +111,8 @@ def prepare_launch(args: argparse.Namespace) -> PreparedLaunch:
             config_file or "an accelerate config",
         )
     num_processes, num_machines = _process_counts(args, cluster)
-    _check_machines(args, cluster, num_machines)
     _check_multinode_launcher(args, block, num_machines)
+    _check_machines(args, cluster, num_machines)
     _check_before_spawn(built, num_processes, cluster.parallelism_config if cluster is not None else None)
     for warning in node_span_warnings(built.zero_config, num_processes, num_machines):
         logger.warning("accelerate-zero launch: %s", warning)

@@ -1,0 +1,95 @@
+"""DeepSpeed's monitors (`csv_monitor`, `tensorboard`) on 2 gloo ranks: the engine's events under DeepSpeed's names
+and steps, rank 0 only, one row per optimizer step ([Note: the monitor's events] in monitor/events.py). The train
+loss is checked against the mean of every micro-batch loss of every rank, the learning rate against the engine's
+schedule, the files against the format DeepSpeed's csvMonitor writes."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import make_batches, make_model
+
+
+STEPS, ACCUMULATION, MICRO = 3, 2, 2
+
+
+def _train(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    import accelerate_zero
+
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+                                                    "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "wall_clock_breakdown": True,
+        "csv_monitor": {"enabled": True, "output_path": f"{folder}/csv", "job_name": "job"},
+        "tensorboard": {"enabled": True, "output_path": f"{folder}/tb", "job_name": "job"},
+    }  # fmt: skip
+    engine = accelerate_zero.initialize(make_model(), config=config)
+    batches = make_batches(STEPS, ACCUMULATION, MICRO * world_size)
+    losses, lrs = [], []
+    for step in range(STEPS):
+        for micro in range(ACCUMULATION):
+            x, y = batches.rank_slice(step, micro, rank, world_size)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        lrs.append(engine.get_lr()[0])
+    return {"losses": losses, "lrs": lrs, "norm": engine.get_global_grad_norm(), "batch": engine.train_batch_size()}
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="") as file:
+        return list(csv.reader(file))
+
+
+def test_csv_and_tensorboard_monitors_write_the_engines_events(tmp_path: Path) -> None:
+    results = run_distributed(_train, 2, str(tmp_path))
+    batch = results[0]["batch"]
+    assert batch == MICRO * ACCUMULATION * 2
+    samples = [batch * (step + 1) for step in range(STEPS)]
+    folder = tmp_path / "csv" / "job"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == [
+        "Train_Samples_elapsed_time_ms_backward.csv",
+        "Train_Samples_elapsed_time_ms_forward.csv",
+        "Train_Samples_elapsed_time_ms_step.csv",
+        "Train_Samples_grad_norm.csv",
+        "Train_Samples_lr.csv",
+        "Train_Samples_train_loss.csv",
+    ], "no loss_scale event without fp16, as DeepSpeed"
+    lr = _rows(folder / "Train_Samples_lr.csv")
+    assert lr[0] == ["step", "lr"], "DeepSpeed's csvMonitor header: step, the name's last part"
+    assert [int(row[0]) for row in lr[1:]] == samples, "one row per optimizer step, at DeepSpeed's global_samples"
+    assert [float(row[1]) for row in lr[1:]] == pytest.approx(results[0]["lrs"], rel=1e-12)
+    assert len(set(results[0]["lrs"])) == STEPS, "the warmup moves the learning rate every step"
+    loss = _rows(folder / "Train_Samples_train_loss.csv")
+    per_step = ACCUMULATION
+    expected = [
+        sum(r["losses"][step * per_step + m] for r in results for m in range(per_step)) / (per_step * len(results))
+        for step in range(STEPS)
+    ]
+    assert [float(row[1]) for row in loss[1:]] == pytest.approx(expected, rel=1e-6), "mean over micro-steps and ranks"
+    norm = _rows(folder / "Train_Samples_grad_norm.csv")
+    assert float(norm[-1][1]) == pytest.approx(results[0]["norm"], rel=1e-12)
+    for phase in ("forward", "backward", "step"):
+        times = _rows(folder / f"Train_Samples_elapsed_time_ms_{phase}.csv")
+        assert len(times) == STEPS + 1 and all(float(row[1]) > 0 for row in times[1:])
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "job"))
+    events.Reload()
+    scalars = events.Scalars("Train/Samples/train_loss")
+    assert [s.step for s in scalars] == samples
+    assert [s.value for s in scalars] == pytest.approx(expected, rel=1e-6)
+    assert [s.value for s in events.Scalars("Train/Samples/lr")] == pytest.approx(results[0]["lrs"], rel=1e-6)
