@@ -87,7 +87,8 @@ class CommsLoggerConfig(Block):
     prof_all: bool = True
     """Time every kind of collective (else only those in `prof_ops`)."""
     prof_ops: list[str] = _f(factory=list)
-    """Kinds of collective to time when `prof_all` is false, e.g. ["all_gather", "reduce_scatter"]."""
+    """Collectives to time when `prof_all` is false, by DeepSpeed's op names ("all_gather_into_tensor",
+    "reduce_scatter_tensor", "all_reduce", ...) or ours (a kind is timed when its name begins with one)."""
     verbose: bool = False
     """Log one line per collective on rank 0."""
     debug: bool = False

@@ -44,7 +44,6 @@ def _not_built_yet() -> dict[str, RefusedFeature]:
         "checkpoint.parallel_write": RefusedFeature(
             {"pipeline_stage": False}, "pipeline-stage parallel writing is not available (no pipeline parallelism)"
         ),
-        "comms_logger.enabled": RefusedFeature(False, "the collectives logger is not built yet"),
         "flops_profiler.enabled": RefusedFeature(False, "the flops profiler is not built yet"),
     }
 

@@ -168,7 +168,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """`activation_checkpointing.cpu_checkpointing`: what autograd saved in the forwards, kept in host memory
         (engine/activation_offload.py); None when off."""
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
-        self.step_log = StepLog(config, rank=self.layout.world.rank, device=device)
+        self.step_log = StepLog(config, self.layout.world, device, self.comm_stats_counter)
         register_engine_params(self)
         self._expose_sleep_on_optimizer()
         self.comm_stats_counter.reset()

@@ -15,7 +15,9 @@ import torch
 
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine import collectives
+from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.monitor import StepValues, build_monitors, step_events
+from accelerate_zero.monitor.comms import CommsLog
 from accelerate_zero.monitor.writers import any_enabled
 
 
@@ -43,18 +45,26 @@ logger = logging.getLogger("accelerate_zero")
 
 
 class StepLog:
-    """Rank-0 logging driven by `steps_per_print`, `wall_clock_breakdown` and `memory_breakdown`.
+    """Rank-0 logging driven by `steps_per_print`, `wall_clock_breakdown`, `memory_breakdown` and `comms_logger`.
 
     Progress lines appear every `steps_per_print` optimizer steps (never when it is unset). The breakdowns
-    appear at the same interval, or after every step when `steps_per_print` is unset.
+    appear at the same interval, or after every step when `steps_per_print` is unset; the collectives' summary
+    (DeepSpeed prints it when the script calls `deepspeed.comm.log_summary()`: here `engine.step_log.comms_log`) at
+    that interval only.
     """
 
-    def __init__(self, config: ZeroConfig, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, config: ZeroConfig, world: DataParallelGroup, device: torch.device, stats: collectives.CommStats
+    ) -> None:
+        """`world`: every rank of the run; `stats`: the engine's collective counters (the `comms_logger` times them)."""
         self.device = device
         self.interval = config.steps_per_print
         self.wall_clock = bool(config.wall_clock_breakdown)
         self.memory = bool(config.memory_breakdown)
-        self.rank = rank
+        self.rank = rank = world.rank
+        self.comms_log = CommsLog(config.comms_logger, rank, world.world_size) if config.comms_logger.enabled else None
+        """The `comms_logger` records ([Note: timing collectives] in engine/collectives.py); None when it is off."""
+        stats.log = self.comms_log
         self.seconds: dict[str, float] = defaultdict(float)
         self.step_seconds: dict[str, float] = defaultdict(float)
         """The current optimizer step's seconds per phase, for the monitors."""
@@ -105,6 +115,8 @@ class StepLog:
             self.seconds.clear()
         if (due or not self.interval) and self.memory:
             logger.info("step=%d memory held (bytes): %s", step, engine.memory_breakdown())
+        if due and self.comms_log is not None:
+            logger.info("step=%d collectives since the start:\n%s", step, self.comms_log.summary())
 
     def _write_monitors(self, engine: ZeroEngine) -> None:
         """The step's events ([Note: the monitor's events]); every rank takes part in the loss's all-reduce."""
@@ -112,7 +124,7 @@ class StepLog:
         # [sum, count] of the losses, summed over the ranks (every rank takes part, with or without losses)
         summed = torch.stack(losses).sum().to(self.device) if losses else torch.zeros((), device=self.device)
         total = torch.stack([summed, torch.tensor(float(len(losses)), device=self.device)])
-        collectives.all_reduce(total, engine.layout.world, engine.comm_stats_counter, kind="monitor_loss")
+        collectives.all_reduce(total, engine.layout.world, engine.comm_stats_counter, kind="all_reduce_monitor_loss")
         seconds, self.step_seconds = self.step_seconds, defaultdict(float)
         if self.monitors is None:
             return

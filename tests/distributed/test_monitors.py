@@ -1,7 +1,8 @@
-"""DeepSpeed's monitors (`csv_monitor`, `tensorboard`) on 2 gloo ranks: the engine's events under DeepSpeed's names
-and steps, rank 0 only, one row per optimizer step ([Note: the monitor's events] in monitor/events.py). The train
-loss is checked against the mean of every micro-batch loss of every rank, the learning rate against the engine's
-schedule, the files against the format DeepSpeed's csvMonitor writes."""
+"""DeepSpeed's monitors (`csv_monitor`, `tensorboard`) and `comms_logger` on 2 gloo ranks: the engine's events under
+DeepSpeed's names and steps, rank 0 only, one row per optimizer step ([Note: the monitor's events] in
+monitor/events.py), checked against the mean of every micro-batch loss of every rank, the engine's schedule and the
+format DeepSpeed's csvMonitor writes; every collective the engine's counters count, timed, without changing a value
+([Note: timing collectives] in engine/collectives.py)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,50 @@ def test_csv_and_tensorboard_monitors_write_the_engines_events(tmp_path: Path) -
     assert [s.step for s in scalars] == samples
     assert [s.value for s in scalars] == pytest.approx(expected, rel=1e-6)
     assert [s.value for s in events.Scalars("Train/Samples/lr")] == pytest.approx(results[0]["lrs"], rel=1e-6)
+
+
+def _comms(rank: int, world_size: int) -> dict[str, Any]:
+    """Stage 2, two steps, with the comms logger on (every op, then reduce-scatters only) and off."""
+    import accelerate_zero
+
+    out: dict[str, Any] = {}
+    for name, logger in (("off", None), ("all", {"enabled": True}),
+                         ("ops", {"enabled": True, "prof_all": False, "prof_ops": ["reduce_scatter_tensor"]})):  # fmt: skip
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 2}}
+        if logger is not None:
+            config["comms_logger"] = logger
+        model = make_model()
+        engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        batches = make_batches(2, 1, MICRO * world_size)
+        for step in range(2):
+            x, y = batches.rank_slice(step, 0, rank, world_size)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        log = engine.step_log.comms_log
+        out[name] = {
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "stats": engine.comm_stats(),
+            "records": None if log is None else {k: {s: list(v) for s, v in by.items()} for k, by in log.records.items()},
+            "summary": None if log is None else log.summary(),
+        }
+    return out
+
+
+def test_comms_logger_times_every_collective_the_counters_count() -> None:
+    results = run_distributed(_comms, 2)
+    for result in results:
+        for name, params in result["all"]["params"].items():
+            assert torch.equal(params, result["off"]["params"][name]), "timing collectives changes no value"
+        stats, records = result["all"]["stats"], result["all"]["records"]
+        kinds = {k: v for k, v in stats.items() if k != "total"}
+        assert kinds and set(records) == set(kinds)
+        for kind, count in kinds.items():
+            assert sum(len(v) for v in records[kind].values()) == count["calls"], kind
+            assert sum(size * len(v) for size, v in records[kind].items()) == count["payload_bytes"], kind
+            assert all(seconds > 0 for v in records[kind].values() for seconds in v)
+        only = result["ops"]["records"]
+        assert set(only) == {k for k in kinds if k.startswith("reduce_scatter")} and only, "prof_ops selects"
+        header = "".join(f"{c: <20}" for c in ("Comm. Op", "Message Size", "Count", "Total Latency(ms)",
+                                                 "Avg Latency(ms)", "tput_avg (Gbps)", "busbw_avg (Gbps)"))  # fmt: skip
+        assert result["all"]["summary"].splitlines()[0] == header, "DeepSpeed's log_summary columns"
+        assert result["off"]["records"] is None
