@@ -44,7 +44,6 @@ def _not_built_yet() -> dict[str, RefusedFeature]:
         "checkpoint.parallel_write": RefusedFeature(
             {"pipeline_stage": False}, "pipeline-stage parallel writing is not available (no pipeline parallelism)"
         ),
-        "flops_profiler.enabled": RefusedFeature(False, "the flops profiler is not built yet"),
     }
 
 _OWN_ROUTER = "the router, its top-k and scores stay the model's (set them in the model's config)"

@@ -18,6 +18,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.monitor import StepValues, build_monitors, step_events
 from accelerate_zero.monitor.comms import CommsLog
+from accelerate_zero.monitor.flops import FlopsProfile
 from accelerate_zero.monitor.writers import any_enabled
 
 
@@ -72,21 +73,33 @@ class StepLog:
         self.records_loss = any_enabled(config)
         """Every rank records its losses when a monitor is on: rank 0 writes their mean over the ranks."""
         self._losses: list[torch.Tensor] = []
+        block = config.flops_profiler
+        self.flops = FlopsProfile(block, rank, world.world_size) if block.enabled else None
+        """The `flops_profiler` ([Note: the flops profile] in monitor/flops.py); None when it is off."""
+        self.output_file = block.output_file
+        self.completed_steps = 0
+        self.samples_per_step = (config.train_micro_batch_size_per_gpu or 0) * config.gradient_accumulation_steps
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        if not self.wall_clock:
+        profiling = self.flops is not None and self.flops.profiles(self.completed_steps)
+        if not (self.wall_clock or profiling):
             yield
             return
         _synchronize(self.device)
         start = time.perf_counter()
+        counting = self.flops.counting(phase) if profiling and phase != "step" else contextlib.nullcontext()
         try:
-            yield
+            with counting:
+                yield
         finally:
             _synchronize(self.device)
             elapsed = time.perf_counter() - start
-            self.seconds[phase] += elapsed
-            self.step_seconds[phase] += elapsed
+            if self.wall_clock:
+                self.seconds[phase] += elapsed
+                self.step_seconds[phase] += elapsed
+            if profiling:
+                self.flops.add_time(phase, elapsed)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's loss as passed to backward (kept on its device until the step: no synchronization)."""
@@ -96,6 +109,9 @@ class StepLog:
     def after_step(self, engine: ZeroEngine) -> None:
         if self.records_loss:
             self._write_monitors(engine)
+        if self.flops is not None and self.flops.profiles(self.completed_steps):
+            self._report_flops()
+        self.completed_steps = engine.global_steps
         step = engine.global_steps
         due = self.interval is not None and self.interval > 0 and step % self.interval == 0
         if self.rank != 0:
@@ -139,6 +155,16 @@ class StepLog:
             memory_bytes=engine.memory_breakdown() if self.memory else {},
         )
         self.monitors.write_events(step_events(values))
+
+
+    def _report_flops(self) -> None:
+        assert self.flops is not None
+        summary = self.flops.report(self.completed_steps, self.samples_per_step)
+        if self.output_file:
+            with open(self.output_file, "a") as file:
+                file.write(summary + "\n")
+        else:
+            logger.info("%s", summary)  # with the progress lines (DeepSpeed prints it to stdout)
 
 
 def _synchronize(device: torch.device) -> None:

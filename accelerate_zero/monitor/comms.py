@@ -114,9 +114,10 @@ class CommsLog:
         return "\n".join(lines)
 
     def log_summary(self) -> None:
-        """Prints `summary()` on rank 0 (DeepSpeed's `deepspeed.comm.log_summary()`)."""
+        """Logs `summary()` on rank 0, at INFO on the engine's logger (DeepSpeed's `deepspeed.comm.log_summary()`
+        prints it to stdout)."""
         if self.rank == 0:
-            print(self.summary(), flush=True)
+            logger.info("%s", self.summary())
 
     def reset(self) -> None:
         self.records.clear()

@@ -141,3 +141,50 @@ def test_comms_logger_times_every_collective_the_counters_count() -> None:
                                                  "Avg Latency(ms)", "tput_avg (Gbps)", "busbw_avg (Gbps)"))  # fmt: skip
         assert result["all"]["summary"].splitlines()[0] == header, "DeepSpeed's log_summary columns"
         assert result["off"]["records"] is None
+
+
+def _flops(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """Stage 3, accumulation 2, step 1 profiled (the second step), written to a file."""
+    import accelerate_zero
+
+    out_file = f"{folder}/flops.txt"
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "flops_profiler": {"enabled": True, "profile_step": 1, "top_modules": 2, "output_file": out_file},
+    }
+    model = make_model()
+    engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    batches = make_batches(3, ACCUMULATION, MICRO * world_size)
+    for step in range(3):
+        for micro in range(ACCUMULATION):
+            x, y = batches.rank_slice(step, micro, rank, world_size)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    return {"exists": Path(out_file).exists()}
+
+
+def test_flops_profiler_counts_the_profiled_steps_forwards_and_backwards(tmp_path: Path) -> None:
+    """The counts of `torch.utils.flop_counter` on the unsharded model over the same micro-batches, once."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    results = run_distributed(_flops, 2, str(tmp_path))
+    text = (tmp_path / "flops.txt").read_text()
+    assert text.count("DeepSpeed Flops Profiler") == 1 and "Profile Summary at step 1:" in text
+    model, batches = make_model(), make_batches(3, ACCUMULATION, MICRO * 2)
+    forward = backward = 0
+    for micro in range(ACCUMULATION):
+        x, y = batches.rank_slice(1, micro, 0, 2)
+        with FlopCounterMode(display=False) as counted:
+            loss = torch.nn.functional.mse_loss(model(x), y) / ACCUMULATION
+        forward += counted.get_total_flops()
+        with FlopCounterMode(display=False) as counted:
+            loss.backward()
+        backward += counted.get_total_flops()
+    lines = dict(line.rsplit(":", 1) for line in text.splitlines() if ":" in line and not line.startswith("depth"))
+    assert lines["fwd flops per GPU"].strip() == f"{forward / 1e3:.2f} K"
+    assert lines["bwd flops per GPU (counted)"].strip() == f"{backward / 1e3:.2f} K"
+    assert lines["batch size per GPU (the step's micro-batches)"].strip() == str(MICRO * ACCUMULATION)
+    assert "depth 1: ToyModel.mid" in text, "the largest modules by forward flops"
+    assert [r["exists"] for r in results] == [True, True]  # rank 0 wrote it, in the shared folder

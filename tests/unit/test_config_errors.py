@@ -98,7 +98,6 @@ REFUSED_SAMPLES = {
     "zero_optimization.load_from_fp32_weights": False,
     "checkpoint.use_node_local_storage": True,
     "checkpoint.parallel_write": {"pipeline_stage": True},
-    "flops_profiler.enabled": True,
     "activation_checkpointing.partition_activations": True,
     "activation_checkpointing.contiguous_memory_optimization": True,
     "activation_checkpointing.number_checkpoints": 24,
