@@ -308,7 +308,7 @@ def unknown_key_problem(path: str, key: str, valid: Iterable[str]) -> str:
 def unread_key_note(full: str, valid: Iterable[str]) -> str:
     """The note for a key DeepSpeed never reads, with the closest key it knows (a typo would be ignored there too)."""
     leaf = full.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(leaf, sorted(valid), n=1)
+    close = [] if leaf.startswith("_") else difflib.get_close_matches(leaf, sorted(valid), n=1)  # "_comment": a comment
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"'{full}' is not a key DeepSpeed reads: accepted and ignored ({DEEPSPEED_IGNORES}{hint})"
 
