@@ -94,6 +94,10 @@ def _tensor_parallel_on(block: Any) -> list[str]:
     return [f"tensor_parallel.autotp_size={size!r}"] if isinstance(size, int) and size > 1 else []
 
 
+def _deepcompile_on(block: Any) -> list[str]:
+    return ["compile.deepcompile"] if isinstance(block, Mapping) and _true(block.get("deepcompile")) else []
+
+
 def _data_efficiency_on(block: Any) -> list[str]:
     """On when it is enabled and one of its two features is: `enabled` alone changes nothing in DeepSpeed."""
     if not isinstance(block, Mapping) or not _true(block.get("enabled")):
@@ -108,7 +112,8 @@ def _data_efficiency_on(block: Any) -> list[str]:
 def _weight_quantization_on(block: Any) -> list[str]:
     if not isinstance(block, Mapping):
         return []
-    return [f"weight_quantization.{part}" for part in ("quantized_initialization", "post_init_quant") if block.get(part)]
+    parts = ("quantized_initialization", "post_init_quant")
+    return [f"weight_quantization.{part}" for part in parts if block.get(part)]
 
 
 def _datastates_on(value: Any) -> list[str]:
@@ -151,7 +156,7 @@ TOP_LEVEL: dict[str, DeepSpeedKey] = {
     "compile": DeepSpeedKey(
         Treatment.OFF_ONLY,
         f"DeepCompile (DeepSpeed's compiler passes for ZeRO) {_NOT_HERE}",
-        lambda block: ["compile.deepcompile"] if isinstance(block, Mapping) and _true(block.get("deepcompile")) else [],
+        _deepcompile_on,
         ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
          "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
          "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
@@ -234,7 +239,9 @@ TOP_LEVEL: dict[str, DeepSpeedKey] = {
     ),
     **{
         key: DeepSpeedKey(
-            Treatment.REMOVED, f"{what}: {_REMOVED}", _switch(key, False) if key == "sparse_gradients" else _enabled(key)
+            Treatment.REMOVED,
+            f"{what}: {_REMOVED}",
+            _switch(key, False) if key == "sparse_gradients" else _enabled(key),  # a flag there, not a block
         )
         for key, what in {
             "nebula": "Nebula checkpointing",
@@ -308,7 +315,8 @@ def unknown_key_problem(path: str, key: str, valid: Iterable[str]) -> str:
 def unread_key_note(full: str, valid: Iterable[str]) -> str:
     """The note for a key DeepSpeed never reads, with the closest key it knows (a typo would be ignored there too)."""
     leaf = full.rsplit(".", 1)[-1]
-    close = [] if leaf.startswith("_") else difflib.get_close_matches(leaf, sorted(valid), n=1)  # "_comment": a comment
+    # "_comment" and the like are comments: no suggestion
+    close = [] if leaf.startswith("_") else difflib.get_close_matches(leaf, sorted(valid), n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"'{full}' is not a key DeepSpeed reads: accepted and ignored ({DEEPSPEED_IGNORES}{hint})"
 
@@ -316,8 +324,8 @@ def unread_key_note(full: str, valid: Iterable[str]) -> str:
 def library_problems(enabled: Mapping[str, str]) -> list[str]:
     """Monitors that are on without their library: {"wandb": "wandb", "comet": "comet_ml"} -> problems."""
     return [
-        f"{block}.enabled=true needs the '{module}' package, which is not installed: pip install {module.replace('_', '-')}"
-        f" (or switch {block} off)"
+        f"{block}.enabled=true needs the '{module}' package, which is not installed: pip install "
+        f"{module.replace('_', '-')} (or switch {block} off)"
         for block, module in enabled.items()
         if importlib.util.find_spec(module) is None
     ]

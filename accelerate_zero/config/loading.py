@@ -64,7 +64,8 @@ NESTED_KEYS: dict[str, DeepSpeedKey] = {
         lambda value: [] if value is False else [f"optimizer.legacy_fusion={value!r}"],
     ),
     "checkpoint.checkpoint_serialization": DeepSpeedKey(
-        Treatment.INERT, "it picks torch.save's file format for DeepSpeed's checkpoints; accelerate_zero writes safetensors"
+        Treatment.INERT,
+        "it picks torch.save's file format for DeepSpeed's checkpoints; accelerate_zero writes safetensors",
     ),
 }
 """Keys DeepSpeed reads inside a block it reads key by key (`KeyPolicy.DEEPSPEED_DICT`) that no dataclass here has:

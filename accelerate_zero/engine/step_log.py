@@ -57,7 +57,7 @@ class StepLog:
     def __init__(
         self, config: ZeroConfig, world: DataParallelGroup, device: torch.device, stats: collectives.CommStats
     ) -> None:
-        """`world`: every rank of the run; `stats`: the engine's collective counters (the `comms_logger` times them)."""
+        """`world`: every rank of the run; `stats`: the engine's collective counters (`comms_logger` times them)."""
         self.device = device
         self.interval = config.steps_per_print
         self.wall_clock = bool(config.wall_clock_breakdown)

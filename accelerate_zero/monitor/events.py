@@ -9,9 +9,9 @@ ranks). The step of every event is the number of samples trained so far (`global
 train_batch_size). These are written here with the same names and steps, at the same cadence, plus
 `Train/Samples/train_loss` (as the pipeline engine writes it: the mean of every micro-batch loss passed to backward
 on every rank), `Train/Samples/grad_norm` (the global gradient norm before clipping, when the step computed it) and,
-with `memory_breakdown`, `Train/Samples/memory_<kind>_bytes` (the bytes `engine.memory_breakdown()` counts). DeepSpeed's
-`elapsed_time_ms_backward_inner` / `_backward_allreduce` split backward by its own hooks; here the reduction overlaps
-backward, so only the whole backward is timed.
+with `memory_breakdown`, `Train/Samples/memory_<kind>_bytes` (the bytes `engine.memory_breakdown()` counts).
+DeepSpeed's `elapsed_time_ms_backward_inner` / `_backward_allreduce` split backward by its own hooks; here the
+reduction overlaps backward, so only the whole backward is timed.
 """
 
 from __future__ import annotations

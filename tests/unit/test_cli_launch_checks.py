@@ -167,7 +167,8 @@ def test_machine_flags_that_would_hang_are_refused_before_anything_starts(
         ("--machine_rank", "0"): "--num_machines 2 without --main_process_ip",
     }
     for flags, message in cases.items():
-        assert main(["launch", "--num_processes", "4", "--num_machines", "2", "--zero_stage", "1", *flags, "t.py"]) == 2
+        common = ["launch", "--num_processes", "4", "--num_machines", "2", "--zero_stage", "1"]
+        assert main([*common, *flags, "t.py"]) == 2
         assert message in capsys.readouterr().err
 
 
@@ -187,7 +188,8 @@ def test_hierarchical_groups_spanning_nodes_are_warned_with_their_cost() -> None
     the cost named (backward's all-gathers cross nodes)."""
 
     def warnings(zero: dict, world_size: int, machines: int) -> list[str]:
-        return node_span_warnings(ZeroConfig.from_any({"zero_optimization": {"stage": 3, **zero}}), world_size, machines)
+        config = ZeroConfig.from_any({"zero_optimization": {"stage": 3, **zero}})
+        return node_span_warnings(config, world_size, machines)
 
     assert warnings({"zero_hpz_partition_size": 8}, 16, 2) == []
     assert warnings({"zero_hpz_partition_size": 4}, 16, 2) == []

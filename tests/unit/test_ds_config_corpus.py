@@ -91,7 +91,7 @@ def test_each_config_is_accepted_or_refused_only_for_a_feature_it_turns_on(name:
     else:
         names, _ = REFUSED[name]
         assert code == validate.INVALID_CONFIG_EXIT_CODE
-        named = [next((n for n in names if re.search(re.escape(n) + r"(?![\w])", problem)), None) for problem in problems]
+        named = [next((n for n in names if re.search(re.escape(n) + r"(?!\w)", p)), None) for p in problems]
         assert None not in named, [p for p, n in zip(problems, named, strict=True) if n is None]
         assert set(named) == set(names)
     for expected in NOTED.get(name, ()):

@@ -46,7 +46,9 @@ def test_monitors_are_built_on_rank_0_only(tmp_path: Path) -> None:
     assert build_monitors(ZeroConfig.from_any({}), rank=0) is None
 
 
-@pytest.mark.parametrize(("block", "module"), [("wandb", "wandb"), ("comet", "comet_ml"), ("tensorboard", "tensorboard")])
+@pytest.mark.parametrize(
+    ("block", "module"), [("wandb", "wandb"), ("comet", "comet_ml"), ("tensorboard", "tensorboard")]
+)
 def test_a_monitor_without_its_library_is_refused_by_name(
     block: str, module: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

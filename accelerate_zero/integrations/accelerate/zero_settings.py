@@ -3,8 +3,9 @@
 `settings_from_accelerate` reads the `deepspeed_config` block of an accelerate config as accelerate's
 `DeepSpeedPlugin` would (plugin fields, a `deepspeed_config_file`, `mixed_precision`), plus what accelerate_zero
 adds on purpose: DeepSpeed `zero_optimization` keys written directly in the block go into `zero_optimization`, and
-DeepSpeed's top-level settings (`TOP_LEVEL_KEYS`: TRL's ALST config writes `seq_parallel_communication_data_type`
-there) into the DeepSpeed config's top level (accelerate ignores both); any other unknown key is an error. Nothing is built here: `deepspeed_build.py` turns
+DeepSpeed's top-level settings (`TOP_LEVEL_KEYS`: TRL's ALST config writes
+`seq_parallel_communication_data_type` there) into the DeepSpeed config's top level (accelerate ignores both); any
+other unknown key is an error. Nothing is built here: `deepspeed_build.py` turns
 the settings into the DeepSpeed config and reports the problems gathered here together with its own.
 """
 
