@@ -1,4 +1,4 @@
-"""The DeepSpeed configs users already have (tests/fixtures/ds_configs: 56 files from 12 public repositories) through
+"""The DeepSpeed configs users already have (tests/fixtures/ds_configs: 56 files from 11 public repositories) through
 `accelerate-zero validate`: each is accepted, or refused naming only the features it turns on, or the keys DeepSpeed
 0.19.8 refuses too ([Note: DeepSpeed's config rule] in config/deepspeed_keys.py)."""
 
