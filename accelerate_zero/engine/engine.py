@@ -165,7 +165,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """`activation_checkpointing.cpu_checkpointing`: what autograd saved in the forwards, kept in host memory
         (engine/activation_offload.py); None when off."""
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
-        self.step_log = StepLog(config, rank=self.layout.world.rank, device=device)
+        self.step_log = StepLog(config, self.layout.world, device, self.comm_stats_counter)
         register_engine_params(self)
         self._expose_sleep_on_optimizer()
         self.comm_stats_counter.reset()
@@ -196,6 +196,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """
         self.sleeping.check_awake("backward")
         self.sharded_optimizer.settle()  # backward writes the gradients a host step in flight reads
+        self.step_log.record_loss(loss)  # the monitors' train_loss (nothing without a monitor)
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
@@ -240,7 +241,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 elif self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 self.global_steps += 1
-                self.step_log.after_step(self)
+            self.step_log.after_step(self)  # the step's time included
         self.micro_steps += 1
 
     def zero_grad(self) -> None:

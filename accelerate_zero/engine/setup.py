@@ -37,43 +37,9 @@ def dtype_from_name(name: str | None) -> torch.dtype | None:
 
 
 def check_implemented(config: ZeroConfig) -> None:
-    """Refuses, by key, what the config asks for and this version cannot do yet; warns about keys that do nothing.
-
-    Raises:
-        NotImplementedError: naming the key, its value, and what to use instead.
-    """
-    zero = config.zero_optimization
-    problems = []
-    if zero.stage3_allgather_sequential:
-        problems.append("zero_optimization.stage3_allgather_sequential=true: units are always gathered flat")
-    if zero.stage3_module_granularity_threshold != 0:
-        problems.append(
-            f"zero_optimization.stage3_module_granularity_threshold={zero.stage3_module_granularity_threshold}: "
-            "not available; choose the gather units with initialize(unit_classes=...) or leaf_module"
-        )
-    if zero.pipeline_loading_checkpoint:
-        problems.append("zero_optimization.pipeline_loading_checkpoint=true: partitioned loading is not available yet")
-    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio < 1.0:
-        problems.append(
-            f"zero_optimization.offload_optimizer.ratio={zero.offload_optimizer.ratio}: partial offload (part of the "
-            "optimizer step on the device) is not available, since memory accounting and offload_states would take "
-            "those device masters for host ones; remove the key to offload all of it, or remove offload_optimizer"
-        )
-    if not zero.load_from_fp32_weights:
-        problems.append(
-            "zero_optimization.load_from_fp32_weights=false: accelerate_zero checkpoints always restore the fp32 "
-            "master weights; remove the key"
-        )
-    default_checkpoint = type(config.checkpoint)()
-    for field in dataclasses.fields(config.checkpoint):
-        value = getattr(config.checkpoint, field.name)
-        # Our checkpoints are always universal (load_universal) and the tag is checked on save (tag_validation).
-        # `writer` is checked and read by config/checkpoint_writer.py.
-        implemented = ("load_universal", "tag_validation", "writer")
-        if value != getattr(default_checkpoint, field.name) and field.name not in implemented:
-            problems.append(f"checkpoint.{field.name}={value!r}: not available; remove the key")
-    if problems:
-        raise NotImplementedError("accelerate_zero cannot run this config yet:\n- " + "\n- ".join(problems))
+    """Warns about keys that do nothing at the config's stage. What this version cannot do is refused by
+    `ZeroConfig.from_any` (config/schema.py REFUSED_FEATURES, config/deepspeed_keys.py), so that
+    `accelerate-zero validate` and the launcher refuse it too."""
     _warn_inapplicable(config)
 
 
