@@ -93,6 +93,10 @@ class OwnedTensors:
     def masters(self) -> list[torch.Tensor]:
         return [owned.master for owned in self.mine]
 
+    def master_of_params(self) -> dict[int, torch.Tensor]:
+        """id(model parameter) -> the master this rank steps for it."""
+        return {id(each.bucket.params[each.param.slot.param_index]): each.master for each in self.mine}
+
     def stepped_buckets(self) -> list[GradBucket]:
         """The buckets holding a parameter stepped whole (their shards count in the global gradient norm)."""
         return list({param.bucket: self.buckets[param.bucket] for param in self.plan.params}.values())

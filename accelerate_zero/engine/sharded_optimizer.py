@@ -27,6 +27,7 @@ from accelerate_zero.engine.setup import constructor_state, has_constructor_stat
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.step_in_flight import StepInFlight, overlap_enabled
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
+from accelerate_zero.optim.bitsandbytes import carry_overrides
 
 
 OPTIMIZER_STEP = "ZeRO::optimizer_step"
@@ -109,12 +110,15 @@ class ShardedOptimizer:
                 "optimizer; its state would belong to the unsharded parameters"
             )
         self.optimizer.state.clear()
+        originals = [list(group["params"]) for group in self.optimizer.param_groups]
         groups = zip(self.optimizer.param_groups, self.slices_by_group, strict=True)
         for index, (param_group, slices) in enumerate(groups):
             owned = self.owned.masters_of_group(index) if self.owned is not None else []
             param_group["params"] = [s.master for s in slices] + owned
         if remake:
             self.optimizer.state.update(constructor_state(self.optimizer))
+        if self.owned is not None:
+            carry_overrides(self.optimizer, originals, self.owned.master_of_params())
 
     # -------------------------------------------------------------------- step
     def step(self, then: Callable[[], None] | None = None, gated: list[torch.Tensor] | None = None) -> StepOutcome:

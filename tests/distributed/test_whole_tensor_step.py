@@ -85,6 +85,23 @@ def _muon_chain(model: nn.Module) -> torch.optim.Optimizer:
     return OptimizerChain(torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-2))
 
 
+MUON_BLOCK = {
+    "type": "Muon",
+    "params": {"muon_lr": 0.03, "adam_lr": 5e-3, "momentum": 0.9, "weight_decay": 0.01, "betas": [0.8, 0.95]},
+}
+"""DeepSpeed 0.19.8's keys ([Note: DeepSpeed's Muon block] in optim/muon.py); `_muon_block_by_hand` is its meaning."""
+
+
+def _muon_block_by_hand(model: nn.Module) -> torch.optim.Optimizer:
+    from accelerate_zero.optim.chain import OptimizerChain
+
+    hidden = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n and "lm_head" not in n]
+    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+    muon = torch.optim.Muon(hidden, lr=0.03, momentum=0.9, weight_decay=0.01, nesterov=True, adjust_lr_fn="original")
+    adam = torch.optim.AdamW(rest, lr=5e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.01)
+    return OptimizerChain(muon, adam)
+
+
 def _adamw_8bit(model: nn.Module) -> torch.optim.Optimizer:
     import bitsandbytes as bnb
 
@@ -100,11 +117,14 @@ class Case:
     top: dict = dataclasses.field(default_factory=dict)
     rounded: bool = False
     """Compared by the error relative to the update (bf16 Newton-Schulz, 8-bit state), else to FP32_TOLERANCE."""
+    from_config: bool = False
+    """The engine builds the optimizer from the config's `optimizer` block; `build` is the reference's."""
 
 
 def _cases() -> list[Case]:
     cpu = {"offload_optimizer": {"device": "cpu"}}
     no_fast_host = {"zero_force_ds_cpu_optimizer": False}
+    offload_3 = {**NO_PERSIST, **cpu}
     cases = [Case(f"adafactor-s{s}", _adafactor, s, SMALL_BUCKETS if s in (1, 2) else {}) for s in (0, 1, 2)]
     return cases + [
         Case("adafactor-s3", _adafactor, 3, NO_PERSIST),
@@ -116,6 +136,8 @@ def _cases() -> list[Case]:
         Case("muon-s0", _muon_chain, 0, rounded=True),
         Case("muon-s1", _muon_chain, 1, SMALL_BUCKETS, rounded=True),
         Case("muon-s3-offload", _muon_chain, 3, {**NO_PERSIST, **cpu}, no_fast_host, rounded=True),
+        Case("muon-block-s2", _muon_block_by_hand, 2, SMALL_BUCKETS, {"optimizer": MUON_BLOCK}, True, True),
+        Case("muon-block-s3-offload", _muon_block_by_hand, 3, offload_3, {"optimizer": MUON_BLOCK}, True, True),
         Case("adamw8bit-s2", _adamw_8bit, 2, SMALL_BUCKETS, UNTESTED, rounded=True),
         Case("adamw8bit-s3", _adamw_8bit, 3, NO_PERSIST, UNTESTED, rounded=True),
     ]
@@ -155,7 +177,7 @@ def _case(case: Case, rank: int, world_size: int) -> dict[str, float]:
     batches = make_batches(STEPS, GRAD_ACCUM, PER_RANK_BATCH * world_size)
     start, reference = _flat(make_model()), _flat(_reference(case.build, batches))
     model = make_model()
-    engine = accelerate_zero.initialize(model, case.build(model), config=_config(case))
+    engine = accelerate_zero.initialize(model, None if case.from_config else case.build(model), config=_config(case))
     _train(engine, batches, rank, world_size, range(STEPS))
     trained = gathered_flat(model)
     spread = [torch.empty_like(trained) for _ in range(world_size)]
