@@ -35,6 +35,19 @@ RUNS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
 }
 
 
+def model_for(name: str) -> torch.nn.Module:
+    """The tiny Llama; for the 8-bit run one whose matrices and embedding reach bitsandbytes' 8-bit threshold (4096
+    elements), so the matrices step with 8-bit state and the embedding with the Trainer's 32-bit override."""
+    if name != "adamw_8bit":
+        return checks.tiny_llama()
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers.models import tiny_llama_config
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=160, intermediate_size=128))
+
+
 def muon_chain(model: torch.nn.Module) -> torch.optim.Optimizer:
     """Muon on the hidden matrices, AdamW on the rest (DeepSpeed's split: optim/muon.py `takes_muon`)."""
     from accelerate_zero.optim.chain import OptimizerChain
@@ -53,7 +66,7 @@ def reference(name: str, folder: Path) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
 
     _, _, overrides = RUNS[name]
-    model = checks.tiny_llama()
+    model = model_for(name)
     args = TrainingArguments(**checks.args_kwargs(folder, MICRO * WORLD_SIZE, **overrides))
     optimizers = (muon_chain(model), None) if name == "muon" else (None, None)
     trainer = Trainer(model=model, args=args, train_dataset=checks.dataset(), optimizers=optimizers)
@@ -96,7 +109,7 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     plain_torchrun_environment()
     out: dict[str, Any] = {}
     for name, (stage, zero, overrides) in RUNS.items():
-        model = checks.tiny_llama()
+        model = model_for(name)
         config = {**checks.zero_config(stage, **zero), "zero_force_ds_cpu_optimizer": False}
         args = TrainingArguments(zero_config=config, **checks.args_kwargs(Path(folder) / name, MICRO, **overrides))
         optimizers = (muon_chain(model), None) if name == "muon" else (None, None)
@@ -106,6 +119,7 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             "state": trainer.accelerator.get_state_dict(model),
             "losses": checks.losses(trainer),
             "whole": trainer.zero_engine.sharded_optimizer.owned is not None,
+            "state kinds": _state_kinds(trainer.zero_engine.optimizer),
         }
     trainer, model = _sft(Path(folder) / "sft", world_size)
     out["sft"] = {
@@ -114,6 +128,16 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "whole": trainer.zero_engine.sharded_optimizer.owned is not None,
     }
     return out
+
+
+def _state_kinds(optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """numel -> "8-bit" or "32-bit": how each tensor this rank steps keeps its state."""
+    return {
+        p.numel(): "8-bit" if optimizer.state[p]["state1"].dtype == torch.uint8 else "32-bit"
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if "state1" in optimizer.state.get(p, {})
+    }
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -142,3 +166,5 @@ def test_trainer_and_trl_with_whole_tensor_optimizers(tmp_path: Path) -> None:
         if error > bound or run["losses"] != pytest.approx(wanted["losses"], abs=1e-5) or not run["whole"]:
             failures.append(f"{name}: error {error:.3g} (bound {bound}), losses {run['losses']} vs {wanted['losses']}")
     assert not failures, "\n".join(failures)
+    kinds = {k: v for rank in ranks for k, v in rank["adamw_8bit"]["state kinds"].items()}
+    assert kinds[160 * 32] == "32-bit" and kinds[128 * 32] == "8-bit", kinds  # the embedding's override kept
