@@ -110,7 +110,7 @@ class OwnedTensors:
             master = owned.master
             grad = grads[owned.param.index].to(device=master.device, dtype=master.dtype).view(master.shape)
             if coefficient != 1.0:
-                grad.mul_(coefficient)
+                grad.mul_(coefficient)  # (in place in the reduced shard, as the flat step does)
             master.grad = grad
         del grads
         optimizer.step()
@@ -143,11 +143,14 @@ class OwnedTensors:
     def _to_owners(
         self, read: Callable[[OwnedParam, Piece], torch.Tensor], dtype: torch.dtype, kind: str
     ) -> dict[int, torch.Tensor]:
-        """Each owned parameter of this rank whole (1-D `dtype`, on the exchange device), from every holder's
-        `read` of its pieces."""
+        """Each owned parameter of this rank whole (1-D `dtype`), from every holder's `read` of its pieces: a view of
+        `read`'s tensor for a parameter wholly in this rank's shard, else a new tensor on the exchange device."""
         out: dict[int, torch.Tensor] = {}
         for owned in self.mine:
             param = owned.param
+            if len(param.pieces) == 1 and param.pieces[0].holder == self.rank:
+                out[param.index] = read(param, param.pieces[0])  # in this rank's shard: a view, no copy
+                continue
             whole = torch.empty(param.numel, dtype=dtype, device=self.device)
             for piece in param.pieces:
                 if piece.holder == self.rank:
