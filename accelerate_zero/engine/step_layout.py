@@ -52,9 +52,27 @@ class StepLayout:
     def split(self, slices_by_group: list[list[ShardSlice]]) -> tuple[list[list[ShardSlice]], list[ShardSlice]]:
         """(the flat groups' slices, each whole group's list emptied; the whole groups' slices: the runs of this
         rank's shard their pieces are stored in)."""
-        flat = [[] if self.steps_whole(i) else slices for i, slices in enumerate(slices_by_group)]
-        held = [s for i, slices in enumerate(slices_by_group) if self.steps_whole(i) for s in slices]
+        # Without their flat fp32 masters (stage 3 cuts one per unit): the owners hold masters of their own. A flat
+        # slice sharing a unit with whole groups gets its own copy of its run, so that the unit's copy can go.
+        mixed = {id(s.bucket) for i, slices in enumerate(slices_by_group) if self.steps_whole(i) for s in slices}
+        flat = [
+            [] if self.steps_whole(i) else [_own_master(s) if id(s.bucket) in mixed else s for s in slices]
+            for i, slices in enumerate(slices_by_group)
+        ]
+        held = [
+            ShardSlice(s.bucket, s.start, s.end, s.params, s.params)
+            for i, slices in enumerate(slices_by_group)
+            if self.steps_whole(i)
+            for s in slices
+        ]
         return flat, held
+
+
+def _own_master(shard_slice: ShardSlice) -> ShardSlice:
+    if shard_slice.aliased:
+        return shard_slice
+    master = shard_slice.master.clone()
+    return ShardSlice(shard_slice.bucket, shard_slice.start, shard_slice.end, master, shard_slice.params)
 
 
 def choose_step_layout(
