@@ -29,8 +29,10 @@ STEPS, GRAD_ACCUM, PER_RANK_BATCH, CLIP = 3, 2, 3, 0.5
 FP32_TOLERANCE = 5e-6
 # Muon orthogonalises in bf16 (torch's Newton-Schulz) and bitsandbytes quantises its state to 8 bits: the fp32
 # rounding of a gradient averaged over ranks can move a bf16 or 8-bit code, so those two are compared by the error
-# relative to the training update, ||params - reference|| / ||reference - start||.
-ROUNDED_BOUND = 0.02
+# relative to the training update, ||params - reference|| / ||reference - start||. Measured 0.0 at 2 and 3 ranks (the
+# averaged gradients came out bit-identical here); 8-bit AdamW stepping flat shards (its blocks cut across tensors,
+# as before whole-tensor stepping) is 0.8% off at 2 ranks, and Muon on flat shards fails ("must be a 2D matrix").
+ROUNDED_BOUND = 1e-3
 BF16_BOUND = 0.02
 """bf16 Adafactor's masters against the fp32 reference: measured 0.56% (2 ranks) and 0.99% (3 ranks)."""
 SMALL_BUCKETS = {"reduce_bucket_size": 64}
