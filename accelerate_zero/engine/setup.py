@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.offload.policy import use_fused_cpu_step
+from accelerate_zero.optim.chain import optimizers_in
 from accelerate_zero.optim.factory import build_lr_scheduler, build_optimizer
+from accelerate_zero.optim.kinds import describe
+from accelerate_zero.optim.muon import build_muon_with_adam, is_muon_block
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -65,10 +69,11 @@ def trainable_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) 
     """The trainable parameters of each optimizer param group, checked against the model.
 
     Raises:
-        ValueError: an optimizer parameter is not in the model, or a trainable model parameter is in no group.
+        ValueError: an optimizer parameter is not in the model, is listed twice (in one group, in two groups, or in
+            two optimizers of a chain), or a trainable model parameter is in no group.
     """
     names = {param: name for name, param in module.named_parameters()}
-    groups, seen = [], set()
+    groups, seen, listed = [], set(), {}
     for index, group in enumerate(optimizer.param_groups):
         params = []
         for param in group["params"]:
@@ -78,6 +83,12 @@ def trainable_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) 
                     "parameter of the model passed to accelerate_zero.initialize: build the optimizer over "
                     "model.parameters()"
                 )
+            if param in listed:
+                raise ValueError(
+                    f"parameter {names[param]!r} is in optimizer param groups {listed[param]} and {index}: it would "
+                    "be stepped twice; list every parameter in exactly one group (of one optimizer of a chain)"
+                )
+            listed[param] = index
             if param.requires_grad:
                 params.append(param)
                 seen.add(param)
@@ -103,13 +114,21 @@ def build_optimizer_for(
     if optimizer is None:
         if config.optimizer is None:
             raise ValueError("no optimizer: pass one to accelerate_zero.initialize or add an optimizer block")
+        if is_muon_block(config.optimizer.type):
+            return build_muon_with_adam(module, config.optimizer.params)  # optim/muon.py: DeepSpeed's Muon block
         trainable = [p for p in module.parameters() if p.requires_grad]
         return build_optimizer([{"params": trainable}], config.optimizer.type, config.optimizer.params)
-    if not type(optimizer).__module__.startswith("torch.optim") and not config.zero_allow_untested_optimizer:
-        raise ValueError(
-            f"{type(optimizer).__module__}.{type(optimizer).__name__} is not one of torch.optim's optimizers: set "
-            '"zero_allow_untested_optimizer": true in the config to use it with ZeRO'
-        )
+    # zero_allow_untested_optimizer keeps DeepSpeed's meaning: it admits a class, and never chooses its step layout
+    # ([Note: which optimizers step flat shards] in optim/kinds.py).
+    for each in optimizers_in(optimizer):
+        if not type(each).__module__.startswith("torch.optim") and not config.zero_allow_untested_optimizer:
+            raise ValueError(
+                f"{describe(type(each))} is not one of torch.optim's optimizers: set "
+                '"zero_allow_untested_optimizer": true in the config to use it with ZeRO'
+            )
+        offload = config.zero_optimization.offload_optimizer
+        if offload is not None and offload.device != "none" and config.zero_force_ds_cpu_optimizer:
+            use_fused_cpu_step(each, force_fast=True)  # DeepSpeed refuses a client optimizer without a fast host step
     return optimizer
 
 
