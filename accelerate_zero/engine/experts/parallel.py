@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.experts.adapters import localize_adapters
 from accelerate_zero.engine.experts.blocks import ExpertLayer, find_expert_layers
 from accelerate_zero.engine.experts.routing import Routes, plan_routes, return_from_experts, send_to_experts
 from accelerate_zero.engine.groups import DataParallelGroup
@@ -59,10 +60,19 @@ class ExpertPlacement:
     ranges: dict[str, tuple[int, int]]
     """Layer name -> the global experts [start, stop) this rank holds."""
     handles: list[RemovableHandle] = field(default_factory=list)
+    adapters: list[nn.Module] = field(default_factory=list)
+    """peft LoRA wrappers of the split parameters, whole on every rank ([Note: LoRA on split experts] in
+    engine/experts/adapters.py)."""
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Every split parameter, in layer order ([Note: gradients of split experts])."""
         return [getattr(layer.module, name) for layer in self.layers for name in layer.param_names]
+
+    def adapter_parameters(self, param: nn.Parameter) -> list[nn.Parameter]:
+        """The (whole) adapter tensors whose update merges into the split parameter `param`."""
+        split = {id(p) for p in self.expert_parameters()}
+        wrappers = [w for w in self.adapters if w.get_param() is param]
+        return [p for w in wrappers for p in w.parameters() if id(p) not in split]
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -102,8 +112,16 @@ def split_experts(
         for name in layer.param_names:
             # The same Parameter, shrunk: an optimizer built over the model before the split still holds it.
             param = getattr(layer.module, name)
+            if not param.is_floating_point():
+                raise NotImplementedError(
+                    f"expert_parallel: {layer.name}.{name} holds {param.dtype} values (quantized experts?), which are "
+                    "not cut by expert; keep the experts in a floating-point dtype (bitsandbytes' 4-bit QLoRA leaves "
+                    "fused experts unquantized) or train without expert_parallel"
+                )
             param.data = param.data[start : start + per_rank].clone()
         layer.module.num_experts = per_rank  # what the experts' own forward reads (one-hot width, group bins)
+        # [Note: LoRA on split experts] in engine/experts/adapters.py
+        placement.adapters += localize_adapters(model, layer.module, layer.name, start, start + per_rank)
         placement.ranges[layer.name] = (start, start + per_rank)
         calls = _LayerCalls(layer, per_rank, group, stats)
         placement.handles.append(layer.module.register_forward_pre_hook(calls.before, with_kwargs=True))
