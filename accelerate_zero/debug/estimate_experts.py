@@ -97,7 +97,7 @@ def expert_shapes_from_module(
             + (f" and {len(uneven) - 1} more layers" if len(uneven) > 1 else "")
             + f": use a divisor of {layers[0].num_experts}"
         )
-    experts = [getattr(layer.module, name) for layer in layers for name in layer.param_names]
+    experts = [param for layer in layers for param in layer.params()]
     split = {id(p) for p in experts}
     zero = zero if zero is not None else ZeroOptimizationConfig()
     leaf = zero.leaf_module
