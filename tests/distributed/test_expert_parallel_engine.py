@@ -191,8 +191,7 @@ def test_expert_parallel_engine_equals_one_process(
 RESUMES = [(2, 3, 4, 3), (2, 3, 1, 3), (2, 3, 2, 1), (2, 2, 4, 2), (2, 2, 1, 1)]
 """(ep, stage) saved -> (ep, stage) resumed."""
 DCP_RESUMES = [(2, 3, 4, 2), (2, 3, 1, 3)]
-"""The same through a DCP checkpoint (`checkpoint_format="dcp"`: each split expert written at its range of the whole
-layer, read back at another ep or without expert parallelism)."""
+"""The same through `checkpoint_format="dcp"` (each split expert at its range of the whole layer)."""
 
 
 def _config(ep: int, stage: int) -> dict[str, Any]:
@@ -258,15 +257,13 @@ def _resume(rank: int, world_size: int, folder: str) -> dict[Any, Any]:
             model = _built("qwen3_moe")
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
             engine = accelerate_zero.initialize(model, optimizer, config=_config(load_ep, load_stage))
-            if kind == "dcp":
-                engine.load_checkpoint(f"{folder}/dcp", tag=f"ep{save_ep}s{save_stage}")
-            else:
-                engine.load_checkpoint(f"{folder}/ep{save_ep}s{save_stage}")
+            dcp, where = kind == "dcp", f"ep{save_ep}s{save_stage}"
+            engine.load_checkpoint(f"{folder}/dcp" if dcp else f"{folder}/{where}", tag=where if dcp else None)
             loss = _train_step(engine, batches[1], rank)
             resumed = _whole(engine)
             engine.destroy()
             errors = [(n, (resumed[n] - v).abs().max().item()) for n, v in final.items()] if rank == 0 else []
-            out[(ep, stage, load_ep, load_stage) if kind == "universal" else (kind, ep, stage, load_ep, load_stage)] = {
+            out[(kind, ep, stage, load_ep, load_stage)] = {
                 "loss": abs(loss - final_loss),
                 "worst": max(errors, key=lambda item: item[1], default=("(rank 0 compares)", 0.0)),
             }
@@ -280,22 +277,15 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     return run_distributed(_resume, WORLD_SIZE, str(tmp_path_factory.mktemp("ep_ckpt")), timeout=600)
 
 
-@pytest.mark.parametrize(("ep", "stage", "load_ep", "load_stage"), DCP_RESUMES)
-def test_dcp_checkpoint_of_split_experts_resumes_at_another_expert_parallel_size(
-    resumed: list[dict[Any, Any]], ep: int, stage: int, load_ep: int, load_stage: int
-) -> None:
-    for results in resumed:
-        got = results[("dcp", ep, stage, load_ep, load_stage)]
-        assert got["loss"] < 1e-5, got
-        assert got["worst"][1] < 1e-5, got
-
-
-@pytest.mark.parametrize(("ep", "stage", "load_ep", "load_stage"), RESUMES)
+@pytest.mark.parametrize(
+    ("kind", "ep", "stage", "load_ep", "load_stage"),
+    [("universal", *case) for case in RESUMES] + [("dcp", *case) for case in DCP_RESUMES],
+)
 def test_checkpoint_resumes_at_another_expert_parallel_size(
-    resumed: list[dict[Any, Any]], ep: int, stage: int, load_ep: int, load_stage: int
+    resumed: list[dict[Any, Any]], kind: str, ep: int, stage: int, load_ep: int, load_stage: int
 ) -> None:
     for results in resumed:
-        got = results[(ep, stage, load_ep, load_stage)]
+        got = results[(kind, ep, stage, load_ep, load_stage)]
         assert got["loss"] < 1e-5, got
         assert got["worst"][1] < 1e-5, got
     assert resumed[0][("consolidated", ep, stage)] < 1e-6
@@ -445,8 +435,7 @@ def test_bf16_with_expert_parallel_equals_bf16_without(by_rank: list[dict[Any, A
 # Adapters on a frozen MoE base (and GRPO/DPO's reference models): the split experts are frozen. Trained at ep 2,
 # stage 3, saved without them (their fingerprints checked on load) and with them; each loaded at another ep and stage
 # and trained on: equal to the run that never stopped. A model whose experts differ is refused, naming the expert.
-FROZEN_RESUMES = (("without", 4, 3), ("with", 1, 2), ("with", 4, 1), ("dcp", 4, 3), ("dcp", 1, 2))
-"""(the checkpoint saved at ep 2, stage 3, the ep and stage it is loaded at)."""
+FROZEN_RESUMES = (("without", 4, 3), ("with", 1, 2), ("with", 4, 1), ("dcp", 4, 3), ("dcp", 1, 2))  # saved at ep 2
 
 
 def _frozen_experts_model() -> torch.nn.Module:
