@@ -156,11 +156,7 @@ def _rank(rank: int, name: str, accum: int, steps: int, seq: int, port: int, out
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     stage, ep, zero = RUNS[name]
     model = _model()
-    expert_numel = {
-        id(getattr(layer.module, n)): getattr(layer.module, n).numel()
-        for layer in find_expert_layers(model)
-        for n in layer.param_names
-    }
+    expert_numel = {id(p): p.numel() for layer in find_expert_layers(model) for p in layer.params()}
     counts = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "expert_parameters": sum(expert_numel.values()),

@@ -271,12 +271,6 @@ def load_engine(
     async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
     named = Path(load_dir) if tag is None else Path(load_dir) / check_tag(tag, "tag")
     if dcp_read.is_dcp_folder(named):  # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
-        if getattr(engine, "experts", None) is not None:
-            raise NotImplementedError(
-                f"{named} is a DCP checkpoint and this engine splits its experts (expert_parallel): loading DCP "
-                "into split experts is not available yet; load it without expert_parallel, save the universal "
-                "format, and load that"
-            )
         _refuse_dcp_of_whole_parameters(engine)
         return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
     folder = resolve_tag(Path(load_dir), tag)

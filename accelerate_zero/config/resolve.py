@@ -340,11 +340,6 @@ def _check_expert_parallel(config: ZeroConfig, world_size: int) -> list[str]:
             "expert_parallel.enabled=true with zero_optimization.zero_quantized_gradients=true: the experts' gradients "
             "are reduced over their own ranks, which the two-level quantized reduce-scatter does not know; remove one"
         )
-    if not is_auto(config.sequence_parallel_size) and config.sequence_parallel_size > 1:
-        problems.append(
-            f"expert_parallel.enabled=true with sequence_parallel_size={config.sequence_parallel_size}: the two are "
-            "not combined yet; remove one of them"
-        )
     if ep.preset_model is not None and ep.preset_model not in EXPERT_PARALLEL_PRESETS:
         problems.append(
             f"expert_parallel.preset_model={ep.preset_model!r} is not one of DeepSpeed's AutoEP presets "

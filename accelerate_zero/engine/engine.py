@@ -361,11 +361,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
             The checkpoint folder (with `async_save`, where it will be once published).
         """
         self.sleeping.check_awake("save_checkpoint()")
-        if self.experts is not None and checkpoint_format == "dcp":
-            raise NotImplementedError(
-                "checkpoint_format='dcp' with expert_parallel: DCP checkpoints of split experts are not written yet; "
-                "save the universal format (it loads at any expert-parallel size, or without expert parallelism)"
-            )
         return str(
             save_engine(
                 self,
