@@ -12,6 +12,7 @@ from accelerate_zero.engine.stage3.loading import from_pretrained
 
 if TYPE_CHECKING:
     from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
+    from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ _ACCELERATE = "accelerate_zero.integrations.accelerate"
 _TRANSFORMERS = "accelerate_zero.integrations.transformers"
 _LAZY_NAMES = {
     "ZeroAccelerator": (_ACCELERATE, "ZeroAccelerator"),
+    "ZeroPlugin": (_ACCELERATE, "ZeroPlugin"),
     "Trainer": (_TRANSFORMERS, "ZeroTrainer"),
     "TrainingArguments": (_TRANSFORMERS, "ZeroTrainingArguments"),
     "ZeroArgumentsMixin": (_TRANSFORMERS, "ZeroArgumentsMixin"),
@@ -52,6 +54,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroConfigError",
     "ZeroEngine",
+    "ZeroPlugin",
     "__version__",
     "from_pretrained",
     "initialize",

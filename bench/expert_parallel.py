@@ -111,11 +111,7 @@ def train(name: str, accum: int, steps: int, seq: int) -> dict[str, Any]:
     stage, ep, zero = RUNS[name]
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL)).float()
-    expert_numel = {
-        id(getattr(layer.module, n)): getattr(layer.module, n).numel()
-        for layer in find_expert_layers(model)
-        for n in layer.param_names
-    }
+    expert_numel = {id(p): p.numel() for layer in find_expert_layers(model) for p in layer.params()}
     counts = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "expert_parameters": sum(expert_numel.values()),

@@ -38,7 +38,10 @@ _OTHER_TOP_LEVEL = ("optim", "optimizer", "lr_scheduler", "train_state", "datalo
 
 
 def _fragments(shard_range: ShardRange, names: dict[int, str]) -> list[Fragment]:
-    return range_fragments(shard_range.plan, shard_range.params, names, shard_range.lo, shard_range.hi)
+    # a split layer's experts name their range of the whole layer ([Note: expert parallelism in the engine])
+    return range_fragments(
+        shard_range.plan, shard_range.params, names, shard_range.lo, shard_range.hi, shard_range.offsets
+    )
 
 
 def _model_prefix(shapes: dict[str, list[int]], params: dict[str, list[int]], folder: Path) -> str:
@@ -216,7 +219,8 @@ def _load_rest(state: CheckpointState, source: _Source, names: dict[int, str], b
     whole = [(name, p) for name, p in state.module.named_parameters() if id(p) not in covered]
     full = source.read([(name, "param") for name, _ in whole])
     for name, param in whole:
-        param.data.copy_(full[name, "param"].reshape(param.shape))
+        offset = state.part_of_whole(param) or 0  # a frozen split expert: its range of the whole layer
+        param.data.copy_(full[name, "param"].reshape(-1)[offset : offset + param.numel()].reshape(param.shape))
     saved = [(name, b) for name, b in state.module.named_buffers() if source.prefix + name in source.shapes]
     values = source.read([(name, "param") for name, _ in saved])
     for name, buffer in saved:

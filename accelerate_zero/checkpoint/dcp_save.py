@@ -7,7 +7,8 @@
 `optim.param_groups.<i>.*` (with the parameter names), `lr_scheduler.*` (the engine's scheduler) and
 `train_state.step`. Our shards are element ranges of flattened parameters, which are not the row blocks DCP's
 chunks describe; so, one parameter at a time, the ranks holding pieces of it (one replica; at stage 0 rank 0)
-put them into a zero tensor of its full size and sum it over the ranks (no piece is held twice: the sum is exact),
+put them into a zero tensor of its full size and sum it over the ranks (no piece is held twice: the sum is exact;
+a split layer's experts are placed at their range of the whole layer, [Note: expert parallelism in the engine]),
 and each rank keeps rows `torch.chunk(rows, W)[rank]` as a `Shard(0)` DTensor, FSDP2's own layout at the same
 world size. Host memory: this rank's row blocks of everything, plus one full parameter while it is assembled. The
 folder is written as `.<tag>.partial` and published as engine checkpoints are (checkpoint/io.py).
@@ -43,7 +44,7 @@ def _pieces(state: CheckpointState, contributes: bool) -> tuple[dict, dict, dict
     for batch in state.trainable_batches(write_back=False):
         for trainable in batch:
             r = trainable.range
-            frags = range_fragments(r.plan, r.params, names, r.lo, r.hi)
+            frags = range_fragments(r.plan, r.params, names, r.lo, r.hi, r.offsets)  # split experts: whole ranges
             kept = state.optimizer.state.get(trainable.master, {})
             for frag in frags:
                 groups.setdefault(group_of[id(trainable.master)], set()).add(frag.name)
@@ -61,9 +62,15 @@ def _pieces(state: CheckpointState, contributes: bool) -> tuple[dict, dict, dict
     for frozen in state.frozen_shards() if contributes else []:
         shard = state.read_frozen(frozen)
         r = frozen.range
-        for frag in range_fragments(r.plan, r.params, names, r.lo, r.hi):
+        for frag in range_fragments(r.plan, r.params, names, r.lo, r.hi, r.offsets):
             values = shard[frag.offset : frag.offset + frag.numel].float().cpu()
             pieces.setdefault((frag.name, "param"), []).append((frag.start, frag.end, values))
+    covered = state.sharded_parameters()
+    for name, param in state.module.named_parameters():
+        offset = state.part_of_whole(param)
+        if id(param) not in covered and offset is not None and state.writes_parts:  # a frozen split expert
+            values = param.detach().reshape(-1).float().cpu()
+            pieces.setdefault((name, "param"), []).append((offset, offset + values.numel(), values))
     return pieces, steps, groups
 
 
@@ -112,7 +119,7 @@ def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
         kinds = sorted(all_kinds.get(name, set()) | ({"param"} if id(param) not in covered else set()))
         for kind in kinds:
             full = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
-            if id(param) not in covered and kind == "param":
+            if id(param) not in covered and kind == "param" and state.part_of_whole(param) is None:
                 if is_main:
                     full.copy_(param.detach().reshape(-1).float().cpu())
             for start, end, values in pieces.get((name, kind), []):

@@ -45,6 +45,7 @@ from accelerate_zero.checkpoint.io import (
 )
 from accelerate_zero.checkpoint.meta import FORMAT, check_file_set, file_digest, read_meta, verify_digests, write_meta
 from accelerate_zero.checkpoint.rank_parts import DIGEST_SUFFIX, RankPartWriter
+from accelerate_zero.checkpoint.shaped_state import saved_state, shaped_state
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange, StepCounters, TrainableRange
 
@@ -96,6 +97,7 @@ def save_engine(
     tag = check_tag(tag or f"global_step{engine.checkpoint_state().counters.global_steps}", "save_checkpoint tag")
     _validate_tag(engine, tag)
     if checkpoint_format == "dcp":
+        _refuse_dcp_of_whole_parameters(engine)
         if async_save or client_state:
             raise ValueError("checkpoint_format='dcp' saves synchronously and without client_state: drop them")
         return save_dcp(engine, save_dir, tag)  # [Note: DCP checkpoints out] in checkpoint/dcp_save.py
@@ -217,14 +219,13 @@ def _trainable_tensors(
     host: Callable[[torch.Tensor], torch.Tensor],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     optimizer_state = state.optimizer.state.get(trainable.master, {})
+    master = trainable.flat_master
     for frag in _fragments(trainable.range, names):
         piece = slice(frag.offset, frag.offset + frag.numel)
-        yield frag.key("master"), host(trainable.master[piece]).float()
+        yield frag.key("master"), host(master[piece]).float()
         for kind, value in optimizer_state.items():
-            if torch.is_tensor(value) and value.numel() == trainable.master.numel() and value.ndim > 0:
-                yield frag.key(kind), host(value[piece])
-            elif torch.is_tensor(value) and value.numel() == 1:
-                yield frag.key(kind), host(value.reshape(()))
+            if torch.is_tensor(value):  # [Note: state in a parameter's own shape]
+                yield frag.key(kind), host(saved_state(value, piece, master.numel(), trainable.whole, frag, kind))
 
 
 def _meta(engine: ZeroEngine) -> dict[str, Any]:
@@ -270,12 +271,7 @@ def load_engine(
     async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
     named = Path(load_dir) if tag is None else Path(load_dir) / check_tag(tag, "tag")
     if dcp_read.is_dcp_folder(named):  # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
-        if getattr(engine, "experts", None) is not None:
-            raise NotImplementedError(
-                f"{named} is a DCP checkpoint and this engine splits its experts (expert_parallel): loading DCP "
-                "into split experts is not available yet; load it without expert_parallel, save the universal "
-                "format, and load that"
-            )
+        _refuse_dcp_of_whole_parameters(engine)
         return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
@@ -391,15 +387,15 @@ def _load_trainable(state: CheckpointState, reader: FragmentReader, names: dict[
             master = trainable.master
             fragments = _fragments(trainable.range, names)
             for frag in fragments:
-                master[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
+                trainable.flat_master[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
             state.write_trainable([trainable])
             if with_state and fragments:
                 group = next(g for g in optimizer.param_groups if any(p is master for p in g["params"]))
-                optimizer.state[master] = _slice_state(reader, fragments, master, group)
+                optimizer.state[master] = _slice_state(reader, fragments, master, group, trainable.whole)
 
 
 def _slice_state(
-    reader: FragmentReader, fragments: list[Fragment], master: torch.Tensor, group: dict[str, Any]
+    reader: FragmentReader, fragments: list[Fragment], master: torch.Tensor, group: dict[str, Any], whole: bool
 ) -> dict[str, torch.Tensor]:
     kinds = set().union(*(reader.kinds_of(f.name) for f in fragments)) - {"master", "param"}
     state = {}
@@ -412,7 +408,13 @@ def _slice_state(
             dtype = torch.float32 if kind == "step" else scalar.dtype
             state[kind] = scalar.to(device=scalar_device, dtype=dtype, copy=True)
             continue
-        values = torch.zeros_like(master)
+        shaped = shaped_state(reader, fragments[0], kind, whole)  # [Note: state in a parameter's own shape]
+        if shaped is not None:
+            state[kind] = shaped.to(master.device, copy=True)
+            continue
+        dtype = scalar.dtype if scalar is not None else master.dtype
+        values = torch.zeros(master.shape, dtype=dtype, device=master.device)
+        flat = values.view(-1)
         for frag in fragments:
             piece = reader.read_range(frag.name, kind, frag.start, frag.end)
             if piece is None:  # a fragment the plan needs is missing by name: never a silent zero state
@@ -420,7 +422,7 @@ def _slice_state(
                     f"the checkpoint has no {kind!r} optimizer state for {frag.name}[{frag.start}:{frag.end}] "
                     "although other parameters have it: a rank file is corrupted or foreign"
                 )
-            values[frag.offset : frag.offset + frag.numel].copy_(piece)
+            flat[frag.offset : frag.offset + frag.numel].copy_(piece)
         state[kind] = values
     return state
 
@@ -451,6 +453,14 @@ def _load_frozen(state: CheckpointState, reader: FragmentReader, names: dict[int
         saved = reader.read_whole(whole_key(name, "buffer"))
         if saved is not None:
             buffer.copy_(saved)
+
+
+def _refuse_dcp_of_whole_parameters(engine: ZeroEngine) -> None:
+    if engine.checkpoint_state().steps_whole_parameters:
+        raise NotImplementedError(
+            "DCP checkpoints of an optimizer that steps whole parameters (Adafactor, Muon, 8-bit: "
+            "engine/owned_step.py) are not available yet: their state keeps its own shapes; use the universal format"
+        )
 
 
 def _validate_tag(engine: ZeroEngine, tag: str) -> None:

@@ -279,7 +279,11 @@ def build_report(args: argparse.Namespace) -> dict[str, Any]:
         "expert_parallel": None if experts is None else est_experts.report_section(experts, setup),
         "recommendation": None if choice is None else _recommendation(*choice, experts),
         "layouts": layouts,
-        "notes": [*zero_notes, *_notes(shapes, activations, gpu_memory, choice, args), *est_experts.notes(experts)],
+        "notes": [
+            *zero_notes,
+            *_notes(shapes, activations, gpu_memory, choice, args),
+            *est_experts.notes(experts, setup, args.micro_batch * args.seq_len),
+        ],
     }
 
 

@@ -7,6 +7,7 @@ Usage:
     accelerate-zero launch --config_file accelerate_configs/zero2.yaml script.py
     accelerate-zero doctor accelerate_configs/zero3.yaml
     accelerate-zero consolidate out/checkpoint-500 out/consolidated
+    accelerate-zero deepspeed --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ def _build_parser() -> argparse.ArgumentParser:
         description="ZeRO (stages 0-3, offload) in pure PyTorch for Accelerate and the transformers Trainer.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from accelerate_zero.cli import consolidate, doctor, estimate, launch, validate
+    from accelerate_zero.cli import consolidate, deepspeed, doctor, estimate, launch, validate
 
     validate.register(subcommands)
     estimate.register(subcommands)
     launch.register(subcommands)
     consolidate.register(subcommands)
     doctor.register(subcommands)
+    deepspeed.register(subcommands)
     return parser
 
 

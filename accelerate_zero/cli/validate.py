@@ -7,21 +7,28 @@ Usage:
 CONFIG is a DeepSpeed config (.json, or .yaml/.yml with the same structure) or an accelerate config file (a YAML or
 JSON with `distributed_type`, as `accelerate config` writes it), which is read as `accelerate-zero launch` reads it:
 the DeepSpeed config it builds is checked at its `num_processes`. Prints the resolved config as JSON on stdout
-("auto" values kept) and, on stderr, the "auto" values and what fills them at run time; exits 0. Or prints every
+("auto" values kept) and, on stderr, the "auto" values and what fills them at run time, the notes (keys accepted
+without effect: DeepSpeed ignores them too, or they are off) and the launch warnings; exits 0. Or prints every
 problem to stderr and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from accelerate_zero.config import ZeroConfig, ZeroConfigError
+from accelerate_zero.config.blocks import KeyPolicy
+from accelerate_zero.config.deepspeed_keys import NOTED_ENV
+from accelerate_zero.config.fields import is_block_type, split_optional, type_hints
 from accelerate_zero.config.hidden_size import HIDDEN_SIZE_DESCRIPTIONS
 
 
@@ -70,16 +77,19 @@ def register(subcommands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs `validate`; returns 0 for a valid config, 2 (problems on stderr) otherwise."""
-    from accelerate_zero.integrations.accelerate.launch_checks import resolve_leaving_auto
+    from accelerate_zero.integrations.accelerate.launch_checks import node_span_warnings, resolve_leaving_auto
 
+    warnings: list[str] = []
     try:
-        if is_accelerate_config(args.config):
-            label = f"accelerate config {args.config}"
-            config, world_size = config_from_accelerate_file(args.config, args.world_size)
-        else:
-            label = f"ZeRO config {args.config}"
-            config, world_size = ZeroConfig.from_any(args.config), args.world_size or 1
-        resolved = resolve_leaving_auto(config, world_size)
+        with _notes_printed_here():
+            if is_accelerate_config(args.config):
+                label = f"accelerate config {args.config}"
+                config, world_size, machines = _accelerate_file(args.config, args.world_size)
+                warnings = node_span_warnings(config, world_size, machines)
+            else:
+                label = f"ZeRO config {args.config}"
+                config, world_size = ZeroConfig.from_any(args.config), args.world_size or 1
+            resolved = resolve_leaving_auto(config, world_size)
     except ZeroConfigError as error:
         print(f"accelerate-zero: invalid {label}:", file=sys.stderr)
         for problem in error.problems:
@@ -89,10 +99,36 @@ def run(args: argparse.Namespace) -> int:
     print(f"accelerate-zero: {label} is valid for world size {world_size}.", file=sys.stderr)
     if resolved.auto_keys:
         print('"auto" values, filled when the run starts:', file=sys.stderr)
-        generic = "filled by the Trainer or ZeroAccelerator.prepare"
         for key in resolved.auto_keys:
-            print(f"  {key:<55} <- {_FILLED_BY.get(key, generic)}", file=sys.stderr)
+            print(f"  {key:<55} <- {_FILLED_BY.get(key, _unfilled(key))}", file=sys.stderr)
+    for title, lines in (("notes (accepted, no effect)", config.notes), ("warnings", warnings)):
+        if lines:
+            print(f"{title}:", file=sys.stderr)
+            for line in lines:
+                print(f"  - {line}", file=sys.stderr)
     return 0
+
+
+def _unfilled(key: str) -> str:
+    """What an "auto" no integration fills becomes: DeepSpeed's pydantic blocks drop it (the default)."""
+    block, _ = split_optional(type_hints(ZeroConfig).get(key.split(".")[0]))
+    if is_block_type(block) and block._KEYS is KeyPolicy.DEEPSPEED_MODEL:
+        return "the default, when nothing fills it (as in DeepSpeed)"
+    return "filled by the Trainer or ZeroAccelerator.prepare"
+
+
+@contextlib.contextmanager
+def _notes_printed_here() -> Iterator[None]:
+    """`validate` prints the config's notes itself: they are not logged as well."""
+    saved = os.environ.get(NOTED_ENV)
+    os.environ[NOTED_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[NOTED_ENV]
+        else:
+            os.environ[NOTED_ENV] = saved
 
 
 def is_accelerate_config(path: str) -> bool:
@@ -111,6 +147,12 @@ def config_from_accelerate_file(path: str, world_size: int | None = None) -> tup
     Raises:
         ZeroConfigError: the problems the launcher would report before starting anything.
     """
+    config, size, _ = _accelerate_file(path, world_size)
+    return config, size
+
+
+def _accelerate_file(path: str, world_size: int | None) -> tuple[ZeroConfig, int, int]:
+    """`config_from_accelerate_file`, and the number of machines."""
     from accelerate.commands.launch import launch_command_parser
 
     from accelerate_zero.integrations.accelerate.launcher import LaunchError, prepare_launch
@@ -122,4 +164,4 @@ def config_from_accelerate_file(path: str, world_size: int | None = None) -> tup
         prepared = prepare_launch(args)
     except LaunchError as error:
         raise ZeroConfigError([str(error)]) from None
-    return prepared.built.zero_config, prepared.num_processes
+    return prepared.built.zero_config, prepared.num_processes, prepared.num_machines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,10 +37,25 @@ def _f(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None 
     return field(default=default, metadata=constraints)
 
 
+class KeyPolicy(enum.Enum):
+    """How DeepSpeed 0.19.8 reads a block, which decides what an unknown key and an unfilled "auto" mean in it
+    ([Note: DeepSpeed's config rule] in config/deepspeed_keys.py)."""
+
+    DEEPSPEED_MODEL = "model"
+    """A pydantic model (`DeepSpeedConfigModel`): an unknown key is an error; an "auto" nothing fills is dropped,
+    so the key takes its default."""
+    DEEPSPEED_DICT = "dict"
+    """Read key by key with `.get`: an unknown key is never read (here: accepted, named in a note); "auto" stays a
+    string DeepSpeed would use as a value (here: an error until something fills it)."""
+    OURS = "ours"
+    """Not a DeepSpeed block, or one we check strictly on purpose: unknown keys and unfilled "auto" are errors."""
+
+
 class Block:
     """Base of every config block: validates fields on construction, converts to DeepSpeed JSON form."""
 
     _PATH: ClassVar[str] = ""
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.DEEPSPEED_MODEL
 
     def __post_init__(self) -> None:
         problems = normalize_fields(self)
@@ -275,6 +291,7 @@ class OptimizerConfig(Block):
     """`optimizer`: the optimizer the engine builds (see `accelerate_zero.optim.factory`)."""
 
     _PATH: ClassVar[str] = "optimizer"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.DEEPSPEED_DICT
 
     type: str
     """Optimizer name, e.g. "AdamW" (DeepSpeed names are case-insensitive)."""
@@ -287,6 +304,7 @@ class SchedulerConfig(Block):
     """`scheduler`: the LR scheduler the engine builds (see `accelerate_zero.optim.factory`)."""
 
     _PATH: ClassVar[str] = "scheduler"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.DEEPSPEED_DICT
 
     type: str
     """Scheduler name, e.g. "WarmupLR"."""
@@ -299,6 +317,7 @@ class CheckpointConfig(Block):
     """`checkpoint`: checkpoint tag validation and storage."""
 
     _PATH: ClassVar[str] = "checkpoint"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.DEEPSPEED_DICT
 
     tag_validation: Literal["IGNORE", "WARN", "FAIL"] = _f("WARN", case="upper")
     """What to do when ranks save different tags (case-insensitive, stored upper-case)."""
@@ -320,6 +339,7 @@ class SequenceTilingConfig(Block):
     without Ulysses (`sequence_parallel_size`)."""
 
     _PATH: ClassVar[str] = "sequence_tiling"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.OURS
 
     logits_tile_tokens: int | None = _f(None, ge=1)
     """The LM head and the loss run on this many positions at a time; None: the model's own loss, whole."""
@@ -340,6 +360,7 @@ class ActivationCheckpointingConfig(Block):
     keep their default (config/schema.py REFUSED_FEATURES says why for each)."""
 
     _PATH: ClassVar[str] = "activation_checkpointing"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.DEEPSPEED_DICT
 
     partition_activations: bool = False
     """DeepSpeed: split each checkpoint across the tensor-model-parallel ranks; `true` is refused."""
@@ -373,10 +394,20 @@ class DataTypesConfig(Block):
     """`data_types`: dtypes of engine buffers."""
 
     _PATH: ClassVar[str] = "data_types"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.DEEPSPEED_DICT
 
     grad_accum_dtype: DataType | None = _f(None, case="lower")
     """Dtype gradients are accumulated (and, unless `communication_data_type` says otherwise, reduced) in; None
     means `DEFAULT_GRAD_ACCUM_DTYPE` ([Note: fp32 gradients under mixed precision])."""
+    param_dtype: DataType | None = _f(None, case="lower")
+    """DeepSpeed 0.19.8: the model's dtype, which must match the enabled precision (fp16, bf16, else fp32); None:
+    follows it. A value that does not match is an error, as in DeepSpeed."""
+    buffer_dtype: DataType | None = _f(None, case="lower")
+    """DeepSpeed 0.19.8: cast the model's buffers to this dtype; None keeps them as loaded (only None is built)."""
+    keep_in_fp32_modules: list[str] | None = None
+    """DeepSpeed 0.19.8: name patterns of buffers kept in fp32 when `buffer_dtype` casts them; None, or "auto" as
+    DeepSpeed's default writes it (taken as None by resolve_config): the model's `_keep_in_fp32_modules`. Without a
+    buffer cast (only None is built) no buffer is touched, so any value keeps them as they are."""
 
 
 @dataclass(kw_only=True)
@@ -384,6 +415,7 @@ class AioConfig(Block):
     """`aio`: asynchronous file IO for NVMe offload."""
 
     _PATH: ClassVar[str] = "aio"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.DEEPSPEED_DICT
 
     block_size: int = _f(1_048_576, ge=1)
     """Bytes per IO request."""
@@ -407,6 +439,7 @@ class ExpertParallelConfig(Block):
     (config/schema.py REFUSED_FEATURES says why for each): the router, top-k and combine stay the model's."""
 
     _PATH: ClassVar[str] = "expert_parallel"
+    _KEYS: ClassVar[KeyPolicy] = KeyPolicy.OURS
 
     enabled: bool = False
     """Split every fused MoE layer's experts over groups of `autoep_size` consecutive ranks."""

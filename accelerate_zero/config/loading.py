@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
 import os
 import sys
@@ -22,8 +21,16 @@ from typing import Any, TypeVar
 
 import yaml
 
-from accelerate_zero.config.blocks import Block
+from accelerate_zero.config.blocks import Block, KeyPolicy
 from accelerate_zero.config.checkpoint_writer import WRITER_PATH, writer_problems
+from accelerate_zero.config.deepspeed_keys import (
+    DeepSpeedKey,
+    Treatment,
+    report_notes,
+    top_level_problems,
+    unknown_key_problem,
+    unread_key_note,
+)
 from accelerate_zero.config.fields import INVALID, coerce_value, is_block_type, split_optional, type_hints
 from accelerate_zero.config.values import ZeroConfigError, is_auto, join_path
 
@@ -50,15 +57,19 @@ ALIASES: dict[str, dict[str, str]] = {
 }
 """Block path -> {accepted alias: attribute name}."""
 
-UNSUPPORTED_DEEPSPEED_KEYS = frozenset(
-    "amp autotuning comms_logger compile compression_training csv_monitor "
-    "curriculum_learning data_efficiency disable_allgather dump_state eigenvalue elasticity flops_profiler "
-    "gradient_allreduce_op graph_harvesting hybrid_engine log_level managed_gradient_accumulation nebula "
-    "pipeline progressive_layer_drop quantize_training seq_parallel_communication_data_type sparse_attention "
-    "sparse_gradients tensor_parallel tensorboard timers torch_autocast wandb weight_quantization "
-    "checkpoint.checkpoint_serialization optimizer.legacy_fusion".split()
-)
-"""Key paths DeepSpeed knows that accelerate_zero does not implement (reported as unknown, with that reason)."""
+NESTED_KEYS: dict[str, DeepSpeedKey] = {
+    "optimizer.legacy_fusion": DeepSpeedKey(
+        Treatment.OFF_ONLY,
+        "it selects the fused variant of DeepSpeed's legacy FP16_Optimizer, which accelerate_zero does not run",
+        lambda value: [] if value is False else [f"optimizer.legacy_fusion={value!r}"],
+    ),
+    "checkpoint.checkpoint_serialization": DeepSpeedKey(
+        Treatment.INERT,
+        "it picks torch.save's file format for DeepSpeed's checkpoints; accelerate_zero writes safetensors",
+    ),
+}
+"""Keys DeepSpeed reads inside a block it reads key by key (`KeyPolicy.DEEPSPEED_DICT`) that no dataclass here has:
+what accelerate_zero does with each ([Note: DeepSpeed's config rule] in config/deepspeed_keys.py)."""
 
 
 def load_config(
@@ -74,12 +85,19 @@ def load_config(
     if not isinstance(raw, Mapping):
         raise ZeroConfigError([f"a ZeRO config must be a mapping of keys to values, got {type(raw).__name__}"])
     problems: list[str] = []
-    config = _build(cls, _normalize_top(raw, problems), "", problems)
+    notes: list[str] = []
+    fields = [f.name for f in dataclasses.fields(cls)]
+    kept, top_problems, top_notes = top_level_problems(_normalize_top(raw, problems), fields)
+    problems += top_problems
+    notes += top_notes
+    config = _build(cls, kept, "", problems, notes)
     if config is not None:
         problems.extend(rules(config))
     if problems or config is None:
         unknown = sorted(p for p in problems if p.startswith("unknown key"))
         raise ZeroConfigError(unknown + [p for p in problems if not p.startswith("unknown key")])
+    config.notes = tuple(notes)
+    report_notes(notes)
     return config
 
 
@@ -259,9 +277,10 @@ def _warn_deprecated(message: str) -> None:
     warnings.warn(message, FutureWarning, stacklevel=level)
 
 
-def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
+def _build(cls: type, raw: Any, path: str, problems: list[str], notes: list[str]) -> Any:
     """`cls(**raw)`, nested blocks built first; bad keys are reported and left out, so the block that is returned
-    holds every valid value (rules between values can still run on it). None if `raw` cannot make a block."""
+    holds every valid value (rules between values can still run on it). None if `raw` cannot make a block. Keys
+    DeepSpeed never reads in a block it reads key by key are left out with a note."""
     if not isinstance(raw, Mapping):
         problems.append(f"{path}={raw!r}: expected a mapping of keys to values")
         return None
@@ -272,9 +291,9 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
             # [Note: DeepSpeed's checkpoint writer] in config/checkpoint_writer.py: its keys are checked there.
             problems.extend(writer_problems(value))
         if key not in fields:
-            problems.append(_unknown_key(path, key, fields))
+            _unknown_key(cls, path, str(key), value, fields, problems, notes)
             continue
-        value = _build_value(cls, fields[key], value, join_path(path, key), problems)
+        value = _build_value(cls, fields[key], value, join_path(path, key), problems, notes)
         if value is not INVALID:
             kwargs[key] = value
     missing = [name for name, f in fields.items() if name not in kwargs and _is_required(f)]
@@ -287,12 +306,14 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
         return None
 
 
-def _build_value(cls: type, f: dataclasses.Field[Any], value: Any, path: str, problems: list[str]) -> Any:
+def _build_value(
+    cls: type, f: dataclasses.Field[Any], value: Any, path: str, problems: list[str], notes: list[str]
+) -> Any:
     """The validated value of one key (a built block for a nested block), or INVALID after appending its problem."""
     hint = type_hints(cls)[f.name]
     block, optional = split_optional(hint)
     if is_block_type(block) and not (value is None and optional):
-        built = _build(block, value, path, problems)
+        built = _build(block, value, path, problems, notes)
         return INVALID if built is None else built
     value, problem = coerce_value(path, value, hint, f.metadata)
     if problem is not None:
@@ -311,11 +332,23 @@ def _is_required(f: dataclasses.Field[Any]) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
-def _unknown_key(path: str, key: Any, fields: Mapping[str, Any]) -> str:
-    full = join_path(path, str(key))
-    if full in UNSUPPORTED_DEEPSPEED_KEYS:
-        return f"unknown key '{full}': it is a DeepSpeed option accelerate_zero does not implement; remove it"
-    valid = sorted([*fields, *ALIASES.get(path, {})])
-    close = difflib.get_close_matches(str(key), valid, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return f"unknown key '{full}'{hint}: remove it or fix its spelling"
+def _unknown_key(
+    cls: type, path: str, key: str, value: Any, fields: Mapping[str, Any], problems: list[str], notes: list[str]
+) -> None:
+    """A key `cls` has no field for: an error in a block DeepSpeed validates strictly, else a note (or what
+    `NESTED_KEYS` says for a key DeepSpeed reads there)."""
+    full = join_path(path, key)
+    valid = [*fields, *ALIASES.get(path, {})]
+    entry = NESTED_KEYS.get(full)
+    if entry is not None and entry.treatment is Treatment.INERT:
+        notes.append(f"'{full}' is accepted and has no effect: {entry.reason}")
+    elif entry is not None:
+        assert entry.on is not None
+        problems.extend(
+            f"{switch} turns on a feature accelerate_zero does not have ({entry.reason}): remove the key"
+            for switch in entry.on(value)
+        )
+    elif getattr(cls, "_KEYS", KeyPolicy.OURS) is KeyPolicy.DEEPSPEED_DICT:
+        notes.append(unread_key_note(full, valid))
+    else:
+        problems.append(unknown_key_problem(path, key, valid))

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from accelerate_zero.config.blocks import EXPERT_PARALLEL_AUTO_KEYS
+from accelerate_zero.config.blocks import EXPERT_PARALLEL_AUTO_KEYS, Block, KeyPolicy
+from accelerate_zero.config.deepspeed_keys import report_notes
 from accelerate_zero.config.schema import (
     ZeroConfig,
     ZeroConfigError,
@@ -67,19 +68,20 @@ def resolve_config(config: ZeroConfig, *, world_size: int) -> ResolvedZeroConfig
 
     Raises:
         ZeroConfigError: listing every problem: unfilled "auto" values, batch sizes that do not multiply out,
-            parameter offload or partial optimizer offload below stage 3, NVMe offload without `nvme_path`.
+            parameter offload below stage 3, NVMe offload without `nvme_path`.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ZeroConfigError([f"world_size={world_size!r}: must be a positive integer (the data-parallel size)"])
     resolved = ZeroConfig.from_any(config.to_dict())  # a copy, re-validated if `config` was built in code
     _resolve_stage3_autos(resolved)
+    report_notes(_resolve_model_autos(resolved, ""))
     _resolve_expert_parallel_autos(resolved)
+    _resolve_sequence_parallel_dtype(resolved)
     problems = [
         *_resolve_autos(resolved),
         *_check_sequence_parallel(resolved, world_size),
         *_resolve_batch_sizes(resolved, data_parallel_ranks(resolved, world_size)),
         *_check_param_offload_stage(resolved),
-        *_check_partial_offload(resolved),
         *_check_nvme_paths(resolved),
         *_check_hierarchical(resolved, world_size),
         *_check_expert_parallel(resolved, world_size),
@@ -100,6 +102,32 @@ def _resolve_stage3_autos(config: ZeroConfig) -> None:
     for f in dataclasses.fields(ZeroOptimizationConfig):
         if f.name.startswith("stage3_") and is_auto(getattr(zero, f.name)):
             setattr(zero, f.name, f.default)
+
+
+def _resolve_model_autos(block: Block, path: str) -> list[str]:
+    """An "auto" nothing filled in a block DeepSpeed validates with a pydantic model takes the default, as there
+    (`DeepSpeedConfigModel` drops "auto" values: OpenRLHF writes `"sub_group_size": "auto"` and relies on it);
+    returns one note per key ([Note: DeepSpeed's config rule] in config/deepspeed_keys.py)."""
+    notes = []
+    for f in dataclasses.fields(block):  # type: ignore[arg-type]
+        value, key = getattr(block, f.name), f"{path}.{f.name}" if path else f.name
+        if isinstance(value, Block):
+            notes += _resolve_model_autos(value, key)
+        elif is_auto(value) and path and type(block)._KEYS is KeyPolicy.DEEPSPEED_MODEL:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(block, f.name, default)
+            notes.append(f'{key} is "auto" and nothing filled it: it takes the default {default!r}, as in DeepSpeed')
+    return notes
+
+
+def _resolve_sequence_parallel_dtype(config: ZeroConfig) -> None:
+    """DeepSpeed reduces gradients in `seq_parallel_communication_data_type` under sequence parallelism; the data
+    types' "auto" of DeepSpeed 0.19.8 (`keep_in_fp32_modules`) means the model's list, None here."""
+    if is_auto(config.data_types.keep_in_fp32_modules):
+        config.data_types.keep_in_fp32_modules = None
+    sp, dtype = config.sequence_parallel_size, config.seq_parallel_communication_data_type
+    if not is_auto(sp) and sp > 1 and dtype is not None and not is_auto(dtype):
+        config.communication_data_type = dtype
 
 
 def _resolve_autos(config: ZeroConfig) -> list[str]:
@@ -181,17 +209,6 @@ def _check_param_offload_stage(config: ZeroConfig) -> list[str]:
     return [
         f"zero_optimization.offload_param.device={zero.offload_param.device!r} needs zero_optimization.stage=3 "
         f"(got {zero.stage}): parameter offload only exists at stage 3; set stage to 3 or remove offload_param"
-    ]
-
-
-def _check_partial_offload(config: ZeroConfig) -> list[str]:
-    zero = config.zero_optimization
-    offload = zero.offload_optimizer
-    if offload is None or is_auto(offload.ratio) or offload.ratio >= 1 or is_auto(zero.stage) or zero.stage == 3:
-        return []
-    return [
-        f"zero_optimization.offload_optimizer.ratio={offload.ratio!r} with zero_optimization.stage={zero.stage}: "
-        "Partial offloading only supported for ZeRO Stage 3. Set ratio to 1.0 or stage to 3"
     ]
 
 
@@ -322,11 +339,6 @@ def _check_expert_parallel(config: ZeroConfig, world_size: int) -> list[str]:
         problems.append(
             "expert_parallel.enabled=true with zero_optimization.zero_quantized_gradients=true: the experts' gradients "
             "are reduced over their own ranks, which the two-level quantized reduce-scatter does not know; remove one"
-        )
-    if not is_auto(config.sequence_parallel_size) and config.sequence_parallel_size > 1:
-        problems.append(
-            f"expert_parallel.enabled=true with sequence_parallel_size={config.sequence_parallel_size}: the two are "
-            "not combined yet; remove one of them"
         )
     if ep.preset_model is not None and ep.preset_model not in EXPERT_PARALLEL_PRESETS:
         problems.append(

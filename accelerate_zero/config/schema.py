@@ -36,16 +36,17 @@ The blocks are in `config/blocks.py`; each validates and normalizes its own fiel
 500000000, "warn" -> "WARN"), from its annotations and the constraints in each field's metadata (`config/fields.py`).
 Key spelling and file reading are `config/loading.py`; the load-time rules between values are at the end of this
 module (`static_problems`, run by `ZeroConfig.from_any`), the run-time ones in `config/resolve.py`. The modules import
-one way: values <- fields <- blocks <- loading <- schema <- resolve.
+one way: values <- fields <- blocks (monitor_blocks) <- deepspeed_keys <- loading <- refusals <- schema <- resolve.
+[Note: DeepSpeed's config rule] (config/deepspeed_keys.py) says what happens to each key DeepSpeed knows.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from accelerate_zero.config.blocks import (
     DEFAULT_GRAD_ACCUM_DTYPE,
@@ -69,7 +70,17 @@ from accelerate_zero.config.blocks import (
     _f,
     default_overlap_comm,
 )
+from accelerate_zero.config.deepspeed_keys import library_problems
 from accelerate_zero.config.loading import auto_keys, filled_autos, load_config
+from accelerate_zero.config.monitor_blocks import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
+from accelerate_zero.config.refusals import REFUSED_FEATURES, RefusedFeature
 from accelerate_zero.config.values import AUTO, ZeroConfigError, is_auto, join_path
 
 
@@ -79,6 +90,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO",
+    "RefusedFeature",
     "ActivationCheckpointingConfig",
     "ExpertParallelConfig",
     "DEFAULT_GRAD_ACCUM_DTYPE",
@@ -145,6 +157,10 @@ class ZeroConfig(Block):
     """DeepSpeed requires its CPU Adam with optimizer offload; kept for compatibility."""
     communication_data_type: DataType | None = _f(None, case="lower")
     """Dtype of gradient communication; None means the gradient accumulation dtype (no cast copy)."""
+    seq_parallel_communication_data_type: DataType | None = _f(None, case="lower")
+    """With `sequence_parallel_size` > 1 DeepSpeed reduces gradients in this dtype (its default: fp32) instead of
+    `communication_data_type`; resolve_config does the same. None: the gradient accumulation dtype, fp32 unless
+    `data_types.grad_accum_dtype` says otherwise, as DeepSpeed's default."""
     prescale_gradients: bool = False
     """Divide gradients by the world size before (instead of after) reduction."""
     gradient_predivide_factor: float = _f(1.0, gt=0)
@@ -154,13 +170,32 @@ class ZeroConfig(Block):
     checkpoint: CheckpointConfig = _f(factory=CheckpointConfig)
     """Checkpoint options."""
     dataloader_drop_last: bool = False
-    """DeepSpeed's own dataloader option; `true` is refused."""
+    """`drop_last` of the loader `accelerate_zero.deepspeed.initialize(training_data=...)` builds
+    (`engine.deepspeed_io`), as in DeepSpeed; nothing else reads it (`accelerate_zero.initialize` takes no
+    `training_data`: set drop_last on your DataLoader)."""
     aio: AioConfig = _f(factory=AioConfig)
     """Asynchronous file IO for NVMe offload."""
     activation_checkpointing: ActivationCheckpointingConfig = _f(factory=ActivationCheckpointingConfig)
     """DeepSpeed's activation checkpointing block: `cpu_checkpointing` keeps what backward needs in host memory."""
     expert_parallel: ExpertParallelConfig = _f(factory=ExpertParallelConfig)
     """DeepSpeed's AutoEP block: each MoE layer's experts split over `autoep_size` ranks (accelerate_zero/engine/experts)."""
+    tensorboard: TensorBoardConfig = _f(factory=TensorBoardConfig)
+    """The engine's events as TensorBoard scalars (accelerate_zero/monitor)."""
+    wandb: WandbConfig = _f(factory=WandbConfig)
+    """The engine's events logged to Weights & Biases (needs wandb)."""
+    csv_monitor: CSVMonitorConfig = _f(factory=CSVMonitorConfig)
+    """The engine's events as CSV files."""
+    comet: CometConfig = _f(factory=CometConfig)
+    """The engine's events logged to Comet (needs comet_ml)."""
+    comms_logger: CommsLoggerConfig = _f(factory=CommsLoggerConfig)
+    """Counts, sizes and times of the engine's collectives."""
+    flops_profiler: FlopsProfilerConfig = _f(factory=FlopsProfilerConfig)
+    """The model's floating-point operations, measured at one step."""
+
+    notes: ClassVar[tuple[str, ...]] = ()
+    """What `from_any` accepted without using it (keys DeepSpeed ignores too, blocks that are off), one line each
+    ([Note: DeepSpeed's config rule] in config/deepspeed_keys.py); not part of the config (`to_dict` leaves it
+    out)."""
 
     @classmethod
     def from_any(cls, source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
@@ -205,135 +240,6 @@ class ZeroConfig(Block):
 
 # ---- load-time rules between values ---------------------------------------------------------------------------
 
-
-class RefusedFeature(NamedTuple):
-    """A DeepSpeed option accelerate_zero will never implement: only `default` (or what `accepts` allows) passes."""
-
-    default: Any
-    reason: str
-    accepts: Callable[[Any], bool] | None = None
-
-
-_NOT_IMPLEMENTED = "is a DeepSpeed feature accelerate_zero does not implement"
-_FP32_MASTER = "accelerate_zero always keeps fp32 master weights, gradients and optimizer states"
-_NO_PATCH = "accelerate_zero never patches nn.Module"
-
-_OWN_ROUTER = "the router, its top-k and scores stay the model's (set them in the model's config)"
-_OWN_EXPERTS = "the model's own experts module runs on each rank's experts (transformers' experts_implementation)"
-_BY_STRUCTURE = "MoE layers are found by structure (fused 3-D expert parameters), not by name patterns"
-
-
-def _expert_parallel_refusals() -> dict[str, RefusedFeature]:
-    """`expert_parallel` keys that configure DeepSpeed's AutoEP modules rather than the split itself."""
-
-    def auto(value: Any) -> bool:
-        return value is None or value == "auto"
-
-    reasons = {
-        "expert_tensor_parallel_size": (1, "accelerate_zero has no tensor parallelism"),
-        "validate_folding_routing": (
-            False,
-            "it checks AutoEP+AutoTP folding; accelerate_zero has no tensor parallelism",
-        ),
-        "async_split_plan": (False, "it overlaps DeepSpeed's own split planning; " + _OWN_EXPERTS),
-        "moe_layer_pattern": (None, _BY_STRUCTURE),
-        "expert_pattern": (None, _BY_STRUCTURE),
-        "router_pattern": (None, _BY_STRUCTURE),
-        "use_grouped_mm": (True, _OWN_EXPERTS),
-        "route_norm": (None, _OWN_ROUTER),
-        "route_scale": (1.0, _OWN_ROUTER),
-        "gate_up_impl": ("separate", _OWN_EXPERTS),
-        "comm_backend": ("comm", "tokens travel with torch.distributed's all-to-all; DeepEP is not used"),
-        "comm_num_sm": (12, "it sizes DeepEP, which is not used"),
-        "comm_qp_margin": (4, "it sizes DeepEP, which is not used"),
-        "comm_max_tokens_per_rank": (0, "it sizes DeepEP, which is not used"),
-        "num_expert_groups": (None, _OWN_ROUTER),
-        "num_limited_groups": (None, _OWN_ROUTER),
-        "load_balance_coeff": (None, "the load-balancing loss stays the model's (router_aux_loss_coef)"),
-        "expert_w1": (None, _BY_STRUCTURE),
-        "expert_w2": (None, _BY_STRUCTURE),
-        "expert_w3": (None, _BY_STRUCTURE),
-        "num_experts_attr": (None, _BY_STRUCTURE),
-        "top_k_attr": (None, _BY_STRUCTURE),
-        "has_shared_experts": (None, _BY_STRUCTURE + "; shared experts stay dense, sharded like the rest"),
-        "shared_experts_pattern": (None, _BY_STRUCTURE),
-        "shared_experts_gate_pattern": (None, _BY_STRUCTURE),
-        "expert_activation": (None, _OWN_EXPERTS),
-    }
-    refused = {f"expert_parallel.{key}": RefusedFeature(*value) for key, value in reasons.items()}
-    for key, reason in (("score_apply", _OWN_ROUTER), ("combine_impl", _OWN_EXPERTS),
-                        ("row_weighting_impl", _OWN_EXPERTS), ("score_func", _OWN_ROUTER), ("top_k", _OWN_ROUTER),
-                        ("routed_scaling_factor", _OWN_ROUTER)):  # fmt: skip
-        refused[f"expert_parallel.{key}"] = RefusedFeature("auto", reason, accepts=auto)
-    return refused
-
-
-REFUSED_FEATURES: dict[str, RefusedFeature] = {
-    "zero_optimization.legacy_stage1": RefusedFeature(False, "DeepSpeed removed the legacy stage 1; use stage 1"),
-    "zero_optimization.zero_quantized_nontrainable_weights": RefusedFeature(
-        False, f"quantized storage of frozen weights {_NOT_IMPLEMENTED}"
-    ),
-    "zero_optimization.zeropp_loco_param": RefusedFeature(None, f"LoCo-ZeRO++ {_NOT_IMPLEMENTED}"),
-    "zero_optimization.mics_hierarchical_params_gather": RefusedFeature(
-        False,
-        "MiCS's two-level gather for shard groups that span nodes is not implemented (mics_shard_size is: keep a "
-        "shard group within a node, where the gather is one collective)",
-    ),
-    "zero_optimization.zenflow": RefusedFeature(
-        None,
-        f"ZenFlow {_NOT_IMPLEMENTED}: it applies most gradients asynchronously, steps late, so training departs from "
-        "the exact step; offload_optimizer.device cpu runs the exact step",
-    ),
-    "zero_optimization.elastic_checkpoint": RefusedFeature(
-        False, "DeepSpeed's legacy elastic checkpoints are not implemented (use universal checkpoints)"
-    ),
-    "zero_optimization.use_multi_rank_bucket_allreduce": RefusedFeature(
-        True, "accelerate_zero reduces gradients with a real reduce-scatter"
-    ),
-    "zero_optimization.memory_efficient_linear": RefusedFeature(True, _NO_PATCH),
-    "zero_optimization.override_module_apply": RefusedFeature(True, _NO_PATCH),
-    "zero_optimization.offload_optimizer.super_offload": RefusedFeature(
-        False,
-        f"SuperOffload (DeepSpeed's stage 3 for Superchips: a speculative host step, GraceAdam) {_NOT_IMPLEMENTED}; "
-        "offload_optimizer.device cpu steps on the rank's cores, cpuadam_cores_perc sets their share",
-    ),
-    "fp16.fp16_master_weights_and_grads": RefusedFeature(False, _FP32_MASTER),
-    "bf16.bf16_master_weights_and_grads": RefusedFeature(False, _FP32_MASTER),
-    "bf16.bf16_optimizer_states": RefusedFeature(False, _FP32_MASTER),
-    "bf16.immediate_grad_update": RefusedFeature(
-        True, "accelerate_zero always accumulates gradients as they are produced"
-    ),
-    "dataloader_drop_last": RefusedFeature(
-        False, "accelerate_zero.initialize takes no training_data; set drop_last on your DataLoader"
-    ),
-    # DeepSpeed reads the keys below only inside its own `deepspeed.checkpointing.checkpoint`; here the model's
-    # gradient checkpointing (transformers' `gradient_checkpointing_enable`) checkpoints the layers.
-    "activation_checkpointing.partition_activations": RefusedFeature(
-        False,
-        "it splits each checkpoint across tensor-model-parallel ranks and accelerate_zero has no tensor "
-        "parallelism; Ulysses (sequence_parallel_size) already splits every activation along the sequence, and "
-        "cpu_checkpointing moves the checkpoints to host memory",
-    ),
-    "activation_checkpointing.contiguous_memory_optimization": RefusedFeature(
-        False, "DeepSpeed allows it only with partition_activations, which is refused"
-    ),
-    "activation_checkpointing.number_checkpoints": RefusedFeature(
-        None, "it only sizes contiguous_memory_optimization's buffer, which is refused"
-    ),
-    "activation_checkpointing.synchronize_checkpoint_boundary": RefusedFeature(
-        False,
-        "it synchronizes the device around each layer of DeepSpeed's own checkpoint function, which accelerate_zero "
-        "does not run; to serialize CUDA work while debugging, run with CUDA_LAUNCH_BLOCKING=1",
-    ),
-    "activation_checkpointing.profile": RefusedFeature(
-        False,
-        "it times each layer of DeepSpeed's own checkpoint function, which accelerate_zero does not run; use "
-        "wall_clock_breakdown or torch.profiler",
-    ),
-    **_expert_parallel_refusals(),
-}
-"""Key path -> the accepted value and why anything else is refused. Extend it to refuse another DeepSpeed option."""
-
 _MISSING = object()
 
 
@@ -342,6 +248,9 @@ def static_problems(config: ZeroConfig) -> list[str]:
     return [
         *_refused_problems(config),
         *_precision_problems(config),
+        *_param_dtype_problems(config),
+        *library_problems({name: module for name, module in (("wandb", "wandb"), ("comet", "comet_ml"),
+                           ("tensorboard", "tensorboard")) if getattr(config, name).enabled is True}),  # fmt: skip
         *_loss_scale_problems(config),
         *_parallel_write_problems(config),
         *_optimizer_block_problems(config),
@@ -375,6 +284,21 @@ def _precision_problems(config: ZeroConfig) -> list[str]:
             "set one of them to false"
         ]
     return []
+
+
+def _param_dtype_problems(config: ZeroConfig) -> list[str]:
+    """DeepSpeed 0.19.8's `_assert_valid_mixed_precision_config`: `data_types.param_dtype` names the enabled one."""
+    wanted = config.data_types.param_dtype
+    fp16, bf16 = config.fp16.enabled, config.bf16.enabled
+    if wanted is None or is_auto(wanted) or is_auto(fp16) or is_auto(bf16):
+        return []
+    model = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    if wanted == model:
+        return []
+    return [
+        f"data_types.param_dtype={wanted!r} conflicts with the enabled precision mode (model dtype {model}): set the "
+        f"matching fp16/bf16 'enabled' flag or omit data_types.param_dtype"
+    ]
 
 
 def _loss_scale_problems(config: ZeroConfig) -> list[str]:

@@ -60,6 +60,7 @@ a = attention heads, V = vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Sequence
@@ -68,6 +69,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from accelerate_zero.config.schema import DEFAULT_GRAD_ACCUM_DTYPE, ZeroOptimizationConfig, default_overlap_comm
+from accelerate_zero.debug.estimate_optimizers import OPTIMIZERS, owner_layout
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 
@@ -96,23 +98,6 @@ LADDER = (
 """Cheapest first: lower stages communicate less (stage 2 before stage 3), and offload only when nothing fits
 without it (PCIe is far slower than GPU memory), parameters last."""
 
-
-@dataclass(frozen=True)
-class OptimizerStates:
-    per_element: int
-    """fp32 tensors the size of each optimizer tensor (Adam: exp_avg and exp_avg_sq)."""
-    scalars: int
-    """4-byte scalar tensors per optimizer tensor (torch's `step`)."""
-
-
-OPTIMIZERS = {
-    "adamw": OptimizerStates(per_element=2, scalars=1),
-    "adam": OptimizerStates(per_element=2, scalars=1),
-    "sgd": OptimizerStates(per_element=0, scalars=0),
-    "sgd_momentum": OptimizerStates(per_element=1, scalars=0),
-    "adagrad": OptimizerStates(per_element=1, scalars=1),
-}
-"""State per parameter of the torch optimizers (`torch.optim.SGD` without momentum keeps none)."""
 
 _DTYPE_BYTES = {"no": 4, "fp32": 4, "fp16": 2, "bf16": 2}
 _MAX_PIECES = 4096
@@ -297,6 +282,9 @@ class _Held:
     """Stage 3: peak transient elements of gathered units."""
     largest_shard: int = 0
     """Stage 3: elements of the largest unit shard (NVMe gradient slices in flight are this size)."""
+    owner: tuple[int, int, int] | None = None
+    """Whole-tensor optimizers: (elements this rank owns, their state bytes, step buffer bytes); [Note: what the
+    owner layout holds, per rank] in debug/estimate_optimizers.py."""
 
 
 def _largest(numels: Sequence[int], count: int) -> int:
@@ -371,7 +359,7 @@ def is_applicable(stage: int, offload: str) -> bool:
 
 
 def estimate_stage(
-    model: ModelShapes, setup: TrainingSetup, stage: int, offload: str = "none", *, rank: int = 0
+    model: ModelShapes, setup: TrainingSetup, stage: int, offload: str = "none", *, rank: int | None = None
 ) -> MemoryEstimate:
     """Bytes `rank` would hold at `stage` with `offload` (see the notes in this module).
 
@@ -380,7 +368,8 @@ def estimate_stage(
         setup: world size, precision, optimizer and ZeRO knobs.
         stage: 0, 1, 2 or 3.
         offload: one of `OFFLOAD_MODES`.
-        rank: ranks differ only by where the padding falls (a few elements).
+        rank: the rank to count; None: the one holding most (for flat shards ranks differ only by where the padding
+            falls, so rank 0; for whole parameters on owners, the most loaded owner).
 
     Returns:
         GPU, CPU RAM and NVMe bytes per kind for this rank.
@@ -390,9 +379,19 @@ def estimate_stage(
     """
     if not is_applicable(stage, offload):
         raise ValueError(f"no estimate for {stage=} with {offload=}: see is_applicable()")
-    if not 0 <= rank < setup.world_size:
+    if rank is not None and not 0 <= rank < setup.world_size:
         raise ValueError(f"rank must be in [0, {setup.world_size}), got {rank=}")
+    layout = None
+    if OPTIMIZERS[setup.optimizer].whole_tensors:
+        args = (model.shapes, model.units, model.persistent, stage, setup.world_size, setup.zero.reduce_bucket_size)
+        layout = owner_layout(*args, setup.optimizer)
+    if rank is None:
+        rank = 0 if layout is None else layout.heaviest
     held = _held_stage3(model, setup, rank) if stage == 3 else _held_stages_012(model, setup, stage)
+    if layout is not None:
+        moved = layout.moved[rank] + layout.received(rank)  # each way: gradients (g bytes), values (c bytes)
+        buffers = layout.assembled[rank] * 4 + moved * (setup.grad_bytes + setup.compute_bytes)
+        held = dataclasses.replace(held, owner=(layout.owned[rank], layout.state_bytes[rank], buffers))
     return _to_bytes(held, setup, stage, offload)
 
 
@@ -410,13 +409,18 @@ def _to_bytes(held: _Held, setup: TrainingSetup, stage: int, offload: str) -> Me
         "gathered_parameters": held.gathered * c,
     }
     optimizer_bytes = held.state_elements * 4 * states.per_element + held.state_tensors * 4 * states.scalars
+    masters = held.shard
+    if held.owner is not None:  # whole parameters on owners: their own fp32 masters, even in fp32 training
+        masters, optimizer_bytes = held.owner[0], held.owner[1]
+        device["master_weights"] = 0 if offload_optimizer else masters * 4
+        device["communication_buffers"] += held.owner[2]
     host = dict.fromkeys(MODEL_STATE_KINDS, 0)
     nvme = dict.fromkeys(MODEL_STATE_KINDS, 0)
     if not offload_optimizer:
         device["optimizer_states"] = optimizer_bytes
     else:
         target = nvme if offload == "nvme" else host
-        target["master_weights"] = held.shard * 4
+        target["master_weights"] = masters * 4
         target["optimizer_states"] = optimizer_bytes
         target["gradients"] = held.shard * 4  # the fp32 gradient slice the CPU optimizer steps
         if offload == "nvme":

@@ -40,7 +40,7 @@ from accelerate_zero.debug.estimate import (
     TrainingSetup,
     estimate_stage,
 )
-from accelerate_zero.engine.experts.blocks import find_expert_layers
+from accelerate_zero.engine.experts.blocks import ExpertLayer, find_expert_layers
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 
 
@@ -61,6 +61,10 @@ class ExpertShapes:
     """Elements of every expert of every layer (the whole model's experts)."""
     layers: tuple[tuple[str, int], ...]
     """(qualified name, experts) of each split layer."""
+    top_k: int = 0
+    """Experts each token is routed to (rows per token each all-to-all moves); 0: unknown."""
+    hidden: int = 0
+    """Width of a token's row in the all-to-alls (the model's hidden size); 0: unknown."""
 
     @property
     def local_numel(self) -> int:
@@ -97,7 +101,7 @@ def expert_shapes_from_module(
             + (f" and {len(uneven) - 1} more layers" if len(uneven) > 1 else "")
             + f": use a divisor of {layers[0].num_experts}"
         )
-    experts = [getattr(layer.module, name) for layer in layers for name in layer.param_names]
+    experts = [param for layer in layers for param in layer.params()]
     split = {id(p) for p in experts}
     zero = zero if zero is not None else ZeroOptimizationConfig()
     leaf = zero.leaf_module
@@ -124,7 +128,24 @@ def expert_shapes_from_module(
         local_experts=local,
         expert_numel=sum(p.numel() for p in experts),
         layers=tuple((layer.name, layer.num_experts) for layer in layers),
+        top_k=_routed_per_token(model, layers[0]),
+        hidden=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0),
     )
+
+
+def _routed_per_token(model: nn.Module, layer: ExpertLayer) -> int:
+    """The top-k of a layer's router: the block's or its router's `top_k`, else the config's name for it."""
+    block = model.get_submodule(layer.name.rpartition(".")[0]) if "." in layer.name else model
+    for module in block.modules():
+        top_k = getattr(module, "top_k", None)
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0:
+            return top_k
+    config = getattr(model, "config", None)
+    for key in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
 
 
 def estimate_expert_parallel(
@@ -232,13 +253,72 @@ def for_estimate(ep: int | None, loaded: Any, setup: TrainingSetup, offload: str
         raise ValueError(str(error)) from error
 
 
-def notes(model: ExpertShapes | None) -> list[str]:
-    """What the estimate's notes say about expert parallelism."""
+def notes(model: ExpertShapes | None, setup: TrainingSetup | None = None, tokens: int | None = None) -> list[str]:
+    """What the estimate's notes say about expert parallelism (with `setup` and `tokens` per GPU and micro-step:
+    whether it moves fewer bytes than flat stage 3, [Note: expert bytes against flat stage 3])."""
     if model is None:
         return []
     experts, layers = model.layers[0][1], len(model.layers)
-    return [
+    out = [
         f"expert parallelism {model.ep}: each GPU holds {experts // model.ep} of the {experts} experts of each of "
         f"{layers} MoE layers, whole (1/ep of the experts, not 1/W); their gradients, master weights and optimizer "
         "states are partitioned over the GPUs holding the same experts. Stages 1-3 without offload only."
     ]
+    if setup is not None and tokens is not None and model.top_k and model.hidden:
+        out.append(traffic_note(model, setup, tokens))
+    return out
+
+
+# [Note: expert bytes against flat stage 3]
+# Per GPU and micro-step, counted as engine/collectives.py counts them (payload x (g - 1)/g over g ranks; an
+# all-to-all: the rows that leave the rank), X the experts' elements, W GPUs, L MoE layers, T tokens per GPU, k
+# experts per token, H the hidden size, c / g the compute / gradient dtype's bytes, P = W / ep peers:
+# - flat stage 3 gathers every expert once in forward (DeepSpeed's default reuse distance keeps it to backward) and
+#   reduce-scatters its gradient: X (c + g) (W - 1) / W;
+# - expert parallelism sends each (token, expert) row to its expert's rank and back, and both again in backward:
+#   4 L T k H c (ep - 1) / ep; over the peers it reduce-scatters the local experts' gradients, X / ep g (P - 1)/P,
+#   and all-gathers the updated experts after the step, X / ep c (P - 1) / P (counted here at accumulation 1: it
+#   runs once per optimizer step, so accumulation divides it).
+# The all-to-alls grow with T and flat stage 3's bytes do not: expert parallelism moves fewer bytes below the token
+# count where the two meet, and more above it (it still gathers no expert: the peak holds no gathered expert). The
+# bench (bench/expert_parallel.py, bench/README.md) measured 42.01 MB against 75.50 (0.556) at ep 2, W 4 and 1,024
+# tokens; this formula gives 41.94 against 75.50. It assumes tokens routed uniformly ((ep - 1)/ep of the rows leave
+# the rank): the bench's router at ep 4 sent 8% more rows away than that.
+def micro_step_bytes(model: ExpertShapes, setup: TrainingSetup, tokens: int) -> dict[str, float]:
+    """The experts' bytes per GPU and micro-step with expert parallelism and at flat stage 3 ([Note: expert bytes
+    against flat stage 3]), the tokens per GPU and micro-step at which they are equal (`crossover_tokens`), and up to
+    which expert parallelism moves at most 1/ep of flat stage 3's (`one_ep_th_tokens`)."""
+    world, ep, layers = setup.world_size, model.ep, len(model.layers)
+    c, g = setup.compute_bytes, setup.comm_bytes
+    peers = world // ep
+    flat = model.expert_numel * (c + g) * (world - 1) / world
+    per_token = 4 * layers * model.top_k * model.hidden * c * (ep - 1) / ep
+    peers_bytes = model.expert_numel / ep * (g + c) * (peers - 1) / peers
+    crossover = (flat - peers_bytes) / per_token if per_token else math.inf
+    within_goal = (flat / ep - peers_bytes) / per_token if per_token else math.inf
+    return {
+        "expert_parallel": per_token * tokens + peers_bytes,
+        "flat_stage3": flat,
+        "crossover_tokens": crossover,
+        "one_ep_th_tokens": max(within_goal, 0.0),
+    }
+
+
+def traffic_note(model: ExpertShapes, setup: TrainingSetup, tokens: int) -> str:
+    """The estimate's line telling which of expert parallelism and flat stage 3 moves fewer expert bytes."""
+    counted = micro_step_bytes(model, setup, tokens)
+    ours, flat, crossover = counted["expert_parallel"], counted["flat_stage3"], counted["crossover_tokens"]
+    goal = counted["one_ep_th_tokens"]
+    fewer = "fewer" if ours < flat else "more"
+    choice = (
+        "expert parallelism moves fewer bytes"
+        if ours < flat
+        else "flat stage 3 (no --expert_parallel) moves fewer bytes; expert parallelism still gathers no expert"
+    )
+    return (
+        f"expert bytes per GPU and micro-step at {tokens} tokens per GPU (--micro_batch x --seq_len): expert "
+        f"parallelism {model.ep} moves {ours / 2**20:.1f} MiB (token all-to-alls, the peers' gradient "
+        f"reduce-scatter and after-step gather at accumulation 1), {fewer} than flat stage 3's {flat / 2**20:.1f} MiB (expert gathers and gradient "
+        f"reduce-scatters), {ours / flat:.2f}x; they meet at about {crossover:.0f} tokens per GPU and micro-step "
+        f"(1/ep of flat stage 3's up to about {goal:.0f}): here {choice}."
+    )

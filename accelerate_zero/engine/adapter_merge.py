@@ -83,11 +83,14 @@ def _is_attention(layer: nn.Module) -> bool:
 
 
 def _lora_delta(layer: nn.Module) -> Merge:
+    # A split layer's experts are merged whole ([Note: LoRA on split experts] in engine/experts/adapters.py).
+    delta_of = getattr(layer, "whole_delta_weight", layer.get_delta_weight)
+
     def merge(base: torch.Tensor) -> torch.Tensor:
         merged = base.to(torch.float32, copy=True)  # never an alias of the gathered weight (fp32 training)
         for adapter in layer.active_adapters:
             if adapter in layer.lora_A or adapter in layer.lora_embedding_A:
-                merged += layer.get_delta_weight(adapter).float().to(merged.device)
+                merged += delta_of(adapter).float().to(merged.device)
         return merged.to(base.dtype)
 
     return merge

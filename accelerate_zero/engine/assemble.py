@@ -48,6 +48,7 @@ from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
+from accelerate_zero.engine.step_layout import owned_step_for, choose_step_layout
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.offload.host_threads import HostThreads, host_threads_for
@@ -55,8 +56,8 @@ from accelerate_zero.offload.nvme import NvmeSwapper, check_nvme_path
 from accelerate_zero.offload.nvme_grads import NvmeGradStore
 from accelerate_zero.offload.nvme_params import NvmeParamStore
 from accelerate_zero.offload.pipelined_step import PipelinedHostStep
-from accelerate_zero.offload.policy import OffloadPolicy, offload_masters, offload_policy, use_fused_cpu_step
-from accelerate_zero.optim.fused import prefer_fused_step
+from accelerate_zero.offload.policy import OffloadPolicy, offload_masters, offload_policy
+from accelerate_zero.optim.fused import choose_fused_kernels
 
 
 _MODE_BY_STAGE = {0: ReduceMode.ALL_REDUCE, 1: ReduceMode.SCATTER_IN_PLACE, 2: ReduceMode.SCATTER_TO_SHARD}
@@ -168,6 +169,7 @@ class _Assembly:
         comm_dtype = dtype_from_name(config.communication_data_type) or grad_dtype
         dtypes = DtypePlan(config.compute_dtype, grad_dtype, comm_dtype)
         trainable, experts = partition.split_trainable(trainable_param_groups(self.module, optimizer), self.experts)
+        self.step_layout = layout = choose_step_layout(optimizer, trainable, config)  # may refuse the optimizer
         if self.offload.optimizer:
             # Gradients go to host memory as each bucket is reduced: no device gradient shard is kept.
             zero = dataclasses.replace(zero, contiguous_gradients=False)
@@ -183,18 +185,18 @@ class _Assembly:
             self.groups, buckets, locations, slices, on_complete = partition.with_expert_groups(
                 self.module, self.groups, buckets, slices, on_complete, self.expert_groups
             )
+        slices, held = layout.split(slices)  # the whole-tensor groups are stepped by their owners
         if self.offload.optimizer:
             # [Note: no device masters under optimizer offload]
             # The fp32 masters live in host memory only: the slices were cut with the parameters as their masters
             # (no fp32 copy of the shard on the device, 4 bytes per parameter / W that would only be copied out and
             # dropped), and here each gets its host master, cast from the parameters one slice at a time.
             slices = offload_masters(slices, self.offload, self._slice_values, self.host_memory)
-            use_fused_cpu_step(optimizer, config.zero_force_ds_cpu_optimizer)
-        else:
-            prefer_fused_step(optimizer, [s.master for group in slices for s in group])
+        choose_fused_kernels(optimizer, [s.master for group in slices for s in group], self.offload.optimizer)
         step_runner = self._nvme_optimizer(slices, zero)
         reducer = self._build_reducer(buckets, locations, on_complete)
         reducer.register_hooks()
+        self.owned = owned_step_for(layout, buckets, held, self.dp, self.stats, config, self.device, self.host_memory)
         sharded_optimizer = self._build_sharded_optimizer(optimizer, slices, step_runner, progress)
         sharded_optimizer.switch_param_groups()
         activations = None
@@ -282,7 +284,8 @@ class _Assembly:
             contiguous_gradients=zero.contiguous_gradients,
             kept_for=self._kept_for,
             scratch=self.scratch,
-            fp32_master=not self.offload.optimizer,  # [Note: no device masters under optimizer offload]
+            # [Note: no device masters under optimizer offload]; a whole-tensor group's masters are its owners'
+            fp32_master=not (self.offload.optimizer or self.step_layout.steps_any(params)),
         )
 
     # ---------------------------------------------------------------- stage 3
@@ -487,6 +490,7 @@ class _Assembly:
             step_runner=step_runner,
             shard_store=self.shard_store,
             host_threads=self._host_threads(),
+            owned=self.owned,  # engine/owned_step.py: the whole-tensor param groups
         )
 
     def _host_threads(self) -> HostThreads | None:

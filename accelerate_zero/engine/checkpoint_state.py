@@ -13,7 +13,7 @@ from torch import nn
 
 from accelerate_zero.engine.buckets import GradBucket
 from accelerate_zero.engine.loss_scaler import LossScaler
-from accelerate_zero.engine.shard_plan import BucketPlan
+from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
 from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
@@ -38,11 +38,23 @@ class ShardRange:
 @dataclass(frozen=True)
 class TrainableRange:
     """A run of this rank's trainable shard: its fp32 `master` values (loading writes into them, then
-    `CheckpointState.write_trainable`) and the optimizer state keyed by `master`."""
+    `CheckpointState.write_trainable`) and the optimizer state keyed by `master`. A parameter stepped whole
+    (engine/owned_step.py) is one range on its owner, its master in the parameter's shape (`whole`)."""
 
     range: ShardRange
     master: torch.Tensor
-    _slice: ShardSlice = field(repr=False)
+    _slice: ShardSlice | None = field(repr=False)
+    """None for a whole parameter: its holders' shards are written from the owners in `finish_load`."""
+
+    @property
+    def whole(self) -> bool:
+        """The range is a whole parameter whose optimizer state keeps its own shapes (saved as they are)."""
+        return self._slice is None
+
+    @property
+    def flat_master(self) -> torch.Tensor:
+        """`master` as one dimension (a view: writes reach the master)."""
+        return self.master.view(-1)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,11 @@ class CheckpointState:
         return self._sharded.optimizer
 
     @property
+    def steps_whole_parameters(self) -> bool:
+        """Some param groups step whole parameters on owner ranks (engine/owned_step.py)."""
+        return self._sharded.owned is not None
+
+    @property
     def loss_scaler(self) -> LossScaler | None:
         return self._sharded.loss_scaler
 
@@ -103,10 +120,21 @@ class CheckpointState:
         (under NVMe optimizer offload one sub-group at a time; `write_back`: changes go back to its file)."""
         for slices in self._sharded.resident_slices(write_back=write_back):
             yield [self._trainable(s) for s in slices]
+        owned = self._sharded.owned
+        if owned is not None and owned.mine:
+            yield [self._whole_range(each.bucket, each.param.slot, each.master) for each in owned.mine]
 
     def trainable_ranges(self) -> list[ShardRange]:
         """The element ranges of every trainable slice, without bringing masters or state into memory."""
-        return [self._trainable(s).range for s in self._sharded.slices]
+        owned = self._sharded.owned
+        mine = owned.mine if owned is not None else []
+        return [self._trainable(s).range for s in self._sharded.slices] + [
+            self._whole_range(each.bucket, each.param.slot, each.master).range for each in mine
+        ]
+
+    def _whole_range(self, bucket: GradBucket, slot: ParamSlot, master: torch.Tensor) -> TrainableRange:
+        lo = slot.offset
+        return TrainableRange(ShardRange(bucket.plan, bucket.params, lo, lo + slot.numel, self._offsets), master, None)
 
     def _trainable(self, shard_slice: ShardSlice) -> TrainableRange:
         bucket = shard_slice.bucket
@@ -117,8 +145,8 @@ class CheckpointState:
         return TrainableRange(shard_range, shard_slice.master, shard_slice)
 
     def write_trainable(self, ranges: list[TrainableRange]) -> None:
-        """Copies the masters of `ranges` into the parameters they train."""
-        self._sharded.write_params([r._slice for r in ranges])
+        """Copies the masters of `ranges` into the parameters they train (whole parameters: in `finish_load`)."""
+        self._sharded.write_params([r._slice for r in ranges if r._slice is not None])
 
     # ------------------------------------------------------------------ frozen
     def frozen_shards(self) -> list[FrozenShard]:
@@ -158,5 +186,7 @@ class CheckpointState:
 
     def finish_load(self) -> None:
         """After every range was written: files are current and the parameters show the loaded values."""
+        if self._sharded.owned is not None:
+            self._sharded.owned.write_values()  # every rank, whether it owns anything or not: an exchange
         self._store.flush()
         self._sharded.publish()

@@ -35,9 +35,10 @@ that crossed nodes (bench/README.md and tests/distributed/test_layouts.py compar
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,11 +63,26 @@ class CollectiveCount:
     """This rank's share of the bytes that crossed node boundaries ([Note: bytes between nodes])."""
 
 
+class CollectiveLog(Protocol):
+    """What times each collective (the config's `comms_logger`: accelerate_zero/monitor/comms.py)."""
+
+    def wants(self, kind: str) -> bool: ...
+
+    def add(self, kind: str, payload_bytes: int, seconds: float) -> None: ...
+
+
 @dataclass
 class CommStats:
-    """Bytes moved per collective kind since the last `reset()`."""
+    """Bytes moved per collective kind since the last `reset()`; with a `log`, the latency of each collective.
+
+    [Note: timing collectives] A collective's time is only known once it has completed: with a `log` that wants its
+    kind, each collective is waited for (and the device synchronized) right after it is issued, as DeepSpeed's
+    comms logger makes every op blocking. The engine then overlaps no communication: the times are the
+    collectives' own, the step is slower. Without a log nothing changes."""
 
     by_kind: dict[str, CollectiveCount] = field(default_factory=dict)
+    log: CollectiveLog | None = None
+    _issued: tuple[str, int, float] | None = None
 
     def record(self, kind: str, payload_bytes: int, ring_factor: float, between_nodes: float = 0.0) -> None:
         count = self.by_kind.setdefault(kind, CollectiveCount())
@@ -74,6 +90,8 @@ class CommStats:
         count.payload_bytes += payload_bytes
         count.bytes_per_rank += payload_bytes * ring_factor
         count.between_nodes_bytes += between_nodes
+        if self.log is not None and self.log.wants(kind):
+            self._issued = (kind, payload_bytes, time.perf_counter())
 
     def reset(self) -> None:
         self.by_kind.clear()
@@ -125,6 +143,20 @@ class Pending(NamedTuple):
             self.finish()
 
 
+def _timed(stats: CommStats, pending: Pending, tensor: torch.Tensor) -> Pending:
+    """`pending`, or, when the log times this collective, completed and timed ([Note: timing collectives])."""
+    if stats._issued is None:
+        return pending
+    kind, payload_bytes, start = stats._issued
+    stats._issued = None
+    pending.wait()
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    assert stats.log is not None
+    stats.log.add(kind, payload_bytes, time.perf_counter() - start)
+    return Pending(None)
+
+
 def _done_unless_async(pending: Pending, async_op: bool) -> Pending:
     """Our own algorithms always start asynchronously: a synchronous call completes here."""
     if async_op:
@@ -145,7 +177,7 @@ def all_reduce(
         return Pending(None)
     nbytes = _nbytes(tensor)
     stats.record(kind, nbytes, 2 * (dp.world_size - 1) / dp.world_size, between_nodes(dp, "all_reduce", nbytes))
-    return Pending(dist.all_reduce(tensor, group=dp.group, async_op=async_op))
+    return _timed(stats, Pending(dist.all_reduce(tensor, group=dp.group, async_op=async_op)), tensor)
 
 
 def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats) -> None:
@@ -157,6 +189,7 @@ def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats
         "all_reduce", nbytes, 2 * (dp.world_size - 1) / dp.world_size, between_nodes(dp, "all_reduce", nbytes)
     )
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=dp.group)
+    _timed(stats, Pending(None), tensor)
 
 
 def reduce_scatter(
@@ -182,8 +215,8 @@ def reduce_scatter(
     stats.record("reduce_scatter", nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "gather", nbytes))
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
         pending = _all_to_all_reduce_scatter(output, input, dp, scratch or ScratchBuffers(input.device, reuse=False))
-        return _done_unless_async(pending, async_op)
-    return Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op))
+        return _timed(stats, _done_unless_async(pending, async_op), output)
+    return _timed(stats, Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op)), output)
 
 
 # The received partial sums of one round of [Note: reduce-scatter on gloo], at most (4 MiB in fp32): a larger
@@ -253,8 +286,8 @@ def all_gather(
     nbytes = _nbytes(output)
     stats.record(kind, nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "gather", nbytes))
     if dp.backend == "gloo":
-        return _done_unless_async(_broadcast_all_gather(output, input, dp), async_op)
-    return Pending(_all_gather_single(output, input, group=dp.group, async_op=async_op))
+        return _timed(stats, _done_unless_async(_broadcast_all_gather(output, input, dp), async_op), output)
+    return _timed(stats, Pending(_all_gather_single(output, input, group=dp.group, async_op=async_op)), output)
 
 
 def _broadcast_all_gather(output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup) -> Pending:
@@ -288,6 +321,7 @@ def all_to_all(
     nbytes = _nbytes(input)
     stats.record(kind, nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "all_to_all", nbytes))
     dist.all_to_all_single(output, input, group=dp.group)
+    _timed(stats, Pending(None), output)
 
 
 def all_to_all_uneven(
@@ -309,6 +343,7 @@ def all_to_all_uneven(
     nbytes = (sum(send_counts) - send_counts[dp.rank]) * row_bytes  # what leaves this rank
     stats.record(kind, nbytes, 1.0, between_nodes(dp, "all_to_all", nbytes))
     dist.all_to_all_single(output, input.contiguous(), receive_counts, send_counts, group=dp.group)
+    _timed(stats, Pending(None), output)
     return output
 
 
@@ -321,7 +356,7 @@ def broadcast(
     nbytes = _nbytes(tensor)
     stats.record("broadcast", nbytes, 1.0, between_nodes(dp, "broadcast", nbytes, src_rank))
     src = src_rank if dp.group is None else dist.get_global_rank(dp.group, src_rank)
-    return Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op))
+    return _timed(stats, Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op)), tensor)
 
 
 def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataParallelGroup, stats: CommStats) -> None:
@@ -335,6 +370,7 @@ def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataPar
     stats.record("scatter", nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "scatter", nbytes))
     src = 0 if dp.group is None else dist.get_global_rank(dp.group, 0)
     dist.scatter(output, inputs if dp.rank == 0 else None, src=src, group=dp.group)
+    _timed(stats, Pending(None), output)
 
 
 def barrier(dp: DataParallelGroup) -> None:

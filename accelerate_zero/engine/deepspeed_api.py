@@ -10,6 +10,7 @@ a thin read of the engine's parts or a delegation to engine/sleep.py.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from accelerate_zero.checkpoint.async_save import wait_for_snapshots
-from accelerate_zero.config import ResolvedZeroConfig
+from accelerate_zero.config import ResolvedZeroConfig, data_parallel_ranks
 from accelerate_zero.engine.sleep import (
     OffloadDeviceEnum,
     OffloadStateTypeEnum,
@@ -41,6 +42,7 @@ class DeepSpeedEngineAPI:
     reducer: Any
     sharded_optimizer: Any
     sleeping: SleepingState
+    layout: Any
     _global_grad_norm: float | None
 
     # ------------------------------------------------------------- queries
@@ -68,6 +70,53 @@ class DeepSpeedEngineAPI:
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's `betas` (0.0 for a group without), as DeepSpeed's engine reports momentum."""
+        return [group.get("betas", 0.0) for group in self.optimizer.param_groups]
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.config.wall_clock_breakdown)
+
+    # ------------------------------------------------------------- ranks
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its node (`LOCAL_RANK`, which every launcher sets; 0 without one)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return self.layout.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks (the world over `sequence_parallel_size`: ranks sharing a sequence share batches)."""
+        return data_parallel_ranks(self.config, self.layout.world.world_size)
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (its batch's index)."""
+        if self.layout.sequence is not None:
+            raise NotImplementedError(
+                "get_data_parallel_rank() under sequence_parallel_size > 1: not available; the sequence-parallel "
+                "loaders of accelerate_zero.sequence give every rank of a group its share of the same batch"
+            )
+        return self.layout.world.rank
 
     def train(self, mode: bool = True) -> DeepSpeedEngineAPI:
         self.module.train(mode)

@@ -37,6 +37,7 @@ from accelerate_zero.engine.setup import (
     forward_input_dtype,
 )
 from accelerate_zero.engine.sleep import OffloadStateTypeEnum, SleepingState
+from accelerate_zero.engine.stage3.init_adoption import adopt_init_shards
 from accelerate_zero.engine.step_log import StepLog
 
 
@@ -52,6 +53,7 @@ def initialize(
     device: torch.device | str | None = None,
     process_group: dist.ProcessGroup | None = None,
     unit_classes: list[type[nn.Module] | str] | None = None,
+    engine_class: type[ZeroEngine] | None = None,
 ) -> ZeroEngine:
     """Shards `model`'s training state across the data-parallel ranks, as `deepspeed.initialize` does.
 
@@ -67,6 +69,7 @@ def initialize(
         process_group: the data-parallel group; default: torch's default group (created if needed).
         unit_classes: stage 3: the module classes (or class names) whose parameters are gathered together;
             default: `model._no_split_modules` for transformers models, else the root's children.
+        engine_class: a `ZeroEngine` subclass to build instead (accelerate_zero.deepspeed's engine).
 
     Returns:
         The engine: `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()`.
@@ -81,16 +84,10 @@ def initialize(
     resolved = resolve_config(ZeroConfig.from_any(config if config is not None else {}), world_size=world.world_size)
     check_implemented(resolved)
     plan = plan_from_config(resolved, node_layout_from_env(world.world_size))
+    adopt_init_shards(model, resolved, world, plan, device, unit_classes)  # a model built under zero.Init
     layout = build_sharding_layout(world, plan)
-    return ZeroEngine(
-        model,
-        optimizer,
-        resolved,
-        lr_scheduler,
-        layout=layout,
-        device=device,
-        unit_classes=unit_classes,
-    )
+    build = engine_class or ZeroEngine
+    return build(model, optimizer, resolved, lr_scheduler, layout=layout, device=device, unit_classes=unit_classes)
 
 
 _PARAMETERS = (OffloadStateTypeEnum.lp_params,)
@@ -168,7 +165,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """`activation_checkpointing.cpu_checkpointing`: what autograd saved in the forwards, kept in host memory
         (engine/activation_offload.py); None when off."""
         self.lr_scheduler = build_lr_scheduler_for(self.optimizer, lr_scheduler, config)
-        self.step_log = StepLog(config, rank=self.layout.world.rank, device=device)
+        self.step_log = StepLog(config, self.layout.world, device, self.comm_stats_counter)
         register_engine_params(self)
         self._expose_sleep_on_optimizer()
         self.comm_stats_counter.reset()
@@ -199,6 +196,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """
         self.sleeping.check_awake("backward")
         self.sharded_optimizer.settle()  # backward writes the gradients a host step in flight reads
+        self.step_log.record_loss(loss)  # the monitors' train_loss (nothing without a monitor)
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self.sharded_optimizer.loss_scaler is not None:
             scaled = scaled.float() * self.sharded_optimizer.loss_scaler.scale
@@ -243,7 +241,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 elif self.lr_scheduler is not None:
                     self.lr_scheduler.step()
                 self.global_steps += 1
-                self.step_log.after_step(self)
+            self.step_log.after_step(self)  # the step's time included
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -363,11 +361,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
             The checkpoint folder (with `async_save`, where it will be once published).
         """
         self.sleeping.check_awake("save_checkpoint()")
-        if self.experts is not None and checkpoint_format == "dcp":
-            raise NotImplementedError(
-                "checkpoint_format='dcp' with expert_parallel: DCP checkpoints of split experts are not written yet; "
-                "save the universal format (it loads at any expert-parallel size, or without expert parallelism)"
-            )
         return str(
             save_engine(
                 self,

@@ -86,8 +86,11 @@ def _stream(
             if id(param) in done:
                 continue
             value = whole(param)  # a split layer's experts: gathered whole on every rank of its group
-            if emit:
-                yield from _named(name, param, merges, merge_lora, dtype, value)
+            # Their LoRA adapters (whole, partitioned like any parameter at stage 3) merged into them whole.
+            adapters = engine.experts.adapter_parameters(param) if value is not None and merges else []
+            with GatheredParameters(adapters):
+                if emit:
+                    yield from _named(name, param, merges, merge_lora, dtype, value)
 
 
 def _unit_batches(engine: StreamedEngine, max_bytes: int | None) -> Iterator[list[nn.Parameter]]:

@@ -1,8 +1,9 @@
 """GatheredParameters: read full parameters, or write them from one rank, whatever the stage.
 
 DeepSpeed's `GatheredParameters(params, modifier_rank=None)` takes parameters only, so the engine that owns a
-parameter is found in a side table keyed by the parameter (weakly: it never keeps a model alive). This is the one
-module-level table of the package; nothing is attached to `nn.Parameter` objects.
+parameter is found in a side table keyed by the parameter (weakly: it never keeps a model alive); a parameter
+partitioned while its model was built, before any engine (zero.Init), is found in init_shards.py's table. Those are
+the package's two module-level tables; nothing is attached to `nn.Parameter` objects.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.layout import ShardingLayout
+from accelerate_zero.engine.stage3 import init_shards
+from accelerate_zero.engine.stage3.construction import PartitionedConstruction
 from accelerate_zero.engine.stage3.external import attach, find_unit, remember_registration
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
@@ -81,10 +84,12 @@ class GatheredParameters:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank, self.enabled = modifier_rank, enabled
         self._held: list[tuple[ZeroEngine, list[ParamUnit], list[bool]]] = []
+        self._constructed: list[nn.Parameter] = []  # partitioned at construction, gathered here
 
     def __enter__(self) -> None:
         if not self.enabled:
             return
+        self._constructed = _gather_constructed(self.params)
         for engine, params in _by_engine(self.params):
             units = units_of(engine, params)
             was_gathered = [unit.state is UnitState.GATHERED for unit in units]
@@ -96,6 +101,8 @@ class GatheredParameters:
             self._held.append((engine, units, was_gathered))
 
     def __exit__(self, *exc: Any) -> None:
+        constructed, self._constructed = self._constructed, []
+        _release_constructed(constructed, self.modifier_rank if exc[0] is None else None)
         held, self._held = self._held, []
         for engine, units, was_gathered in held:
             if self.modifier_rank is not None and exc[0] is None:
@@ -104,6 +111,27 @@ class GatheredParameters:
                 unit.holds -= 1
                 if not kept and unit.holds == 0:
                     unit.reshard()
+
+
+def _gather_constructed(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Gives the parameters partitioned at construction (zero.Init, no engine yet) their full values; returns them."""
+    gathered = []
+    with PartitionedConstruction.paused():
+        for param in params:
+            if init_shards.is_placeholder(param) and not any(param is g for g in gathered):
+                init_shards.restore(param, init_shards.gather(param))
+                gathered.append(param)
+    return gathered
+
+
+def _release_constructed(params: list[nn.Parameter], modifier_rank: int | None) -> None:
+    """Partitions them again; with a modifier, its values first reach every rank."""
+    with PartitionedConstruction.paused(), torch.no_grad():
+        for param in params:
+            record = init_shards.init_shard_of(param)
+            if modifier_rank is not None:
+                collectives.broadcast(param.data, modifier_rank, record.dp, record.stats)
+            init_shards.keep_slice_of(param, param.data)
 
 
 def _by_engine(params: list[nn.Parameter]) -> list[tuple[ZeroEngine, list[nn.Parameter]]]:

@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from accelerate_zero.config import ZeroConfig
+from accelerate_zero.offload.policy import use_fused_cpu_step
+from accelerate_zero.optim.chain import optimizers_in
 from accelerate_zero.optim.factory import build_lr_scheduler, build_optimizer
+from accelerate_zero.optim.kinds import describe
+from accelerate_zero.optim.muon import build_muon_with_adam, is_muon_block
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -37,43 +41,9 @@ def dtype_from_name(name: str | None) -> torch.dtype | None:
 
 
 def check_implemented(config: ZeroConfig) -> None:
-    """Refuses, by key, what the config asks for and this version cannot do yet; warns about keys that do nothing.
-
-    Raises:
-        NotImplementedError: naming the key, its value, and what to use instead.
-    """
-    zero = config.zero_optimization
-    problems = []
-    if zero.stage3_allgather_sequential:
-        problems.append("zero_optimization.stage3_allgather_sequential=true: units are always gathered flat")
-    if zero.stage3_module_granularity_threshold != 0:
-        problems.append(
-            f"zero_optimization.stage3_module_granularity_threshold={zero.stage3_module_granularity_threshold}: "
-            "not available; choose the gather units with initialize(unit_classes=...) or leaf_module"
-        )
-    if zero.pipeline_loading_checkpoint:
-        problems.append("zero_optimization.pipeline_loading_checkpoint=true: partitioned loading is not available yet")
-    if zero.offload_optimizer is not None and zero.offload_optimizer.ratio < 1.0:
-        problems.append(
-            f"zero_optimization.offload_optimizer.ratio={zero.offload_optimizer.ratio}: partial offload (part of the "
-            "optimizer step on the device) is not available, since memory accounting and offload_states would take "
-            "those device masters for host ones; remove the key to offload all of it, or remove offload_optimizer"
-        )
-    if not zero.load_from_fp32_weights:
-        problems.append(
-            "zero_optimization.load_from_fp32_weights=false: accelerate_zero checkpoints always restore the fp32 "
-            "master weights; remove the key"
-        )
-    default_checkpoint = type(config.checkpoint)()
-    for field in dataclasses.fields(config.checkpoint):
-        value = getattr(config.checkpoint, field.name)
-        # Our checkpoints are always universal (load_universal) and the tag is checked on save (tag_validation).
-        # `writer` is checked and read by config/checkpoint_writer.py.
-        implemented = ("load_universal", "tag_validation", "writer")
-        if value != getattr(default_checkpoint, field.name) and field.name not in implemented:
-            problems.append(f"checkpoint.{field.name}={value!r}: not available; remove the key")
-    if problems:
-        raise NotImplementedError("accelerate_zero cannot run this config yet:\n- " + "\n- ".join(problems))
+    """Warns about keys that do nothing at the config's stage. What this version cannot do is refused by
+    `ZeroConfig.from_any` (config/schema.py REFUSED_FEATURES, config/deepspeed_keys.py), so that
+    `accelerate-zero validate` and the launcher refuse it too."""
     _warn_inapplicable(config)
 
 
@@ -99,10 +69,11 @@ def trainable_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) 
     """The trainable parameters of each optimizer param group, checked against the model.
 
     Raises:
-        ValueError: an optimizer parameter is not in the model, or a trainable model parameter is in no group.
+        ValueError: an optimizer parameter is not in the model, is listed twice (in one group, in two groups, or in
+            two optimizers of a chain), or a trainable model parameter is in no group.
     """
     names = {param: name for name, param in module.named_parameters()}
-    groups, seen = [], set()
+    groups, seen, listed = [], set(), {}
     for index, group in enumerate(optimizer.param_groups):
         params = []
         for param in group["params"]:
@@ -112,6 +83,12 @@ def trainable_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) 
                     "parameter of the model passed to accelerate_zero.initialize: build the optimizer over "
                     "model.parameters()"
                 )
+            if param in listed:
+                raise ValueError(
+                    f"parameter {names[param]!r} is in optimizer param groups {listed[param]} and {index}: it would "
+                    "be stepped twice; list every parameter in exactly one group (of one optimizer of a chain)"
+                )
+            listed[param] = index
             if param.requires_grad:
                 params.append(param)
                 seen.add(param)
@@ -137,13 +114,21 @@ def build_optimizer_for(
     if optimizer is None:
         if config.optimizer is None:
             raise ValueError("no optimizer: pass one to accelerate_zero.initialize or add an optimizer block")
+        if is_muon_block(config.optimizer.type):
+            return build_muon_with_adam(module, config.optimizer.params)  # optim/muon.py: DeepSpeed's Muon block
         trainable = [p for p in module.parameters() if p.requires_grad]
         return build_optimizer([{"params": trainable}], config.optimizer.type, config.optimizer.params)
-    if not type(optimizer).__module__.startswith("torch.optim") and not config.zero_allow_untested_optimizer:
-        raise ValueError(
-            f"{type(optimizer).__module__}.{type(optimizer).__name__} is not one of torch.optim's optimizers: set "
-            '"zero_allow_untested_optimizer": true in the config to use it with ZeRO'
-        )
+    # zero_allow_untested_optimizer keeps DeepSpeed's meaning: it admits a class, and never chooses its step layout
+    # ([Note: which optimizers step flat shards] in optim/kinds.py).
+    for each in optimizers_in(optimizer):
+        if not type(each).__module__.startswith("torch.optim") and not config.zero_allow_untested_optimizer:
+            raise ValueError(
+                f"{describe(type(each))} is not one of torch.optim's optimizers: set "
+                '"zero_allow_untested_optimizer": true in the config to use it with ZeRO'
+            )
+        offload = config.zero_optimization.offload_optimizer
+        if offload is not None and offload.device != "none" and config.zero_force_ds_cpu_optimizer:
+            use_fused_cpu_step(each, force_fast=True)  # DeepSpeed refuses a client optimizer without a fast host step
     return optimizer
 
 

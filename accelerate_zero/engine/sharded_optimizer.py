@@ -21,11 +21,13 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.loss_scaler import LossScaler
+from accelerate_zero.engine.owned_step import OwnedTensors
 from accelerate_zero.engine.progress import raise_if_out_of_step, slots_with
 from accelerate_zero.engine.setup import constructor_state, has_constructor_state_only
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.step_in_flight import StepInFlight, overlap_enabled
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
+from accelerate_zero.optim.bitsandbytes import carry_overrides
 
 
 OPTIMIZER_STEP = "ZeRO::optimizer_step"
@@ -61,6 +63,7 @@ class ShardedOptimizer:
         step_runner: StepRunner | None = None,
         shard_store: ShardStore | None = None,
         host_threads: AbstractContextManager | None = None,
+        owned: OwnedTensors | None = None,
     ) -> None:
         """
         Args:
@@ -75,6 +78,8 @@ class ShardedOptimizer:
                 engine/stores.py); default: all in memory.
             shard_store: where stage-3 shards live; slices it `holds` are read and written through it.
             host_threads: entered around the step (offload/host_threads.py: the rank's cores for host work).
+            owned: the param groups stepped as whole tensors on their owners (engine/owned_step.py; their lists in
+                `slices_by_group` are empty); None: every group steps flat shards.
         """
         self.optimizer, self.slices_by_group, self.dp, self.stats = optimizer, slices_by_group, dp, stats
         self.sharded, self.gradient_clipping = sharded, gradient_clipping
@@ -85,12 +90,15 @@ class ShardedOptimizer:
         self.slices = [s for group in slices_by_group for s in group]
         self.step_runner = step_runner if step_runner is not None else StepsInMemory(self.slices)
         self.shard_store = shard_store if shard_store is not None else ShardsInMemory()
-        self.buckets = list({id(s.bucket): s.bucket for s in self.slices}.values())
+        held = [*(s.bucket for s in self.slices), *(owned.stepped_buckets() if owned is not None else [])]
+        self.buckets = list({id(bucket): bucket for bucket in held}.values())
+        """Every bucket with a gradient this optimizer steps: the global norm sums their shards."""
         self.host_threads = host_threads if host_threads is not None else contextlib.nullcontext()
         # The worker enters a context of its own: HostThreads remembers what to restore, per entry.
         self._worker_threads = copy.copy(host_threads)
         self.in_flight: StepInFlight | None = None
         """The host step on its worker thread, once the first step ran across the boundary."""
+        self.owned = owned
 
     def switch_param_groups(self) -> None:
         """Points the optimizer's param groups at the master slices."""
@@ -102,10 +110,15 @@ class ShardedOptimizer:
                 "optimizer; its state would belong to the unsharded parameters"
             )
         self.optimizer.state.clear()
-        for param_group, slices in zip(self.optimizer.param_groups, self.slices_by_group, strict=True):
-            param_group["params"] = [s.master for s in slices]
+        originals = [list(group["params"]) for group in self.optimizer.param_groups]
+        groups = zip(self.optimizer.param_groups, self.slices_by_group, strict=True)
+        for index, (param_group, slices) in enumerate(groups):
+            owned = self.owned.masters_of_group(index) if self.owned is not None else []
+            param_group["params"] = [s.master for s in slices] + owned
         if remake:
             self.optimizer.state.update(constructor_state(self.optimizer))
+        if self.owned is not None:
+            carry_overrides(self.optimizer, originals, self.owned.master_of_params())
 
     # -------------------------------------------------------------------- step
     def step(self, then: Callable[[], None] | None = None, gated: list[torch.Tensor] | None = None) -> StepOutcome:
@@ -122,13 +135,16 @@ class ShardedOptimizer:
                 if then is not None:
                     then()
                 return outcome
+            if self.owned is not None:  # whole tensors first, synchronously: their values are in the shards after
+                self.owned.step(self.optimizer, coefficient)
             flight = self._flight_for(gated or [])
             if flight is not None:
                 flight.step_direct(self, coefficient)  # what is read without the gate: published now
                 self.publish()  # stage 3: also drops gathered copies; the next gathers wait for their slices
                 flight.launch(self, coefficient, [then] if then is not None else [])
                 return outcome
-            self.step_runner.step(self, coefficient)
+            if self.slices:
+                self.step_runner.step(self, coefficient)
             self.shard_store.flush()
             self.publish()
         if then is not None:
@@ -239,6 +255,8 @@ class ShardedOptimizer:
         """Copies the parameter shards into the fp32 master weights (after parameters were overwritten)."""
         self.settle()
         self.copies.drain()
+        if self.owned is not None:
+            self.owned.refresh_masters()
         for slices in self.resident_slices(write_back=True):
             for shard_slice in slices:
                 if self.shard_store.holds(shard_slice):
@@ -256,5 +274,6 @@ class ShardedOptimizer:
         """Master weights and optimizer state tensors (for memory accounting)."""
         self.settle()  # the worker adds state on a first step
         masters = [s.master for s in self.slices if not s.aliased]
+        masters += self.owned.masters() if self.owned is not None else []
         states = [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         return {"master_weights": masters, "optimizer_states": states}

@@ -80,7 +80,9 @@ def training_state(engine: EngineState) -> dict[OffloadStateTypeEnum, list[torch
     """The engine's tensors of each kind on its device, as `memory_breakdown` counts them (`device_tensors`)."""
     device = device_tensors(engine)
     # every master, the views of the parameter shards (fp32 training) too: those move only with lp_params
-    masters = [] if engine.offload.optimizer else [s.master for s in engine.sharded_optimizer.slices]
+    owned = engine.sharded_optimizer.owned  # whole parameters' masters (engine/owned_step.py)
+    masters = [s.master for s in engine.sharded_optimizer.slices] + (owned.masters() if owned is not None else [])
+    masters = [] if engine.offload.optimizer else masters
     return {
         OffloadStateTypeEnum.lp_params: device["parameters"],
         OffloadStateTypeEnum.hp_params: masters,

@@ -4,9 +4,9 @@ A block is `{"type": NAME, "params": {...}}`. The `*_block_errors` functions che
 (so a config can be validated without a model) and report every problem at once; `build_*` construct the objects.
 
 Optimizer types follow DeepSpeed 0.19: "Adam" and "AdamW" build `torch.optim.AdamW` unless "Adam" has
-`adam_w_mode: false` (then `torch.optim.Adam`), "Adagrad" builds `torch.optim.Adagrad`, and any other name is a
-`torch.optim` class ("SGD", "RMSprop", ...). Optimizers that only exist inside DeepSpeed are refused with a
-torch alternative. Scheduler types are DeepSpeed's five (see `lr_schedules`) or a `torch.optim.lr_scheduler` class.
+`adam_w_mode: false` (then `torch.optim.Adam`), "Adagrad" builds `torch.optim.Adagrad`, "Muon" builds torch's Muon
+and AdamW as DeepSpeed's block does (optim/muon.py), and any other name is a `torch.optim` class ("SGD", ...).
+Optimizers that only exist inside DeepSpeed are refused with a torch alternative. Scheduler types are DeepSpeed's five (see `lr_schedules`) or a `torch.optim.lr_scheduler` class.
 Type names are matched case-insensitively: DeepSpeed does so for its own names, and no torch class differs from
 another only by case, so accepting "sgd" or "warmuplr" loses nothing.
 
@@ -29,6 +29,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from accelerate_zero.optim import lr_schedules
+from accelerate_zero.optim.kinds import refusal_of
+from accelerate_zero.optim.muon import is_muon_block, muon_block_errors
 
 
 AUTO = "auto"
@@ -57,8 +59,6 @@ _DEEPSPEED_ONLY_OPTIMIZERS: dict[str, str] = {
     "musgd": "DeepSpeed builds it from the `mup` package; use type 'SGD' (torch.optim.SGD), "
     "or pass a mup.MuSGD you built yourself as the optimizer",
     "lion": f"it needs DeepSpeed's compiled FusedLion / DeepSpeedCPULion ops and this torch has no Lion; {_USE_ADAMW}",
-    "muon": "DeepSpeed's Muon runs Muon on 2-D weights and an auxiliary Adam on the rest, which one torch optimizer "
-    "cannot express (torch.optim.Muon takes only 2-D parameters); use type 'AdamW', or pass your own optimizer",
 }
 
 _DEEPSPEED_SCHEDULERS: dict[str, type[LRScheduler]] = {
@@ -102,11 +102,16 @@ def optimizer_block_errors(type_name: str, params: Mapping[str, Any]) -> list[st
     refusal = _optimizer_refusal(type_name)
     if refusal is not None:
         return [f"optimizer type {type_name!r} is DeepSpeed-only: {refusal}"]
+    if is_muon_block(type_name):
+        return muon_block_errors(params)  # DeepSpeed's own keys, built by optim/muon.py
     cls = _optimizer_class(type_name, params)
     if cls is None:
-        names = {"Adam", "AdamW", *_torch_classes(torch.optim, Optimizer).values()}
-        known = sorted(name for name in names if _optimizer_refusal(name) is None)
+        names = {"Adam", "AdamW", "Muon", *_torch_classes(torch.optim, Optimizer).values()}
+        refused = {name for name in names if refusal_of(getattr(torch.optim, name, int)) is not None}
+        known = sorted(name for name in names - refused if _optimizer_refusal(name) is None)
         return [_unknown_type_message("optimizer", type_name, known)]
+    if refusal_of(cls) is not None:
+        return [f"optimizer type {type_name!r} cannot train under accelerate_zero: {refusal_of(cls)}; use AdamW"]
     errors = []
     if "max_grad_norm" in params:
         errors.append(MAX_GRAD_NORM_ERROR)
@@ -172,6 +177,11 @@ def build_optimizer(param_groups: Iterable[Any], type_name: str, params: Mapping
         ValueError: the block has problems (all of them are listed) or still holds "auto" values.
     """
     params = params or {}
+    if is_muon_block(type_name):
+        raise ValueError(
+            "optimizer type 'Muon' splits the model's parameters by name (DeepSpeed's rule): build it with "
+            "accelerate_zero.optim.muon.build_muon_with_adam(model, params); the engine does so for a config block"
+        )
     _raise_if_invalid("optimizer", optimizer_block_errors(type_name, params), params)
     kwargs = dict(params)
     if type_name.lower() in _ADAM_TYPES:

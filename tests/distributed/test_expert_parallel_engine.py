@@ -190,6 +190,8 @@ def test_expert_parallel_engine_equals_one_process(
 # weights equal the engine's whole weights at the save).
 RESUMES = [(2, 3, 4, 3), (2, 3, 1, 3), (2, 3, 2, 1), (2, 2, 4, 2), (2, 2, 1, 1)]
 """(ep, stage) saved -> (ep, stage) resumed."""
+DCP_RESUMES = [(2, 3, 4, 2), (2, 3, 1, 3)]
+"""The same through `checkpoint_format="dcp"` (each split expert at its range of the whole layer)."""
 
 
 def _config(ep: int, stage: int) -> dict[str, Any]:
@@ -233,6 +235,8 @@ def _resume(rank: int, world_size: int, folder: str) -> dict[Any, Any]:
         engine = accelerate_zero.initialize(model, optimizer, config=_config(save_ep, save_stage))
         _train_step(engine, batches[0], rank)
         saved = engine.save_checkpoint(f"{folder}/ep{save_ep}s{save_stage}")
+        if any((e, s) == (save_ep, save_stage) for e, s, _, _ in DCP_RESUMES):
+            engine.save_checkpoint(f"{folder}/dcp", tag=f"ep{save_ep}s{save_stage}", checkpoint_format="dcp")
         at_save = _whole(engine)
         consolidated = {}
         if rank == 0:  # `accelerate-zero consolidate`'s folder, loaded by from_pretrained
@@ -246,18 +250,20 @@ def _resume(rank: int, world_size: int, folder: str) -> dict[Any, Any]:
         out[("consolidated", save_ep, save_stage)] = max(
             ((consolidated[n] - v).abs().max().item() for n, v in at_save.items()), default=0.0
         ) if rank == 0 else 0.0  # fmt: skip
-        for ep, stage, load_ep, load_stage in RESUMES:
+        resumes = [("universal", *case) for case in RESUMES] + [("dcp", *case) for case in DCP_RESUMES]
+        for kind, ep, stage, load_ep, load_stage in resumes:
             if (ep, stage) != (save_ep, save_stage):
                 continue
             model = _built("qwen3_moe")
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
             engine = accelerate_zero.initialize(model, optimizer, config=_config(load_ep, load_stage))
-            engine.load_checkpoint(f"{folder}/ep{save_ep}s{save_stage}")
+            dcp, where = kind == "dcp", f"ep{save_ep}s{save_stage}"
+            engine.load_checkpoint(f"{folder}/dcp" if dcp else f"{folder}/{where}", tag=where if dcp else None)
             loss = _train_step(engine, batches[1], rank)
             resumed = _whole(engine)
             engine.destroy()
             errors = [(n, (resumed[n] - v).abs().max().item()) for n, v in final.items()] if rank == 0 else []
-            out[(ep, stage, load_ep, load_stage)] = {
+            out[(kind, ep, stage, load_ep, load_stage)] = {
                 "loss": abs(loss - final_loss),
                 "worst": max(errors, key=lambda item: item[1], default=("(rank 0 compares)", 0.0)),
             }
@@ -271,12 +277,15 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     return run_distributed(_resume, WORLD_SIZE, str(tmp_path_factory.mktemp("ep_ckpt")), timeout=600)
 
 
-@pytest.mark.parametrize(("ep", "stage", "load_ep", "load_stage"), RESUMES)
+@pytest.mark.parametrize(
+    ("kind", "ep", "stage", "load_ep", "load_stage"),
+    [("universal", *case) for case in RESUMES] + [("dcp", *case) for case in DCP_RESUMES],
+)
 def test_checkpoint_resumes_at_another_expert_parallel_size(
-    resumed: list[dict[Any, Any]], ep: int, stage: int, load_ep: int, load_stage: int
+    resumed: list[dict[Any, Any]], kind: str, ep: int, stage: int, load_ep: int, load_stage: int
 ) -> None:
     for results in resumed:
-        got = results[(ep, stage, load_ep, load_stage)]
+        got = results[(kind, ep, stage, load_ep, load_stage)]
         assert got["loss"] < 1e-5, got
         assert got["worst"][1] < 1e-5, got
     assert resumed[0][("consolidated", ep, stage)] < 1e-6
@@ -363,9 +372,6 @@ def _refusals(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         settings = {**config, "expert_parallel": {**config["expert_parallel"], **expert}}
         return accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=settings)
 
-    engine = initialized(_built("qwen3_moe"))
-    dcp = error_of(lambda: engine.save_checkpoint(f"{folder}/dcp", checkpoint_format="dcp"))
-    engine.destroy()
     # generate() at stage 2 with every rank stopping at its own length: the ranks that are done keep stepping (each
     # forward is an all-to-all of the expert group), and each rank's tokens equal the unsplit model's
     reference = _built("qwen3_moe")
@@ -395,7 +401,6 @@ def _refusals(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "generated": torch.equal(generated, expected) and generated.shape[1] == LENGTH + 2 + rank,
         "preset": error_of(lambda: initialized(_built("qwen3_moe"), preset_model="mixtral")),
         "dense": error_of(lambda: initialized(checks.tiny_llama())),
-        "dcp": dcp,
     }
 
 
@@ -412,7 +417,6 @@ def test_what_expert_parallelism_cannot_do_is_refused_by_name_and_generate_keeps
     for errors in refused:
         assert "preset_model='mixtral' but the model is a 'qwen3_moe'" in errors["preset"], errors
         assert "no fused experts module" in errors["dense"], errors
-        assert "checkpoint_format='dcp' with expert_parallel" in errors["dcp"], errors
         assert errors["generated"] is True and errors["peft_generated"] is True, errors
         assert errors["meta_shape"] == [4, 48, 32], errors  # the whole layer's experts, as the main rank's state dict
 
@@ -431,6 +435,9 @@ def test_bf16_with_expert_parallel_equals_bf16_without(by_rank: list[dict[Any, A
 # Adapters on a frozen MoE base (and GRPO/DPO's reference models): the split experts are frozen. Trained at ep 2,
 # stage 3, saved without them (their fingerprints checked on load) and with them; each loaded at another ep and stage
 # and trained on: equal to the run that never stopped. A model whose experts differ is refused, naming the expert.
+FROZEN_RESUMES = (("without", 4, 3), ("with", 1, 2), ("with", 4, 1), ("dcp", 4, 3), ("dcp", 1, 2))  # saved at ep 2
+
+
 def _frozen_experts_model() -> torch.nn.Module:
     model = _built("qwen3_moe")
     for name, param in model.named_parameters():
@@ -452,11 +459,12 @@ def _frozen(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     _train_step(engine, batches[0], rank)
     engine.save_checkpoint(f"{folder}/without", tag="t")
     engine.save_checkpoint(f"{folder}/with", tag="t", exclude_frozen_parameters=False)
+    engine.save_checkpoint(f"{folder}/dcp", tag="t", checkpoint_format="dcp")  # the frozen experts at their ranges
     final_loss = _train_step(engine, batches[1], rank)
     final = _whole(engine)
     engine.destroy()
     out: dict[str, Any] = {}
-    for saved, ep, stage in (("without", 4, 3), ("with", 1, 2), ("with", 4, 1)):
+    for saved, ep, stage in FROZEN_RESUMES:
         engine = engine_for(ep, stage)
         engine.load_checkpoint(f"{folder}/{saved}", tag="t")
         loss = _train_step(engine, batches[1], rank)
@@ -486,7 +494,7 @@ def frozen(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def test_frozen_split_experts_save_and_resume_at_another_expert_parallel_size(frozen: list[dict[str, Any]]) -> None:
     for results in frozen:
-        for key in (("without", 4, 3), ("with", 1, 2), ("with", 4, 1)):
+        for key in FROZEN_RESUMES:
             loss, worst = results[key]
             assert loss < 1e-5 and worst[1] < 1e-5, (key, loss, worst)
         assert "model.layers.1.mlp.experts.down_proj" in results["other base"], results["other base"]

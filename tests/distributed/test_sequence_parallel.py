@@ -28,6 +28,10 @@ def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "mistral":  # its default sliding window (4096) is longer than the sequence: it cuts nothing
         return MistralForCausalLM(tiny_mistral_config())
+    if kind == "qwen3_moe":  # expert parallelism beside Ulysses: tests/distributed/test_expert_parallel.py's model
+        from tests.distributed.test_expert_parallel import _model as moe_model
+
+        return moe_model("qwen3_moe")
     if kind == "llama_untied":  # the LM head a unit of its own, as in the long-context bench
         return LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=False))
     return LlamaForCausalLM(tiny_llama_config()) if kind == "llama" else Qwen2ForCausalLM(tiny_qwen2_config())
@@ -73,12 +77,15 @@ def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[d
         model = _model(kind)
         extra = dict(composed[0]) if composed else {}  # {"bf16": True}, {"step_tokens": True}, zero_optimization
         bf16, step_tokens = extra.pop("bf16", False), extra.pop("step_tokens", False)
+        ep = extra.pop("expert_parallel", 1)
         config = {
             "sequence_parallel_size": sp,
             "gradient_clipping": 0.0,
             "bf16": {"enabled": bf16},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **extra},
         }
+        if ep > 1:
+            config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
         engine = accelerate_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config=config)
         group = engine.layout.sequence
         model.set_attn_implementation(register_ulysses_attention(group, engine.comm_stats_counter))
@@ -105,8 +112,11 @@ def _sequence_parallel(rank: int, world_size: int, cases: list[tuple]) -> list[d
         reduced = engine.comm_stats().get("reduce_scatter", {}).get("payload_bytes", 0.0)
         losses = torch.tensor([loss.item()])
         torch.distributed.all_reduce(losses)  # the data-parallel mean, as the reference's whole-batch loss
-        with accelerate_zero.GatheredParameters(list(model.parameters())):
-            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        if ep > 1:  # split experts: gathered whole (on rank 0, which the assertions read)
+            params = {n: p.float() for n, p in engine.full_state_dict().items()}
+        else:
+            with accelerate_zero.GatheredParameters(list(model.parameters())):
+                params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         local = shard["input_ids"].shape[1]
         out.append({"loss": losses.item() / world_size, "params": params, "local": local, "reduced": reduced})
     return out
@@ -151,6 +161,10 @@ COMPOSED = {  # (model, sp, length, tile, what else runs): sp 2 x dp 2 at every 
         ("llama", 2, 11, 3, {"stage": 3, "offload_optimizer": OFFLOAD, "offload_param": OFFLOAD}),
         # normalised by the step's tokens over every rank (the Trainer's rule), the groups' counts uneven
         ("llama", 2, 11, None, {"step_tokens": True}),
+        # expert parallelism beside Ulysses (issue 52): the expert group the sequence group (ep 2), or both of them
+        # (ep 4, tiled: the MLP's chunks each route their tokens)
+        ("qwen3_moe", 2, 11, None, {"stage": 3, "expert_parallel": 2}),
+        ("qwen3_moe", 2, 11, 3, {"stage": 2, "expert_parallel": 4, "step_tokens": True}),
     ],
     2: [("llama", 2, 13, None, {"bf16": True}), ("llama", 2, 13, 3, {"bf16": True, "stage": 2})],
 }
@@ -226,8 +240,11 @@ def _packed_ranks(rank: int, world_size: int, cases: list[tuple]) -> list[dict[s
         loss = sequence_parallel_loss(model, piece, group, stats, tile_tokens=tile)
         engine.backward(loss)
         engine.step()
-        with accelerate_zero.GatheredParameters(list(model.parameters())):
-            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        if ep > 1:  # split experts: gathered whole (on rank 0, which the assertions read)
+            params = {n: p.float() for n, p in engine.full_state_dict().items()}
+        else:
+            with accelerate_zero.GatheredParameters(list(model.parameters())):
+                params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         out.append({"loss": loss.item(), "params": params, "sequences": piece.get("ulysses_sequences")})
     return out
 

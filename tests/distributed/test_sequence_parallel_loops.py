@@ -305,6 +305,7 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
     out.update(resumed_params=_gathered(resumed.model), resumed_logs=_logged(resumed))
     if not trl:
         out["refused"] = _refusals(_trainer_kwargs(folder, sp), data, RecordingCollator(), folder)
+        out.update(_evaluated_before_training(_trainer_kwargs(f"{folder}/early", sp), data))
     return out
 
 
@@ -351,7 +352,22 @@ def _one_process(rank: int, world_size: int, folder: str, trl: bool) -> dict[str
     predicted = trainer.predict(whole)
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     at_sp1 = _train(f"{folder}/resumed_sp1", 1, trl, data, resume=CHECKPOINT.format(folder=folder))
+    early = {}
+    if not trl:  # the untrained model evaluated and predicted whole by transformers' own Trainer
+        from transformers import Trainer, TrainingArguments
+
+        model = _model()
+        model.eval()
+        args = TrainingArguments(**_trainer_kwargs(f"{folder}/early", None))
+        fresh = Trainer(model=model, args=args, data_collator=RecordingCollator())
+        early_predicted = fresh.predict(whole)
+        early = {
+            "early_eval_loss": fresh.evaluate(whole)["eval_loss"],
+            "early_predictions": torch.as_tensor(early_predicted.predictions),
+            "early_label_ids": torch.as_tensor(early_predicted.label_ids),
+        }
     return {
+        **early,
         "params": params,
         "logs": _logged(trainer),
         "seen": trainer.recorded,
@@ -378,8 +394,7 @@ def _alst_reference(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, folder: str) -> dict[str, str]:
     """What the Trainer refuses by name under sequence parallelism instead of doing it wrong: a loss other than the
-    group's token mean, a normalisation no rule names, and `sequence_parallel_evaluation` without sp or before
-    training (the group and its attention are the training engine's)."""
+    group's token mean, a normalisation no rule names, and `sequence_parallel_evaluation` without sp."""
     from accelerate_zero import Trainer, TrainingArguments
 
     def error_of(run: Any) -> str:
@@ -405,10 +420,27 @@ def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, f
         "sequence_parallel_evaluation": True,
     }
     out["evaluation_without_sp"] = error_of(lambda: Trainer(model=_model(), args=TrainingArguments(**uncut)))
-    early = {**kwargs, "sequence_parallel_evaluation": True}
-    untrained = Trainer(model=_model(), args=TrainingArguments(**early), data_collator=collator)
-    out["evaluation_before_training"] = error_of(lambda: untrained.evaluate(data[: 2 * MICRO]))
     return out
+
+
+def _evaluated_before_training(kwargs: dict[str, Any], data: list) -> dict[str, Any]:
+    """`sequence_parallel_evaluation=True` before `train()`: evaluate() and predict() over cut sequences with the
+    engine the model is prepared with for inference."""
+    from accelerate_zero import Trainer, TrainingArguments
+
+    model = _model()
+    model.eval()
+    early = {**kwargs, "sequence_parallel_evaluation": True}
+    untrained = Trainer(model=model, args=TrainingArguments(**early), data_collator=RecordingCollator())
+    evaluated = untrained.evaluate(data[: 4 * MICRO])["eval_loss"]
+    predicted = untrained.predict(data[: 4 * MICRO])
+    engine = untrained.accelerator.prepared_model_of(untrained.model).engine
+    return {
+        "early_eval_loss": evaluated,
+        "early_cut": engine.comm_stats().get("all_to_all_sequence", {}).get("calls", 0) > 0,
+        "early_predictions": torch.as_tensor(predicted.predictions),
+        "early_label_ids": torch.as_tensor(predicted.label_ids),
+    }
 
 
 class _ListCollator:
@@ -444,7 +476,13 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
                 in (refused["rule_without_sp"])
             ), "an opt-in that cannot act is refused, not ignored"
             assert "sequence_parallel_evaluation=True without sequence parallelism" in refused["evaluation_without_sp"]
-            assert "sequence_parallel_evaluation=True before training" in refused["evaluation_before_training"]
+            # evaluate() / predict() before train(): over cut sequences, as transformers' Trainer on whole ones
+            assert result["early_cut"], "evaluation before training cut the sequences"
+            assert result["early_eval_loss"] == pytest.approx(reference["early_eval_loss"], abs=1e-6)
+            assert torch.equal(result["early_label_ids"], reference["early_label_ids"])
+            real = reference["early_label_ids"] != -100
+            early_error = (result["early_predictions"] - reference["early_predictions"])[real].abs().max().item()
+            assert early_error <= 1e-5, "logits before training gathered whole"
         alst = _alst_reference(reference["seen"])
         assert _error(result["alst_params"], alst) <= 1e-6 * max(1.0, moved), "the opt-in trains on ALST's rule"
         assert _error(alst, reference["params"]) > 0.3 * moved, "the two rules differ on these batches (64%)"

@@ -137,3 +137,20 @@ def test_two_machines_on_loopback(tmp_path: Path) -> None:
             machine.kill()
     assert [machine.returncode for machine in machines] == [0, 0], "\n".join(outputs)
     check_run(tmp_path, 1)
+
+
+def test_a_machine_without_the_main_address_is_refused_in_seconds(tmp_path: Path) -> None:
+    """A real second machine's launch line without --main_process_ip used to wait at the rendezvous until killed;
+    it exits 2 before starting anything ([Note: launch mistakes that hang] in launch_checks.py)."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate_zero.cli.main", "launch", "--num_processes", "2", "--num_machines", "2"]
+        + ["--machine_rank", "1", "--config_file", str(CONFIGS / "zero1.yaml"), str(SCRIPT), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=float(scaled_seconds(60)),
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--num_machines 2 without --main_process_ip" in done.stderr
+    assert not list(tmp_path.iterdir())  # no rank started
+    assert time.monotonic() - start < float(scaled_seconds(60))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from accelerate_zero.cli.main import main
-from accelerate_zero.config import ZeroConfigError
+from accelerate_zero.config import ZeroConfig, ZeroConfigError
+from accelerate_zero.integrations.accelerate.launch_checks import machine_problems, node_span_warnings
 from accelerate_zero.integrations.accelerate.launch_config import nvme_path_problems, resolve_leaving_auto
 
 
@@ -151,3 +152,63 @@ def test_parallelism_block_is_checked_before_any_process_starts(
     )
     assert "remove dp_shard_size (it is derived: 2) or set it to 2" in err
     assert "ParallelismConfig(sp_size=2) on 3 processes" in err and "train_batch_size" not in err
+
+
+# ---- machine flags and node layout ([Note: launch mistakes that hang] in launch_checks.py) ---------------------
+
+
+def test_machine_flags_that_would_hang_are_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fail_if_started(monkeypatch)
+    cases = {
+        ("--machine_rank", "2", "--main_process_ip", "10.0.0.1"): "--machine_rank 2 is outside --num_machines 2",
+        ("--machine_rank", "1"): "--num_machines 2 without --main_process_ip",
+        ("--machine_rank", "0"): "--num_machines 2 without --main_process_ip",
+    }
+    for flags, message in cases.items():
+        common = ["launch", "--num_processes", "4", "--num_machines", "2", "--zero_stage", "1"]
+        assert main([*common, *flags, "t.py"]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_machine_problems_name_the_flag_and_the_fix() -> None:
+    assert machine_problems(0, 1, None) == []
+    assert machine_problems(1, 2, "10.0.0.1") == []
+    assert machine_problems(-1, 1, None) == [
+        "--machine_rank -1 is outside --num_machines 1: machines are numbered 0 to 0; give each machine its own "
+        "--machine_rank in that range"
+    ]
+    (problem,) = machine_problems(1, 2, "")
+    assert problem.startswith("--num_machines 2 without --main_process_ip: every machine (machine rank 1 too)")
+
+
+def test_hierarchical_groups_spanning_nodes_are_warned_with_their_cost() -> None:
+    """DeepSpeed builds hpZ groups of consecutive ranks whatever the node and says nothing: accepted here too, with
+    the cost named (backward's all-gathers cross nodes)."""
+
+    def warnings(zero: dict, world_size: int, machines: int) -> list[str]:
+        config = ZeroConfig.from_any({"zero_optimization": {"stage": 3, **zero}})
+        return node_span_warnings(config, world_size, machines)
+
+    assert warnings({"zero_hpz_partition_size": 8}, 16, 2) == []
+    assert warnings({"zero_hpz_partition_size": 4}, 16, 2) == []
+    assert warnings({"zero_hpz_partition_size": 16}, 16, 1) == []
+    (hpz,) = warnings({"zero_hpz_partition_size": 16}, 16, 2)
+    assert hpz.startswith("zero_optimization.zero_hpz_partition_size=16 spans nodes (8 processes per node)")
+    assert "backward's all-gathers cross nodes" in hpz and "set it to 8" in hpz
+    assert warnings({"zero_hpz_partition_size": 3}, 12, 2) == []  # 6 per node: two groups of 3 in each node
+    (mics,) = warnings({"mics_shard_size": 4}, 6, 2)  # 3 per node: groups of 4 straddle nodes
+    assert mics.startswith("zero_optimization.mics_shard_size=4 spans nodes (3 processes per node)")
+
+
+def test_the_launcher_warns_about_hpz_across_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("accelerate_zero.integrations.accelerate.launcher._run_accelerate_launcher", lambda args: 0)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}))
+    flags = ["--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1", "--machine_rank", "0"]
+    with caplog.at_level("WARNING", logger="accelerate_zero.integrations.accelerate.launcher"):
+        assert main(["launch", *flags, "--deepspeed_config_file", str(ds), "t.py"]) == 0
+    assert "zero_hpz_partition_size=4 spans nodes (2 processes per node)" in caplog.text

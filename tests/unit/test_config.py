@@ -143,7 +143,7 @@ def test_short_aliases_map_to_stage3_names() -> None:
             "max_live_parameters": 14,
             "max_reuse_distance": 15,
             "gather_16bit_weights_on_model_save": True,
-            "module_granularity_threshold": 16,
+            "module_granularity_threshold": 0,
             "use_all_reduce_for_fetch_params": True,
         }
     }
@@ -154,8 +154,12 @@ def test_short_aliases_map_to_stage3_names() -> None:
     assert zero.stage3_max_live_parameters == 14
     assert zero.stage3_max_reuse_distance == 15
     assert zero.stage3_gather_16bit_weights_on_model_save is True
-    assert zero.stage3_module_granularity_threshold == 16
     assert zero.stage3_use_all_reduce_for_fetch_params is True
+    # A threshold other than 0 is refused (not built), under the long name the alias maps to.
+    raw["zero_optimization"]["module_granularity_threshold"] = 16
+    refused = r"zero_optimization\.stage3_module_granularity_threshold=16 is not supported"
+    with pytest.raises(ZeroConfigError, match=refused):
+        ZeroConfig.from_any(raw)
 
 
 def test_alias_and_long_name_together_is_an_error() -> None:

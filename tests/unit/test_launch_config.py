@@ -208,11 +208,13 @@ def test_bad_zero_optimization_values_name_the_key() -> None:
 def test_unknown_keys_are_errors_with_the_closest_match() -> None:
     assert problems({"zero_stge": 2, "overlap_com": True, "xyz": 1}) == [
         "unknown key 'deepspeed_config.zero_stge' in cfg.yaml (did you mean 'zero_stage'?): it is neither an "
-        "accelerate DeepSpeed setting nor a DeepSpeed zero_optimization key; remove it or fix its spelling",
+        "accelerate DeepSpeed setting nor a DeepSpeed zero_optimization or top-level key; remove it or fix its "
+        "spelling",
         "unknown key 'deepspeed_config.overlap_com' in cfg.yaml (did you mean 'overlap_comm'?): it is neither an "
-        "accelerate DeepSpeed setting nor a DeepSpeed zero_optimization key; remove it or fix its spelling",
+        "accelerate DeepSpeed setting nor a DeepSpeed zero_optimization or top-level key; remove it or fix its "
+        "spelling",
         "unknown key 'deepspeed_config.xyz' in cfg.yaml: it is neither an accelerate DeepSpeed setting nor a "
-        "DeepSpeed zero_optimization key; remove it or fix its spelling",
+        "DeepSpeed zero_optimization or top-level key; remove it or fix its spelling",
     ]
 
 

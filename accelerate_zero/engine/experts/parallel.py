@@ -4,7 +4,8 @@ whole group's tokens.
 [Note: the experts' own forward on the local experts]
 The layer's experts module keeps its class, its forward and its parameter names; only its parameters shrink to
 this rank's experts (`num_experts` with them, which the forward reads). Two hooks around that forward make it
-expert-parallel ([Note: routes of an expert-parallel layer] in engine/experts/routing.py):
+expert-parallel ([Note: routes of an expert-parallel layer] in engine/experts/routing.py; engine/experts/calls.py
+for each way a block calls its experts):
 - before it, the routes are planned and each (token, slot) pair's hidden state goes to its expert's rank; the
   forward then runs on what arrived, each row with one local expert and a routing weight of exactly 1;
 - after it, each result goes back to the pair's rank, where it is weighted by the pair's routing weight and added
@@ -34,17 +35,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from accelerate_zero.engine.collectives import CommStats
-from accelerate_zero.engine.experts.blocks import ExpertLayer, find_expert_layers
-from accelerate_zero.engine.experts.routing import Routes, plan_routes, return_from_experts, send_to_experts
+from accelerate_zero.engine.experts.adapters import localize_adapters
+from accelerate_zero.engine.experts.blocks import ExpertLayer, counts_experts, find_expert_layers
+from accelerate_zero.engine.experts.calls import LayerCalls
 from accelerate_zero.engine.groups import DataParallelGroup
-
-
-_INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 @dataclass
@@ -59,10 +57,19 @@ class ExpertPlacement:
     ranges: dict[str, tuple[int, int]]
     """Layer name -> the global experts [start, stop) this rank holds."""
     handles: list[RemovableHandle] = field(default_factory=list)
+    adapters: list[nn.Module] = field(default_factory=list)
+    """peft LoRA wrappers of the split parameters, whole on every rank ([Note: LoRA on split experts] in
+    engine/experts/adapters.py)."""
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Every split parameter, in layer order ([Note: gradients of split experts])."""
-        return [getattr(layer.module, name) for layer in self.layers for name in layer.param_names]
+        return [param for layer in self.layers for param in layer.params()]
+
+    def adapter_parameters(self, param: nn.Parameter) -> list[nn.Parameter]:
+        """The (whole) adapter tensors whose update merges into the split parameter `param`."""
+        split = {id(p) for p in self.expert_parameters()}
+        wrappers = [w for w in self.adapters if w.get_param() is param]
+        return [p for w in wrappers for p in w.parameters() if id(p) not in split]
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -85,9 +92,11 @@ def split_experts(
     """
     layers = find_expert_layers(model)
     if not layers:
+        counting = counts_experts(model)
         raise ValueError(
             "expert_parallel: the model has no fused experts module (3-D parameters indexed by expert, as "
             "transformers 5 builds Qwen3-MoE, Mixtral, gpt-oss, ...); turn expert_parallel off for a dense model"
+            + (f" (modules that count experts but hold none fused: {', '.join(counting[:3])})" if counting else "")
         )
     ep = group.world_size
     placement = ExpertPlacement(group, peers, layers, {})
@@ -99,66 +108,21 @@ def split_experts(
             )
         per_rank = layer.num_experts // ep
         start = group.rank * per_rank
-        for name in layer.param_names:
+        for name, param in zip(layer.param_names, layer.params(), strict=True):
             # The same Parameter, shrunk: an optimizer built over the model before the split still holds it.
-            param = getattr(layer.module, name)
-            param.data = param.data[start : start + per_rank].clone()
+            if not param.is_floating_point():
+                raise NotImplementedError(
+                    f"expert_parallel: {layer.name}.{name} holds {param.dtype} values (quantized experts?), which are "
+                    "not cut by expert; keep the experts in a floating-point dtype (bitsandbytes' 4-bit QLoRA leaves "
+                    "fused experts unquantized) or train without expert_parallel"
+                )
+            rows = param.shape[0] // layer.num_experts  # 1, or DBRX's F rows per expert
+            param.data = param.data[start * rows : (start + per_rank) * rows].clone()
         layer.module.num_experts = per_rank  # what the experts' own forward reads (one-hot width, group bins)
+        # [Note: LoRA on split experts] in engine/experts/adapters.py
+        placement.adapters += localize_adapters(model, layer.module, layer.name, start, start + per_rank)
         placement.ranges[layer.name] = (start, start + per_rank)
-        calls = _LayerCalls(layer, per_rank, group, stats)
+        calls = LayerCalls(layer, per_rank, group, stats)
         placement.handles.append(layer.module.register_forward_pre_hook(calls.before, with_kwargs=True))
         placement.handles.append(layer.module.register_forward_hook(calls.after, with_kwargs=True))
     return placement
-
-
-@dataclass
-class _Call:
-    routes: Routes
-    token_of_pair: torch.Tensor
-    weights: torch.Tensor  # [pairs]: the routing weights, kept on this rank
-    shape: torch.Size
-
-
-class _LayerCalls:
-    """The two hooks of one split layer; calls in flight are a stack (activation checkpointing re-runs a forward
-    inside backward, between another call's hooks)."""
-
-    def __init__(self, layer: ExpertLayer, per_rank: int, group: DataParallelGroup, stats: CommStats) -> None:
-        self.layer, self.per_rank, self.group, self.stats = layer, per_rank, group, stats
-        self.pending: list[_Call] = []
-
-    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        hidden, index, weights = _bound(self.layer.name, args, kwargs)
-        tokens, k = index.shape
-        routes = plan_routes(index, self.per_rank, self.group, self.stats)
-        token_of_pair = torch.arange(tokens, device=index.device).repeat_interleave(k)
-        received = send_to_experts(hidden[token_of_pair], routes, self.group, self.stats)
-        self.pending.append(_Call(routes, token_of_pair, weights.reshape(-1), hidden.shape))
-        ones = torch.ones((received.shape[0], 1), dtype=weights.dtype, device=weights.device)
-        return (received, routes.received_experts[:, None], ones), {}
-
-    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
-        call = self.pending.pop()
-        output = output + _zero_reading(module, self.layer.param_names, args[0])
-        results = return_from_experts(output, call.routes, self.group, self.stats)
-        weighted = results * call.weights[:, None]
-        combined = torch.zeros(call.shape, dtype=output.dtype, device=output.device)
-        return combined.index_add(0, call.token_of_pair, weighted.to(output.dtype))
-
-
-def _zero_reading(module: nn.Module, names: tuple[str, ...], received: torch.Tensor) -> torch.Tensor:
-    """0, computed from every local expert parameter and from what this rank received ([Note: every expert
-    parameter takes part])."""
-    reads = [getattr(module, name).reshape(-1)[:1].sum() for name in names]
-    return (sum(reads) + received.sum()) * 0.0
-
-
-def _bound(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values = dict(zip(_INPUTS, args, strict=False)) | {k: v for k, v in kwargs.items() if k in _INPUTS}
-    missing = [key for key in _INPUTS if key not in values]
-    if missing or len(args) + len(kwargs) != len(_INPUTS):
-        raise TypeError(
-            f"expert_parallel: {name} was called with {len(args)} positional and {sorted(kwargs)} keyword "
-            f"arguments; an experts module takes exactly {_INPUTS}"
-        )
-    return values["hidden_states"], values["top_k_index"], values["top_k_weights"]

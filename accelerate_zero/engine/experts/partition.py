@@ -62,8 +62,7 @@ def split_for_engine(
             "or remove the key (layers are found by structure)"
         )
     for layer in find_expert_layers(module):
-        for name in layer.param_names:
-            param = getattr(layer.module, name)
+        for name, param in zip(layer.param_names, layer.params(), strict=True):
             if param.device.type == "meta":
                 raise ValueError(
                     f"expert_parallel: {layer.name}.{name} is on the meta device on rank {layout.world.rank}: each "
@@ -182,11 +181,11 @@ def expert_element_offsets(placement: ExpertPlacement | None) -> dict[int, tuple
         return {}
     out = {}
     for layer in placement.layers:
-        start, _ = placement.ranges[layer.name]
-        for name in layer.param_names:
-            param = getattr(layer.module, name)
-            row = param[0].numel() if param.shape[0] else 0
-            out[id(param)] = (start * row, [layer.num_experts, *param.shape[1:]])
+        start, stop = placement.ranges[layer.name]
+        for param in layer.params():
+            per_expert = param.numel() // (stop - start)  # elements of one expert ([E, ...] or DBRX's [E * F, H])
+            whole_rows = param.shape[0] // (stop - start) * layer.num_experts
+            out[id(param)] = (start * per_expert, [whole_rows, *param.shape[1:]])
     return out
 
 

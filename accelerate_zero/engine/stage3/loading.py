@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,11 +31,18 @@ from accelerate_zero.engine.layout import plan_from_config
 from accelerate_zero.engine.nodes import node_layout_from_env
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer
-from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
+from accelerate_zero.engine.stage3.units import UnitLayout, find_unit_modules, layout_units
 from accelerate_zero.offload.nvme_params import preload_rank_folder, spill_shard, swapped_flags
 
 
 PRELOADED_ATTR = "_accelerate_zero_preloaded"
+
+
+class RangeSource(Protocol):
+    """Where a unit's values are read from: safetensors files, or parameters gathered from construction slices."""
+
+    def read_range(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened tensor `name`."""
 
 
 @dataclass
@@ -90,13 +97,7 @@ def from_pretrained(
     names = {id(p): n for n, p in model.named_parameters()}
     _check_keys(names.values(), files)
     zero_opt = zero.zero_optimization
-    leaf = zero_opt.leaf_module
-    layout = layout_units(  # on the meta parameters: shapes and sizes are all it needs
-        model,
-        find_unit_modules(model, unit_classes, extra_leaf=[*leaf.classes, *leaf.names] if leaf else []),
-        zero_opt.stage3_param_persistence_threshold,
-        model_persistence_threshold=zero_opt.stage3_model_persistence_threshold,
-    )
+    layout = unit_layout(model, zero, unit_classes)  # on the meta parameters: shapes and sizes are all it needs
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
     real = _replace_meta_parameters(model, device, dtype)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -112,7 +113,7 @@ def from_pretrained(
     for index, (params, plan) in enumerate(zip(members, plans, strict=True)):
         # A reader per unit: its files are unmapped after the unit, so the pages this rank read do not stay
         # resident until the whole model is loaded (they would double the loading peak).
-        flat = _load_flat(params, plan, names, SafetensorsFolder(path), shard_rank, dtype, device, shard_device)
+        flat = load_flat(params, plan, names, SafetensorsFolder(path), shard_rank, dtype, device, shard_device)
         flats[tuple(id(p) for p in params)] = flat
         if spill is not None and spill.flags[index]:
             # [Note: partitioned loading under NVMe parameter offload] A shard the engine will keep in a file goes
@@ -130,6 +131,25 @@ def from_pretrained(
         weakref.finalize(model, shutil.rmtree, spill.folder, True)
     setattr(model, PRELOADED_ATTR, Preloaded(num_shards, shard_rank, dtype, flats, spilled))
     return model
+
+
+def unit_layout(
+    model: nn.Module,
+    zero: ZeroConfig,
+    unit_classes: list[type[nn.Module] | str] | None,
+    numel_of: Callable[[nn.Parameter], int] = torch.numel,
+) -> UnitLayout:
+    """The stage-3 units the engine will build for `model` under `zero` (what shards made before `initialize` are
+    laid out by); `numel_of`: a parameter's real size, when its data is a placeholder."""
+    zero_opt = zero.zero_optimization
+    leaf = zero_opt.leaf_module
+    return layout_units(
+        model,
+        find_unit_modules(model, unit_classes, extra_leaf=[*leaf.classes, *leaf.names] if leaf else []),
+        zero_opt.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero_opt.stage3_model_persistence_threshold,
+        numel_of=numel_of,
+    )
 
 
 @dataclass(frozen=True)
@@ -152,18 +172,19 @@ def _spill_plan(zero: ZeroConfig, shard_numels: list[int], rank: int) -> _SpillP
     return _SpillPlan(folder, flags)
 
 
-def _load_flat(
+def load_flat(
     params: list[nn.Parameter],
     plan: BucketPlan,
     names: dict[int, str],
-    files: SafetensorsFolder,
+    files: RangeSource,
     rank: int,
     dtype: torch.dtype,
     device: torch.device,
     shard_device: torch.device,
 ) -> FlatUnitBuffer:
-    """This rank's shard of one unit, read straight from the files (only the rows holding its ranges) into
-    `shard_device` (the host under parameter offload); the parameters' full buffer is on the compute `device`."""
+    """This rank's shard of one unit, read from `files` (only the ranges it holds: from safetensors files, the rows
+    holding them) into `shard_device` (the host under parameter offload); the parameters' full buffer is on the
+    compute `device`."""
     lo, hi = plan.shard_range(rank)
     shard = torch.zeros(hi - lo, dtype=dtype, device=shard_device)
     for frag in range_fragments(plan, params, names, lo, hi):

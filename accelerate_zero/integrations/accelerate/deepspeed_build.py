@@ -15,8 +15,9 @@ Pure: starts nothing, does not import accelerate. Both `accelerate-zero launch` 
 Differences from accelerate, on purpose:
 
 * DeepSpeed `zero_optimization` keys written directly in the `deepspeed_config` block (overlap_comm,
-  reduce_bucket_size, ...) go into `zero_optimization` (accelerate ignores them); any other unknown key is an error
-  (both read in `zero_settings.py`);
+  reduce_bucket_size, ...) go into `zero_optimization`, DeepSpeed's top-level settings
+  (`seq_parallel_communication_data_type`, ...) into the top level (accelerate ignores both); any other unknown key
+  is an error (all read in `zero_settings.py`);
 * NVMe paths reach the ranks (accelerate 1.15 never exports them) and an NVMe device without a path is an error;
 * a config without `gradient_accumulation_steps` takes `ZeroPlugin(gradient_accumulation_steps=...)` when one is
   given (accelerate inserts 1 and silently trains with it);
@@ -37,7 +38,7 @@ from accelerate_zero.config import ZeroConfig, ZeroConfigError
 from accelerate_zero.config.fields import parse_number
 from accelerate_zero.config.schema import is_auto
 from accelerate_zero.integrations.accelerate.plugin_fields import FIELD_DS_KEYS, OFFLOAD_BLOCKS, find_node, set_path
-from accelerate_zero.integrations.accelerate.zero_settings import ZERO_KEYS, ZeroSettings
+from accelerate_zero.integrations.accelerate.zero_settings import TOP_LEVEL_KEYS, ZERO_KEYS, ZeroSettings
 
 
 _DEFAULTS: dict[str, Any] = {
@@ -92,6 +93,7 @@ def build_deepspeed_config(settings: ZeroSettings) -> BuiltConfig:
     values = {**_DEFAULTS, **settings.env_fields, **settings.fields}
     if settings.config is None:
         config = _generate(values, settings.zero_optimization)
+        config.update(settings.top_level)
     else:
         config = _from_config(settings, values, problems)
     if settings.mixed_precision is not None:
@@ -150,11 +152,11 @@ def _from_config(settings: ZeroSettings, values: Mapping[str, Any], problems: li
             f"{list(FILE_OWNED_KEYS)}. Found: {owned}. Please specify them appropriately in the DeepSpeed config file "
             "and remove them from the accelerate config file."
         )
-    zero_keys = sorted(key for key in settings.file_owned if key in ZERO_KEYS)
+    zero_keys = sorted(key for key in settings.file_owned if key in ZERO_KEYS or key in TOP_LEVEL_KEYS)
     if zero_keys:
         problems.append(
-            f"deepspeed_config keys {zero_keys} are ignored when using `deepspeed_config_file`: write them in the "
-            f"zero_optimization block of {label}"
+            f"deepspeed_config keys {zero_keys} are ignored when using `deepspeed_config_file`: write them in "
+            f"{label} (zero_optimization keys in its zero_optimization block)"
         )
     for name, path in FIELD_DS_KEYS.items():
         if path is None or values.get(name) is None:
@@ -237,7 +239,7 @@ def _defaulted_paths(config: Mapping[str, Any], settings: ZeroSettings) -> tuple
     paths = [path for name, path in FIELD_DS_KEYS.items() if path is not None and name not in chosen]
     if not settings.mixed_precision_set:
         paths += ["fp16.enabled", "bf16.enabled"]
-    written = [settings.config or {}, {"zero_optimization": settings.zero_optimization}]
+    written = [settings.config or {}, {"zero_optimization": settings.zero_optimization}, settings.top_level]
     return tuple(path for path in paths if _has(config, path) and not any(_has(source, path) for source in written))
 
 

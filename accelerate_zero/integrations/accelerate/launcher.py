@@ -40,9 +40,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from accelerate_zero.config import ZeroConfigError
+from accelerate_zero.config.deepspeed_keys import NOTED_ENV
 from accelerate_zero.engine.groups import has_accelerator
 from accelerate_zero.integrations.accelerate.deepspeed_build import BuiltConfig, build_deepspeed_config
 from accelerate_zero.integrations.accelerate.launch_checks import (
+    machine_problems,
+    node_span_warnings,
     nvme_path_problems,
     resolve_leaving_auto,
     with_parallelism_block,
@@ -109,8 +112,12 @@ def prepare_launch(args: argparse.Namespace) -> PreparedLaunch:
         )
     num_processes, num_machines = _process_counts(args, cluster)
     _check_multinode_launcher(args, block, num_machines)
+    _check_machines(args, cluster, num_machines)
     _check_before_spawn(built, num_processes, cluster.parallelism_config if cluster is not None else None)
+    for warning in node_span_warnings(built.zero_config, num_processes, num_machines):
+        logger.warning("accelerate-zero launch: %s", warning)
     env = plugin_env(built)
+    env[NOTED_ENV] = "1"  # the config's notes were logged here, once: the ranks do not repeat them
     moe_names = args.deepspeed_moe_layer_cls_names or block.get("deepspeed_moe_layer_cls_names")
     if moe_names:
         env[MOE_ENV] = str(moe_names)
@@ -227,6 +234,15 @@ def _process_counts(args: argparse.Namespace, cluster: ClusterConfig | None) -> 
             "machines, each machine starts num_processes / num_machines"
         )
     return num_processes, num_machines
+
+
+def _check_machines(args: argparse.Namespace, cluster: ClusterConfig | None, num_machines: int) -> None:
+    """[Note: launch mistakes that hang] in launch_checks.py: refused here, before any rendezvous."""
+    machine_rank = args.machine_rank if args.machine_rank is not None else getattr(cluster, "machine_rank", 0)
+    main_ip = args.main_process_ip if args.main_process_ip is not None else getattr(cluster, "main_process_ip", None)
+    problems = machine_problems(machine_rank, num_machines, main_ip)
+    if problems:
+        raise LaunchError("; ".join(problems))
 
 
 def _check_before_spawn(built: BuiltConfig, world_size: int, parallelism: dict[str, Any] | None = None) -> None:

@@ -31,6 +31,10 @@ from accelerate_zero.sequence.loader import SequenceShardedLoader
 from accelerate_zero.sequence.normalization import labelled_tokens, normalizer_for, summed
 
 
+ULYSSES_PREFIX = "accelerate_zero_ulysses_"
+"""How the attention names `register_ulysses_attention` registers begin."""
+
+
 SUPPORTED_CORE_ATTENTION = (None, "sdpa")
 
 
@@ -77,11 +81,33 @@ class SequenceParallelMixin:
             )
         return engines[0]
 
-    def _sequence_group(self) -> tuple[DataParallelGroup, CommStats]:
-        engine = self._trained_engine()
+    def _sequence_group(self, engine: Any = None) -> tuple[DataParallelGroup, CommStats]:
+        """The sequence-parallel group of `engine` (default: the training engine) and its counters."""
+        engine = self._trained_engine() if engine is None else engine
         # tiling without Ulysses: each rank is its own group (a one-rank group makes no collective)
         group = engine.layout.sequence if engine.layout.sequence is not None else DataParallelGroup(None, 0, 1)
         return group, engine.comm_stats_counter
+
+    def _evaluation_engine(self, model: torch.nn.Module) -> Any:
+        """The engine whose sequence group scores `model`'s evaluation batches over cut sequences: the training
+        engine; before training, the engine `model` was prepared with for inference (the Trainer's `evaluate()`
+        and `predict()` prepare it so), whose layout has the same sequence group, its Ulysses attention attached to
+        `model` on first use (training attaches its own again).
+
+        Raises:
+            RuntimeError: `model` is neither trained nor prepared.
+        """
+        if any(entry.optimizer is not None for entry in self._zero_models):
+            return self._trained_engine()
+        entry = next((entry for entry in self._zero_models if entry.model is model), None)
+        if entry is None:
+            raise RuntimeError(
+                "evaluation over cut sequences needs the model prepared: pass it to accelerator.prepare() first"
+            )
+        name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if not str(name).startswith(ULYSSES_PREFIX):
+            self._attach_sequence_parallel(entry.model, entry.engine)
+        return entry.engine
 
     @property
     def sequence_parallel_group(self) -> Any:

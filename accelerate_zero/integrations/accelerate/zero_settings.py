@@ -2,8 +2,10 @@
 
 `settings_from_accelerate` reads the `deepspeed_config` block of an accelerate config as accelerate's
 `DeepSpeedPlugin` would (plugin fields, a `deepspeed_config_file`, `mixed_precision`), plus what accelerate_zero
-adds on purpose: DeepSpeed `zero_optimization` keys written directly in the block go into `zero_optimization`
-(accelerate ignores them) and any other unknown key is an error. Nothing is built here: `deepspeed_build.py` turns
+adds on purpose: DeepSpeed `zero_optimization` keys written directly in the block go into `zero_optimization`, and
+DeepSpeed's top-level settings (`TOP_LEVEL_KEYS`: TRL's ALST config writes
+`seq_parallel_communication_data_type` there) into the DeepSpeed config's top level (accelerate ignores both); any
+other unknown key is an error. Nothing is built here: `deepspeed_build.py` turns
 the settings into the DeepSpeed config and reports the problems gathered here together with its own.
 """
 
@@ -21,6 +23,8 @@ from typing import Any
 import yaml
 
 from accelerate_zero.config import ZeroConfig, ZeroConfigError
+from accelerate_zero.config.deepspeed_keys import TOP_LEVEL, Treatment
+from accelerate_zero.config.fields import is_block_type, split_optional, type_hints
 from accelerate_zero.config.loading import ALIASES
 from accelerate_zero.config.schema import ZeroOptimizationConfig
 from accelerate_zero.integrations.accelerate.plugin_fields import OFFLOAD_BLOCKS, PLUGIN_FIELDS, coerce_field
@@ -49,6 +53,16 @@ ZERO_KEYS = frozenset(
 )
 """DeepSpeed `zero_optimization` keys (names, aliases, deprecated names) accepted in a `deepspeed_config` block."""
 
+TOP_LEVEL_KEYS = frozenset(
+    f.name
+    for f in dataclasses.fields(ZeroConfig)
+    if f.name in TOP_LEVEL
+    and TOP_LEVEL[f.name].treatment is Treatment.BUILT
+    and not is_block_type(split_optional(type_hints(ZeroConfig)[f.name])[0])
+    and f.name not in ("gradient_accumulation_steps", "gradient_clipping")  # plugin fields of the same name
+)
+"""DeepSpeed's top-level scalar settings accepted in a `deepspeed_config` block (they go to the config's top level)."""
+
 # zero_optimization keys that say the same as a plugin field: written in the block, they set that field.
 _ZERO_KEY_FIELDS = {
     "stage": "zero_stage",
@@ -76,6 +90,8 @@ class ZeroSettings:
     """True when `config` is a launcher's output (`ACCELERATE_ZERO_CONFIG`): explicit fields replace its values."""
     zero_optimization: dict[str, Any] = field(default_factory=dict)
     """DeepSpeed `zero_optimization` keys written in the accelerate `deepspeed_config` block."""
+    top_level: dict[str, Any] = field(default_factory=dict)
+    """DeepSpeed top-level settings (`TOP_LEVEL_KEYS`) written in the accelerate `deepspeed_config` block."""
     mixed_precision: str | None = None
     """"no", "fp16" or "bf16" (accelerate's setting); None leaves `fp16`/`bf16` as the config has them."""
     mixed_precision_set: bool = False
@@ -128,12 +144,12 @@ def settings_from_accelerate(
         ZeroConfigError: the `deepspeed_config_file` cannot be read or is invalid (with every other problem).
     """
     problems: list[str] = []
-    values, sources, zero = _split_block(block, source, problems)
+    values, sources, zero, top = _split_block(block, source, problems)
     for name in PLUGIN_FIELDS:
         if flags.get(name) is not None:
             values[name], sources[name] = flags[name], f"--{name}"
     config_file = flags.get("deepspeed_config_file") or block.get("deepspeed_config_file")
-    settings = ZeroSettings(zero_optimization=zero, file_owned=[str(key) for key in block])
+    settings = ZeroSettings(zero_optimization=zero, top_level=top, file_owned=[str(key) for key in block])
     mixed_precision = flags.get("mixed_precision")
     if mixed_precision is None and config_mixed_precision is not None:
         mixed_precision = config_mixed_precision
@@ -160,25 +176,28 @@ def settings_from_accelerate(
 
 def _split_block(
     block: Mapping[str, Any], source: str, problems: list[str]
-) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
-    """The block's plugin fields (with their sources) and its DeepSpeed `zero_optimization` keys; unknown keys and
-    settings written twice are appended to `problems`."""
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, Any]]:
+    """The block's plugin fields (with their sources), its DeepSpeed `zero_optimization` keys and its DeepSpeed
+    top-level settings; unknown keys and settings written twice are appended to `problems`."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     zero: dict[str, Any] = {}
-    known = sorted({*PLUGIN_FIELDS, *LAUNCHER_KEYS, *ZERO_KEYS})
+    top: dict[str, Any] = {}
+    known = sorted({*PLUGIN_FIELDS, *LAUNCHER_KEYS, *ZERO_KEYS, *TOP_LEVEL_KEYS})
     for key, value in block.items():
         where = f"deepspeed_config.{key} in {source}"
         if key in PLUGIN_FIELDS:
             values[key], sources[key] = value, where
         elif key in ZERO_KEYS:
             zero[key] = value
+        elif key in TOP_LEVEL_KEYS:
+            top[key] = value
         elif key not in LAUNCHER_KEYS:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             problems.append(
                 f"unknown key 'deepspeed_config.{key}' in {source}{hint}: it is neither an accelerate DeepSpeed "
-                "setting nor a DeepSpeed zero_optimization key; remove it or fix its spelling"
+                "setting nor a DeepSpeed zero_optimization or top-level key; remove it or fix its spelling"
             )
     for key, name in _ZERO_KEY_FIELDS.items():
         if key in zero:
@@ -197,7 +216,7 @@ def _split_block(
                 name = f"{block_name}_{key}"
                 _take_zero_key(values, sources, name, f"{block_name}.{key}", rest.pop(key), source, problems)
         zero[block_name] = rest
-    return values, sources, zero
+    return values, sources, zero, top
 
 
 def _take_zero_key(

@@ -2,7 +2,8 @@
 
 * `prediction_step` with `sequence_parallel_evaluation=True`: each rank's evaluation batch is scored by its group
   over cut sequences and its loss (and logits, for predictions) handed back whole ([Note: evaluation under sequence
-  parallelism] in sequence/evaluation.py).
+  parallelism] in sequence/evaluation.py), before `train()` too (with the engine the model is prepared with for
+  inference).
 * `_run_epoch` of a run resumed inside an epoch: the cut loader skipped by its own rule ([Note: resuming inside an
   epoch of a cut loader]).
 """
@@ -47,14 +48,10 @@ class SequenceParallelStepsMixin:
                 "sequence_parallel_evaluation=True: an evaluation batch without 'labels' (keys "
                 f"{sorted(inputs)}); the group scores labelled tokens only: give labels, or set it to False"
             )
-        if self.zero_engine is None:  # type: ignore[attr-defined]
-            raise ValueError(
-                "sequence_parallel_evaluation=True before training: the sequence-parallel group and its Ulysses "
-                "attention are the training engine's; evaluate once train() has started (eval_strategy, or after "
-                "it), or set sequence_parallel_evaluation=False for this evaluation"
-            )
-        group, stats = self.accelerator._sequence_group()
-        tiling = self.accelerator._trained_engine().config.sequence_tiling
+        # Before train() the model is prepared for inference: its engine has the same sequence-parallel group.
+        engine = self.accelerator._evaluation_engine(model)
+        group, stats = self.accelerator._sequence_group(engine)
+        tiling = engine.config.sequence_tiling
         loss, logits = evaluate_over_group(
             model,
             inputs,
