@@ -65,7 +65,8 @@ def test_gloo_all_gather_and_reduce_scatter_equal_their_definitions(world_size: 
         assert r.pop("scatter")  # rank 0's list, one tensor to each rank
         for key, result in r.items():
             assert result["gathered"], key
-            assert result["reduced"] < 1e-6, (key, result["reduced"])
+            # In place it is ours, summed in rank order as `sum(partial)` is; otherwise torch's own (another order).
+            assert result["reduced"] <= (0.0 if key.endswith("in_place") else 1e-6), (key, result["reduced"])
             full_bytes = 4 * SHARD * world_size
             assert result["counts"]["all_gather"]["bytes_per_rank"] == pytest.approx(full_bytes * ring), key
             assert result["counts"]["reduce_scatter"]["bytes_per_rank"] == pytest.approx(2 * full_bytes * ring), key
