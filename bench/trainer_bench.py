@@ -151,7 +151,7 @@ def worker(system: str, args: argparse.Namespace) -> None:
     tokens = torch.randint(0, VOCAB, (rows_needed, SEQ), generator=torch.Generator().manual_seed(1))
     train_rows = [{"input_ids": row, "labels": row} for row in tokens]
 
-    readings: dict[str, list[float]] = {"cpu": [], "wall": [], "gather_wait": []}
+    readings: dict[str, list[float]] = {"cpu": [], "wall": [], "gather_wait": [], "minor_faults": []}
     holder: dict[str, Any] = {}
     phases = PhaseClock()
 
@@ -159,6 +159,7 @@ def worker(system: str, args: argparse.Namespace) -> None:
         """CPU and wall time between on_step_begin and on_step_end: one optimizer step (all its micro-steps)."""
 
         begin: tuple[float, float] = (0.0, 0.0)
+        faults = 0
 
         def _unit_scheduler(self) -> Any:
             engine = getattr(holder.get("trainer"), "zero_engine", None)
@@ -176,12 +177,14 @@ def worker(system: str, args: argparse.Namespace) -> None:
             if scheduler is not None and hasattr(scheduler, "blocked_seconds"):
                 scheduler.blocked_seconds = 0.0
             phases.start_step()
+            self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self.begin = (time.process_time(), time.perf_counter())
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
             cpu, wall = time.process_time() - self.begin[0], time.perf_counter() - self.begin[1]
             readings["cpu"].append(cpu)
             readings["wall"].append(wall)
+            readings["minor_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults)
             phases.end_step(cpu)
             scheduler = self._unit_scheduler()
             if scheduler is not None and hasattr(scheduler, "blocked_seconds"):
@@ -239,6 +242,7 @@ def worker(system: str, args: argparse.Namespace) -> None:
         "cpu": readings["cpu"][skip:],
         "wall": readings["wall"][skip:],
         "gather_wait": readings["gather_wait"][skip:],
+        "minor_faults": readings["minor_faults"][skip:],
         "warmup_cpu": readings["cpu"][:skip],
         "warmup_wall": readings["wall"][:skip],
         "train_seconds": train_seconds,
@@ -429,6 +433,8 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[str
         waits = [w / t for r in by_rank[0] for w, t in zip(r["gather_wait"], r["wall"], strict=False) if t > 0]
         row["gather_wait_share"] = statistics.median(waits) if waits else None
         row["params"] = by_rank[0][0]["params"]
+        faults = [v for r in by_rank[0] for v in r.get("minor_faults", [])]
+        row["minor_faults_rank0"] = statistics.median(faults) if faults else None
         row["phase_cpu_rank0"] = {
             phase: statistics.median(v for r in by_rank[0] for v in r.get("phase_cpu", {}).get(phase, []))
             for phase in PhaseClock.PHASES
@@ -474,11 +480,12 @@ def table(summary: dict[str, dict[str, Any]], notes: dict[str, str]) -> str:
 
 
 def phase_table(summary: dict[str, dict[str, Any]]) -> str:
-    """Rank 0's median CPU seconds per phase of a step (PhaseClock), and the difference from DDP's."""
+    """Rank 0's median CPU seconds per phase of a step (PhaseClock), and the difference from DDP's; the page faults
+    per step (first touches of fresh memory: the kernel zeroes every page)."""
     base = summary.get("ddp", {}).get("phase_cpu_rank0", {})
     lines = [
-        "| system | " + " | ".join(f"{p} CPU s (vs DDP)" for p in PhaseClock.PHASES) + " |",
-        "|---|" + "--:|" * len(PhaseClock.PHASES),
+        "| system | " + " | ".join(f"{p} CPU s (vs DDP)" for p in PhaseClock.PHASES) + " | minor page faults |",
+        "|---|" + "--:|" * (len(PhaseClock.PHASES) + 1),
     ]
     for system, row in summary.items():
         phases = row.get("phase_cpu_rank0", {})
@@ -489,7 +496,8 @@ def phase_table(summary: dict[str, dict[str, Any]]) -> str:
             value = phases.get(phase)
             delta = "" if value is None or phase not in base or system == "ddp" else f" ({value - base[phase]:+.3f})"
             cells.append("" if value is None else f"{value:.3f}{delta}")
-        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+        faults = row.get("minor_faults_rank0")
+        lines.append(f"| {system} | " + " | ".join(cells) + f" | {'' if faults is None else f'{faults:.0f}'} |")
     return "\n".join(lines)
 
 
