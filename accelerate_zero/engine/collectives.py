@@ -197,6 +197,10 @@ def reduce_scatter(
 # `wait()`), so a larger round overlaps more and holds more: at 16 MiB a decoder layer of 28 MB held 16.8 MB received
 # beside its own gradient and the next layer's, and the backward peaked above FSDP2's (issue 44, item 12).
 GLOO_ROUND_NUMEL = 1 << 20
+GLOO_MIN_ROUNDS = 4
+"""A bucket smaller than the rounds above is still reduced in this many: the received temporary of a stage-3 unit
+(a Linear(1024) of 4.2 MB at W = 4: 3.1 MB in one round) is then (W - 1)/4 of its chunk, beside the unit's gradient
+in backward (issue 51, item 5)."""
 GLOO_REDUCE_SCATTER_TAG = 5101
 """The tag of the reduce-scatter's point-to-point messages: messages between two ranks with one tag are matched in
 the order they were issued, which is the same on every rank (as for every collective)."""
@@ -212,7 +216,7 @@ def _p2p_reduce_scatter(
         return Pending(None)
     peers = [r for r in range(world) if r != rank]
     address = [r if dp.group is None else dist.get_global_rank(dp.group, r) for r in peers]
-    width = max(1, min(shard, GLOO_ROUND_NUMEL // world))
+    width = max(1, min(GLOO_ROUND_NUMEL // world, -(-shard // GLOO_MIN_ROUNDS)))
     received = scratch.take(width * len(peers), input.dtype)
     parts = received.view(len(peers), width)
     chunks = input.view(world, shard)
