@@ -151,31 +151,52 @@ def worker(system: str, args: argparse.Namespace) -> None:
     tokens = torch.randint(0, VOCAB, (rows_needed, SEQ), generator=torch.Generator().manual_seed(1))
     train_rows = [{"input_ids": row, "labels": row} for row in tokens]
 
-    readings: dict[str, list[float]] = {"cpu": [], "wall": [], "gather_wait": []}
+    readings: dict[str, list[float]] = {"cpu": [], "wall": [], "gather_wait": [], "minor_faults": []}
     holder: dict[str, Any] = {}
+    phases = PhaseClock()
 
     class StepClock(TrainerCallback):
         """CPU and wall time between on_step_begin and on_step_end: one optimizer step (all its micro-steps)."""
 
         begin: tuple[float, float] = (0.0, 0.0)
+        faults = 0
 
         def _unit_scheduler(self) -> Any:
             engine = getattr(holder.get("trainer"), "zero_engine", None)
             return getattr(engine, "scheduler", None)
 
         def on_step_begin(self, *_: Any, **__: Any) -> None:
+            if not phases.installed:
+                phases.install(holder["trainer"], system)
+            if len(readings["cpu"]) == args.warmup and "threads" not in holder:  # the first timed step
+                holder["threads"] = _thread_cpu_seconds()
+                if args.torch_profile:
+                    holder["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                    holder["profiler"].__enter__()
             scheduler = self._unit_scheduler()
             if scheduler is not None and hasattr(scheduler, "blocked_seconds"):
                 scheduler.blocked_seconds = 0.0
+            phases.start_step()
+            self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self.begin = (time.process_time(), time.perf_counter())
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
             cpu, wall = time.process_time() - self.begin[0], time.perf_counter() - self.begin[1]
             readings["cpu"].append(cpu)
             readings["wall"].append(wall)
+            readings["minor_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults)
+            phases.end_step(cpu)
             scheduler = self._unit_scheduler()
             if scheduler is not None and hasattr(scheduler, "blocked_seconds"):
                 readings["gather_wait"].append(scheduler.blocked_seconds)
+            if len(readings["cpu"]) == args.warmup + args.steps:  # the last timed step
+                if "profiler" in holder:
+                    profiler = holder.pop("profiler")
+                    profiler.__exit__(None, None, None)
+                    table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
+                    Path(args.out).with_suffix(f".rank{rank}.ops.txt").write_text(table)
+                after, before = _thread_cpu_seconds(), holder["threads"]
+                holder["thread_cpu"] = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
     arguments: dict[str, Any] = {
         "output_dir": str(Path(args.out).with_suffix(".trainer_output")),  # nothing is saved there
@@ -221,14 +242,88 @@ def worker(system: str, args: argparse.Namespace) -> None:
         "cpu": readings["cpu"][skip:],
         "wall": readings["wall"][skip:],
         "gather_wait": readings["gather_wait"][skip:],
+        "minor_faults": readings["minor_faults"][skip:],
         "warmup_cpu": readings["cpu"][:skip],
         "warmup_wall": readings["wall"][:skip],
         "train_seconds": train_seconds,
+        "thread_cpu": holder.get("thread_cpu", {}),
+        "phase_cpu": {k: v[skip:] for k, v in phases.steps.items()},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
         "torch": torch.__version__,
         "modules": _versions(),
     }
     Path(args.out).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
+
+
+class PhaseClock:
+    """Process CPU time (every thread: gloo's included) per phase of each optimizer step: the model's forward, the
+    backward with its gradient reduction, the optimizer step (clipping, the step and, at stages 1-2, the parameter
+    all-gather) and the rest of the Trainer's step. The bench wraps the bound methods of its own Trainer's objects
+    (the engine's `backward` and `step`; under DDP the accelerator's `backward`, the Trainer's `_clip_grad_norm` and
+    the optimizer's `step`) and hooks the model's forward; nothing of the library is changed."""
+
+    PHASES = ("forward", "backward", "optimizer", "other")
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.current: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        self.steps: dict[str, list[float]] = {p: [] for p in self.PHASES}
+        self._forward_start = 0.0
+
+    def install(self, trainer: Any, system: str) -> None:
+        self.installed = True
+        trainer.model.register_forward_pre_hook(self._forward_begins)
+        trainer.model.register_forward_hook(self._forward_ends)
+        engine = getattr(trainer, "zero_engine", None)
+        if system.startswith("az") and engine is not None:
+            self._time(engine, "backward", "backward")
+            self._time(engine, "step", "optimizer")
+        else:  # DDP (DeepSpeed: its engine's step runs inside the accelerator's backward, counted there)
+            self._time(trainer.accelerator, "backward", "backward")
+            self._time(trainer, "_clip_grad_norm", "optimizer")
+            self._time(trainer.optimizer, "step", "optimizer")
+
+    def _time(self, owner: Any, name: str, phase: str) -> None:
+        method = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.current[phase] += time.process_time() - start
+
+        setattr(owner, name, timed)
+
+    def _forward_begins(self, *_: Any) -> None:
+        self._forward_start = time.process_time()
+
+    def _forward_ends(self, *_: Any) -> None:
+        self.current["forward"] += time.process_time() - self._forward_start
+
+    def start_step(self) -> None:
+        self.current = dict.fromkeys(self.PHASES, 0.0)
+
+    def end_step(self, total: float) -> None:
+        self.current["other"] = total - sum(v for k, v in self.current.items() if k != "other")
+        for phase, seconds in self.current.items():
+            self.steps[phase].append(seconds)
+
+
+def _thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, keyed "<name>/<tid>" (the main thread is the
+    one whose id is the process's; gloo's and the host step's threads show apart from it)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        main = "main" if task.name == str(os.getpid()) else name
+        out[f"{main}/{task.name}"] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -243,19 +338,19 @@ def _versions() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------------- launching
-def code_tree(args: argparse.Namespace, folder: Path) -> tuple[Path, str]:
+def code_tree(code: str, folder: Path) -> tuple[Path, str]:
     """Where accelerate_zero is imported from: this checkout's working tree, or a `git archive` of a commit (HEAD,
     or any revision: a before/after comparison of two commits with the same benchmark code); no git state changes,
     so others may edit the tree during the run."""
     modified = _git("diff", "--name-only", "HEAD", "--", "accelerate_zero").split()
-    if args.code == "tree":
+    if code == "tree":
         commit = _git("rev-parse", "--short", "HEAD")
         state = f"{len(modified)} modified files in accelerate_zero/" if modified else "accelerate_zero/ as committed"
         return REPO, f"working tree at {commit} ({state})"
-    revision = "HEAD" if args.code == "head" else args.code
+    revision = "HEAD" if code == "head" else code
     commit = _git("rev-parse", "--short", f"{revision}^{{commit}}")
     if not commit:
-        raise SystemExit(f"--code {args.code}: not a commit of {REPO}; use tree, head or a revision git knows")
+        raise SystemExit(f"--code/--baseline {code}: not a commit of {REPO}; use tree, head or a revision git knows")
     snapshot = folder / f"code_{commit}"
     snapshot.mkdir()
     archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True)
@@ -270,8 +365,14 @@ def _git(*command: str) -> str:
     return done.stdout.strip()
 
 
+def base_system(system: str) -> str:
+    """"az2" for "az2@<commit>" (accelerate_zero from `--baseline`), the name itself otherwise."""
+    return system.split("@")[0]
+
+
 def launch(system: str, args: argparse.Namespace, out: Path, code: Path) -> list[dict[str, Any]] | str:
     """Run one system on `--world_size` ranks; its per-rank readings, or why it did not run."""
+    system = base_system(system)
     if system.startswith("ds"):
         python = args.ds_venv / "bin" / "python"
         if not python.exists():
@@ -299,6 +400,7 @@ def launch(system: str, args: argparse.Namespace, out: Path, code: Path) -> list
         f"--offload={args.offload}",
         f"--prefetch={args.prefetch}",
         *(["--profile"] if args.profile else []),
+        *(["--torch_profile"] if args.torch_profile else []),
     ]
     log = out.with_suffix(".log")
     with open(log, "w") as handle:
@@ -331,6 +433,13 @@ def summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[str
         waits = [w / t for r in by_rank[0] for w, t in zip(r["gather_wait"], r["wall"], strict=False) if t > 0]
         row["gather_wait_share"] = statistics.median(waits) if waits else None
         row["params"] = by_rank[0][0]["params"]
+        faults = [v for r in by_rank[0] for v in r.get("minor_faults", [])]
+        row["minor_faults_rank0"] = statistics.median(faults) if faults else None
+        row["phase_cpu_rank0"] = {
+            phase: statistics.median(v for r in by_rank[0] for v in r.get("phase_cpu", {}).get(phase, []))
+            for phase in PhaseClock.PHASES
+            if any(r.get("phase_cpu", {}).get(phase) for r in by_rank[0])
+        }
         summary[system] = row
     base = summary.get("ddp")
     for row in summary.values():
@@ -350,7 +459,7 @@ def table(summary: dict[str, dict[str, Any]], notes: dict[str, str]) -> str:
         "|---|--:|--:|---|--:|--:|--:|--:|---|--:|---|",
     ]
     for system, row in summary.items():
-        goal = GOALS.get(system)
+        goal = GOALS.get(base_system(system))
         ratio = row.get("cpu_rank0_vs_ddp")
         goal_text = ""
         if goal is not None:
@@ -367,6 +476,28 @@ def table(summary: dict[str, dict[str, Any]], notes: dict[str, str]) -> str:
         )
     for system, note in notes.items():
         lines.append(f"| {system} | {note} | | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def phase_table(summary: dict[str, dict[str, Any]]) -> str:
+    """Rank 0's median CPU seconds per phase of a step (PhaseClock), and the difference from DDP's; the page faults
+    per step (first touches of fresh memory: the kernel zeroes every page)."""
+    base = summary.get("ddp", {}).get("phase_cpu_rank0", {})
+    lines = [
+        "| system | " + " | ".join(f"{p} CPU s (vs DDP)" for p in PhaseClock.PHASES) + " | minor page faults |",
+        "|---|" + "--:|" * (len(PhaseClock.PHASES) + 1),
+    ]
+    for system, row in summary.items():
+        phases = row.get("phase_cpu_rank0", {})
+        if not phases:
+            continue
+        cells = []
+        for phase in PhaseClock.PHASES:
+            value = phases.get(phase)
+            delta = "" if value is None or phase not in base or system == "ddp" else f" ({value - base[phase]:+.3f})"
+            cells.append("" if value is None else f"{value:.3f}{delta}")
+        faults = row.get("minor_faults_rank0")
+        lines.append(f"| {system} | " + " | ".join(cells) + f" | {'' if faults is None else f'{faults:.0f}'} |")
     return "\n".join(lines)
 
 
@@ -387,10 +518,10 @@ def report(payload: dict[str, Any]) -> str:
     lines = [header(meta), ""]
     for system, changes in meta["configs"].items():
         lines.append(f"- {system}: " + "; ".join(changes))
-    lines += ["", table(payload["summary"], payload["notes"]), ""]
-    for system, goal in GOALS.items():
-        row = payload["summary"].get(system)
-        if row is not None and row.get("cpu_rank0_vs_ddp") is not None:
+    lines += ["", table(payload["summary"], payload["notes"]), "", phase_table(payload["summary"]), ""]
+    for system, row in payload["summary"].items():
+        goal = GOALS.get(base_system(system))
+        if goal is not None and row.get("cpu_rank0_vs_ddp") is not None:
             verdict = "PASS" if row["cpu_rank0_vs_ddp"] <= goal else "FAIL"
             lines.append(
                 f"goal {system}: CPU time per step {row['cpu_rank0_vs_ddp']:.2f}x DDP's (rank 0), at most {goal:.2f}: "
@@ -427,11 +558,22 @@ def main() -> None:
         help="accelerate_zero from the working tree (tree), or from a `git archive` of HEAD (head: for a tree others "
         "are editing) or of any other commit (a before/after comparison with the same benchmark code)",
     )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="also run every accelerate_zero system with the code of this revision (a `git archive`), interleaved "
+        "with the others: rows <system>@<commit>",
+    )
     parser.add_argument("--ds_venv", type=Path, default=DEFAULT_DS_VENV)
     parser.add_argument("--timeout", type=int, default=900, help="seconds before one system's run is cut")
     parser.add_argument("--json", type=Path, default=None, help="write the raw readings and the summary here")
     parser.add_argument("--from_json", type=Path, default=None, help="print a saved run's report, run nothing")
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0 (a .prof beside each run's log)")
+    parser.add_argument(
+        "--torch_profile",
+        action="store_true",
+        help="torch.profiler over the timed steps: each rank's ops by self CPU time in <run>.rank<R>.ops.txt",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -449,8 +591,21 @@ def main() -> None:
     start_utc = datetime.datetime.now(datetime.timezone.utc)
     started = time.perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="trainer_bench_"))
-    code, code_text = code_tree(args, folder)
-    configs = {s: system_config(s, args.offload, args.prefetch)[1] for s in args.systems if s != "ddp"}
+    code, code_text = code_tree(args.code, folder)
+    codes = dict.fromkeys(args.systems, code)
+    if args.baseline:
+        # Each accelerate_zero system runs twice per round, next to itself with the baseline's code: an A/B in one
+        # interleaved run, under the same load.
+        baseline, baseline_text = code_tree(args.baseline, folder)
+        code_text += f"; systems named <system>@{baseline.name[5:]}: {baseline_text}"
+        systems = []
+        for system in args.systems:
+            systems.append(system)
+            if system.startswith("az"):
+                systems.append(f"{system}@{baseline.name[5:]}")
+                codes[systems[-1]] = baseline
+        args.systems = systems
+    configs = {s: system_config(base_system(s), args.offload, args.prefetch)[1] for s in args.systems if s != "ddp"}
     runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in args.systems}
     notes: dict[str, str] = {}
     loads = [os.getloadavg()[0]]
@@ -461,7 +616,7 @@ def main() -> None:
             if system in notes:
                 continue
             mark = time.perf_counter()
-            result = launch(system, args, folder / f"{system}_round{round_index + 1}", code)
+            result = launch(system, args, folder / f"{system}_round{round_index + 1}", codes[system])
             loads.append(os.getloadavg()[0])
             if isinstance(result, str):
                 notes[system] = result
@@ -476,8 +631,8 @@ def main() -> None:
             )
     summary = summarize(runs)
     params = next((row["params"] for row in summary.values()), 0)
-    if args.code != "tree":
-        shutil.rmtree(code, ignore_errors=True)
+    for snapshot in set(codes.values()) - {REPO}:
+        shutil.rmtree(snapshot, ignore_errors=True)
     meta = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "start_utc": start_utc.strftime("%Y-%m-%d %H:%M"),
@@ -490,7 +645,9 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "params": params,
         "configs": configs,
-        "config_used": {s: system_config(s, args.offload, args.prefetch)[0] for s in args.systems if s != "ddp"},
+        "config_used": {
+            s: system_config(base_system(s), args.offload, args.prefetch)[0] for s in args.systems if s != "ddp"
+        },
         "versions": {s: copy.deepcopy(r[0][0].get("modules", {})) for s, r in runs.items() if r},
     }
     payload = {"meta": meta, "runs": runs, "summary": summary, "notes": notes}
