@@ -51,7 +51,7 @@ ALIASES: dict[str, dict[str, str]] = {
 """Block path -> {accepted alias: attribute name}."""
 
 UNSUPPORTED_DEEPSPEED_KEYS = frozenset(
-    "amp autotuning comms_logger compile compression_training csv_monitor "
+    "amp autotuning comms_logger compression_training csv_monitor "
     "curriculum_learning data_efficiency disable_allgather dump_state eigenvalue elasticity flops_profiler "
     "gradient_allreduce_op graph_harvesting hybrid_engine log_level managed_gradient_accumulation nebula "
     "pipeline progressive_layer_drop quantize_training seq_parallel_communication_data_type sparse_attention "

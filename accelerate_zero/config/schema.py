@@ -69,6 +69,7 @@ from accelerate_zero.config.blocks import (
     _f,
     default_overlap_comm,
 )
+from accelerate_zero.config.compile_block import CompileConfig, compile_refusals
 from accelerate_zero.config.loading import auto_keys, filled_autos, load_config
 from accelerate_zero.config.values import AUTO, ZeroConfigError, is_auto, join_path
 
@@ -87,6 +88,7 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "CheckpointConfig",
+    "CompileConfig",
     "SequenceTilingConfig",
     "DataTypesConfig",
     "FP16Config",
@@ -161,6 +163,8 @@ class ZeroConfig(Block):
     """DeepSpeed's activation checkpointing block: `cpu_checkpointing` keeps what backward needs in host memory."""
     expert_parallel: ExpertParallelConfig = _f(factory=ExpertParallelConfig)
     """DeepSpeed's AutoEP block: each MoE layer's experts split over `autoep_size` ranks (accelerate_zero/engine/experts)."""
+    compile: CompileConfig = _f(factory=CompileConfig)
+    """DeepSpeed's DeepCompile block: defaults only; `engine.compile()` compiles (config/compile_block.py)."""
 
     @classmethod
     def from_any(cls, source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
@@ -331,6 +335,7 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
         "wall_clock_breakdown or torch.profiler",
     ),
     **_expert_parallel_refusals(),
+    **{path: RefusedFeature(default, reason) for path, (default, reason) in compile_refusals().items()},
 }
 """Key path -> the accepted value and why anything else is refused. Extend it to refuse another DeepSpeed option."""
 
