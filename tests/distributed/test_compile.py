@@ -73,7 +73,8 @@ FEATURES: dict[str, dict[str, Any]] = {
             **ZERO3,
             "offload_param": {"device": "cpu", "pin_memory": False},
             "offload_optimizer": {"device": "cpu", "pin_memory": False},
-        }
+        },
+        "activation_checkpointing": {"cpu_checkpointing": True},
     },
 }
 """Stage 3 with each feature, compiled against the same engine eager."""
@@ -222,8 +223,8 @@ def test_stage3_compile_per_unit_on_other_architectures(name: str) -> None:
 
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_stage3_compile_with_features_is_exact_against_eager(feature: str) -> None:
-    """Gradient checkpointing (non-reentrant) with LoRA, bf16, parameter and optimizer offload: compiled per unit,
-    the same training as the same engine eager."""
+    """Gradient checkpointing (non-reentrant) with LoRA, bf16, parameter, optimizer and activation offload:
+    compiled per unit, the same training as the same engine eager."""
     run = _results("features")[feature]
     assert run["diff"] < TOLERANCE, run
     assert run["breaks"] == 0, run

@@ -44,6 +44,7 @@ def _trainer_run(folder: Path, compile_args: dict[str, Any]) -> dict[str, Any]:
 
 def _accelerator_run(dynamo_backend: str | None) -> dict[str, Any]:
     import torch._dynamo
+    from accelerate.state import AcceleratorState
     from torch._dynamo.utils import counters
 
     from accelerate_zero import ZeroAccelerator
@@ -51,6 +52,7 @@ def _accelerator_run(dynamo_backend: str | None) -> dict[str, Any]:
 
     torch._dynamo.reset()
     counters.clear()
+    AcceleratorState._reset_state()  # the dynamo settings are accelerate's process-wide state: the Trainer's stay
     model = tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
