@@ -128,6 +128,8 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, port: int, out
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # FSDP2's default mesh and NCCL use the current device
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world_size)
     names = [f"{family}{suffix}" for family in args.systems for suffix in ("", "+compile")]
     steps, compile_seconds = {}, {}
