@@ -118,7 +118,8 @@ def test_accelerate_dynamo_settings_reach_engine_compile(monkeypatch: pytest.Mon
     compile_prepared(Engine(), model, TorchDynamoPlugin())
     compile_prepared(Engine(), model, TorchDynamoPlugin(backend="inductor", mode="max-autotune", fullgraph=True))
     compile_prepared(Engine(), model, TorchDynamoPlugin(backend="no"))
-    compile_prepared(Engine(), torch.compile(model), TorchDynamoPlugin(backend="inductor"))  # the user's compile
+    user_compiled = torch.compile(model, backend="eager")  # left as it is
+    compile_prepared(Engine(), user_compiled, TorchDynamoPlugin(backend="inductor"))
     assert calls == [
         {"backend": "aot_eager", "compile_kwargs": {}, "regional": True},
         {"backend": "inductor", "compile_kwargs": {"mode": "max-autotune", "fullgraph": True}, "regional": True},
