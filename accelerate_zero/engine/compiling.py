@@ -68,11 +68,16 @@ class CompileRequest:
 
 
 def compile_problems(
-    backend: Any, kwargs: dict[str, Any], *, stage: int, device: torch.device, features: list[str] | None = None
+    backend: Any,
+    kwargs: dict[str, Any],
+    *,
+    stage: int,
+    device: torch.device,
+    features: list[tuple[str, str]] | None = None,
 ) -> list[str]:
     """Every reason `torch.compile(backend=backend, **kwargs)` cannot run with this engine, each with its fix.
 
-    `features`: the engine's features that cannot be traced, by name (an empty list: none).
+    `features`: (name, why) of the engine's features that cannot be compiled; None: none.
     """
     problems = [f"{name} cannot be compiled: {why}" for name, why in (features or [])]
     problems += _backend_problems(backend, device, stage)
