@@ -13,7 +13,10 @@ all-gather). So, as FSDP2 does with its own hooks (`torch._dynamo.config.skip_fs
   Ulysses all-to-all, expert parallelism's dispatch) breaks the graph there and runs eagerly;
 - the entry hooks of the modules inside a unit ([Note: sub-module calls] in engine/stage3/schedule.py) are traced
   as nothing: inside a compiled unit they are always nested in a forward that holds their units (the case their
-  eager fast path handles), and the hooks of the module a compiled call starts at run before dynamo, eagerly;
+  eager fast path handles), and the hooks of the module a compiled call starts at run before dynamo, eagerly
+  (not supported: a sub-module called alone *inside* compiled code, e.g. `torch.compile(model.lm_head)` of a
+  torch.nn module, whose hooks dynamo inlines: its units are not gathered and tracing fails on the empty
+  placeholders, a shape error);
 - the first forward of each entry point, which records the execution order and watches for parameters used
   outside their unit through a TorchFunctionMode (engine/stage3/external.py), runs eagerly
   (`EagerWhileRecording`): dynamo would otherwise trace the mode's gathers, and a graph compiled under the mode is
