@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from accelerate_zero.config.compile_block import compile_refusals
+
 
 class RefusedFeature(NamedTuple):
     """A DeepSpeed option accelerate_zero will never implement: only `default` (or what `accepts` allows) passes."""
@@ -163,5 +165,6 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
         "wall_clock_breakdown or torch.profiler",
     ),
     **_expert_parallel_refusals(),
+    **{path: RefusedFeature(default, reason) for path, (default, reason) in compile_refusals().items()},
 }
 """Key path -> the accepted value and why anything else is refused. Extend it to refuse another DeepSpeed option."""

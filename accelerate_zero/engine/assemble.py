@@ -128,9 +128,7 @@ class _Assembly:
         self.stage = config.zero_optimization.stage
         self.offload = offload_policy(config)
         self.host_copies = HostCopies(device)
-        self.scratch = ScratchBuffers(
-            device, reuse=False if __import__("os").environ.get("AZ_NOREUSE") else None
-        )  # [Note: temporaries reused in host memory]
+        self.scratch = ScratchBuffers(device)  # [Note: temporaries reused in host memory]
         # [Note: pinned memory at its size] in offload/host_memory.py
         self.host_memory = HostMemory(pin=self.offload.pin_memory and device.type == "cuda")
         self.shard_store: ShardStore = ShardsInMemory()
