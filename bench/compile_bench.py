@@ -190,7 +190,9 @@ def _table(world_size: int, result: dict[str, Any]) -> list[str]:
     if "ours3+compile" in medians and "fsdp2+compile" in medians:
         ours, theirs = medians["ours3+compile"], medians["fsdp2+compile"]
         ratio = {kind: ours[kind] / theirs[kind] for kind in ("cpu", "wall")}
-        lines.append(f"| ours3+compile / fsdp2+compile (goal <= 1.10) | {ratio['cpu']:.2f} | {ratio['wall']:.2f} | | |")
+        lines.append(
+            f"| ours3+compile / fsdp2+compile (goal <= 1.10) | {ratio['cpu']:.2f} | {ratio['wall']:.2f} | | |"
+        )
     return lines
 
 

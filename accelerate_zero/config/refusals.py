@@ -48,6 +48,7 @@ def _not_built_yet() -> dict[str, RefusedFeature]:
         ),
     }
 
+
 _OWN_ROUTER = "the router, its top-k and scores stay the model's (set them in the model's config)"
 _OWN_EXPERTS = "the model's own experts module runs on each rank's experts (transformers' experts_implementation)"
 _BY_STRUCTURE = "MoE layers are found by structure (fused 3-D expert parameters), not by name patterns"

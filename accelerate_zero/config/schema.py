@@ -70,8 +70,8 @@ from accelerate_zero.config.blocks import (
     _f,
     default_overlap_comm,
 )
+from accelerate_zero.config.compile_block import CompileConfig
 from accelerate_zero.config.deepspeed_keys import library_problems
-from accelerate_zero.config.compile_block import CompileConfig, compile_refusals
 from accelerate_zero.config.loading import auto_keys, filled_autos, load_config
 from accelerate_zero.config.monitor_blocks import (
     CometConfig,
@@ -253,8 +253,13 @@ def static_problems(config: ZeroConfig) -> list[str]:
         *_refused_problems(config),
         *_precision_problems(config),
         *_param_dtype_problems(config),
-        *library_problems({name: module for name, module in (("wandb", "wandb"), ("comet", "comet_ml"),
-                           ("tensorboard", "tensorboard")) if getattr(config, name).enabled is True}),  # fmt: skip
+        *library_problems(
+            {
+                name: module
+                for name, module in (("wandb", "wandb"), ("comet", "comet_ml"), ("tensorboard", "tensorboard"))
+                if getattr(config, name).enabled is True
+            }
+        ),  # fmt: skip
         *_loss_scale_problems(config),
         *_parallel_write_problems(config),
         *_optimizer_block_problems(config),

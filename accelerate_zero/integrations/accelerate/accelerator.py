@@ -39,12 +39,12 @@ from torch import nn
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.integrations.accelerate import checkpointing
-from accelerate_zero.integrations.accelerate.compile_settings import compile_prepared
 from accelerate_zero.integrations.accelerate.accelerate_setup import (
     check_distributed_state,
     refuse_other_backends,
     with_process_group_setup,
 )
+from accelerate_zero.integrations.accelerate.compile_settings import compile_prepared
 from accelerate_zero.integrations.accelerate.engine_config import check_objects, config_with_precision, engine_config
 from accelerate_zero.integrations.accelerate.parallelism import (
     parallelism_from_launch,
