@@ -13,6 +13,7 @@ built); the product never imports deepspeed.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,26 @@ def deepspeed_masters(folder: Path, tag: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return {k: v.float() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag).items()}
+
+
+def to_universal(tag_folder: Path) -> Path:
+    """DeepSpeed's ds_to_universal on `tag_folder` (`<dir>/global_stepN` -> `<dir>/global_stepN_universal`, and
+    `<dir>/latest_universal`), in this process."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    output = tag_folder.parent / f"{tag_folder.name}_universal"
+    # its command line's arguments; one worker runs in this process (more would start a process pool)
+    args = argparse.Namespace(
+        input_folder=str(tag_folder),
+        output_folder=str(output),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # set by DeepSpeed's Megatron integration, not by the engine alone
+    )
+    ds_to_universal.main(args)
+    return output
 
 
 def ours(world_size: int, stage: int, dtype: str = "fp32", lora: bool = False, seed_offset: int = 7) -> Any:
