@@ -12,6 +12,7 @@ body per world size (importing deepspeed costs seconds).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ def _body(rank: int, world_size: int, root: str, other: str | None) -> dict[str,
             )
     if world_size == 2:
         out |= _variants(rank, world_size, Path(root))
+        out["faults"] = _faults(rank, world_size, Path(root) / "ds_w2_z2")
     if other is not None:  # the 2-rank folders, on 3 ranks: another world size, as saved and made universal
         for stage in (1, 3):
             folder = Path(other) / f"ds_w2_z{stage}"
@@ -77,6 +79,7 @@ def _body(rank: int, world_size: int, root: str, other: str | None) -> dict[str,
             torch.distributed.barrier()
             got = _resume(rank, world_size, folder, 4 - stage, tag=f"global_step{runs.SAVED_AT}_universal")
             out[("universal", stage)] = _compare(rank, got, folder, ran_there)
+        out["faults"] = _damaged_universal(rank, world_size, Path(other) / "ds_w2_z3" / "global_step2_universal")
     return out
 
 
@@ -97,6 +100,65 @@ def _variants(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     return out
 
 
+class _SystemCall:
+    """Pickled as a call of os.system: what loading a foreign file must never do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _load_error(rank: int, world_size: int, folder: Path, stage: int = 2, **load: Any) -> str:
+    from tests.distributed import deepspeed_runs as runs
+
+    engine = runs.ours(world_size, stage)
+    try:
+        engine.load_checkpoint(str(folder), **load)
+    except (ValueError, FileNotFoundError) as error:
+        return str(error)
+    return "loaded"
+
+
+def _faults(rank: int, world_size: int, saved: Path) -> dict[str, Any]:
+    """Copies of a DeepSpeed folder with one optimizer file replaced by a pickle that calls os.system, or removed."""
+    tag = f"global_step{runs_saved_at()}"
+    out: dict[str, Any] = {}
+    for case in ("foreign_class", "missing_file"):
+        folder = saved.parent / f"{saved.name}_{case}"
+        victim = folder / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        if rank == 0:
+            shutil.copytree(saved, folder)
+            if case == "foreign_class":
+                torch.save({"optimizer_state_dict": _SystemCall(saved.parent / "ran")}, victim)
+            else:
+                victim.unlink()
+        torch.distributed.barrier()
+        out[case] = {"error": _load_error(rank, world_size, folder), "victim": str(victim)}
+    out["ran"] = (saved.parent / "ran").exists()
+    return out
+
+
+def _damaged_universal(rank: int, world_size: int, universal: Path) -> dict[str, Any]:
+    """One parameter's fp32.pt truncated: only the ranks whose ranges hold that parameter read it."""
+    folder = universal.parent.parent / "damaged"
+    victim = folder / universal.name / "zero" / "model.layers.1.mlp.up_proj.weight" / "fp32.pt"
+    if rank == 0:
+        shutil.copytree(universal.parent, folder)
+        victim.write_bytes(victim.read_bytes()[:300])
+    torch.distributed.barrier()
+    return {"error": _load_error(rank, world_size, folder, 2, tag=universal.name), "victim": str(victim)}
+
+
+def runs_saved_at() -> int:
+    from tests.distributed import deepspeed_runs as runs
+
+    return runs.SAVED_AT
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list, list]:
     root = tmp_path_factory.mktemp("deepspeed")
@@ -110,7 +172,7 @@ def test_deepspeed_zero_checkpoints_resume_in_our_engines(runs: tuple) -> None:
     checked = 0
     for world_size, results in ((2, two), (3, three)):
         for rank, result in enumerate(results):
-            for key, got in result.items():
+            for key, got in ((k, v) for k, v in result.items() if isinstance(k, tuple)):
                 where = f"W={world_size} {key} rank {rank}"
                 assert got["loaded"].startswith("global_step2") and got["steps_loaded"] == 2, where
                 assert got["steps"] == got["reference_steps"] == 4, where
@@ -121,3 +183,19 @@ def test_deepspeed_zero_checkpoints_resume_in_our_engines(runs: tuple) -> None:
                     assert got["diff"] < bound, (where, got["diff"])
                     checked += 1
     assert checked == 9 + 1 + 3 + 3 + 2 * 2  # every case ran
+
+
+def test_foreign_classes_damaged_and_missing_files_are_refused_on_every_rank(runs: tuple) -> None:
+    _, two, three = runs
+    assert not two[0]["faults"]["ran"], "a pickled os.system call ran while loading"
+    for result in two:
+        faults = result["faults"]
+        error = faults["foreign_class"]["error"]
+        assert faults["foreign_class"]["victim"] in error and "system" in error and "nothing it names ran" in error
+        error = faults["missing_file"]["error"]
+        assert "no optim_states file for rank(s) [1]" in error and "zero_pp_rank_1_mp_rank_00" in error, error
+    errors = [result["faults"]["error"] for result in three]
+    victim = three[0]["faults"]["victim"]
+    assert all(victim in error and "truncated or corrupted" in error for error in errors), errors
+    # not every rank read the file: the others raise what the reading rank found
+    assert any("found by rank" in error for error in errors) and not all("found by rank" in e for e in errors), errors
