@@ -34,6 +34,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_zero.checkpoint import dcp_read
+from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
@@ -352,7 +353,9 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
             checkpoint_saves.resume_from_dcp(self, engine, checkpoint, own)
             return
         _check_complete(checkpoint)
-        engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
+        # A DeepSpeed Trainer's checkpoint-N holds global_stepN/ and `latest` where ours holds zero_model/
+        deepspeed = find_deepspeed_folder(Path(checkpoint), None) is not None
+        engine.load_checkpoint(checkpoint, tag=None if deepspeed else CHECKPOINT_TAG)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if not isinstance(self.lr_scheduler, ZeroSchedulerWrapper) and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
