@@ -30,6 +30,12 @@ from safetensors.torch import save_file
 
 from accelerate_zero.checkpoint import async_save as async_save_io
 from accelerate_zero.checkpoint import dcp_read, rank_parts
+from accelerate_zero.checkpoint.accelerate_fsdp import (
+    fsdp_folders,
+    full_state_files,
+    missing_optimizer,
+    read_full_state,
+)
 from accelerate_zero.checkpoint.dcp_load import load_dcp
 from accelerate_zero.checkpoint.dcp_save import save_dcp
 from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder, read_any
@@ -274,6 +280,20 @@ def load_engine(
     """
     async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
     named = Path(load_dir) if tag is None else Path(load_dir) / check_tag(tag, "tag")
+    fsdp = fsdp_folders(Path(load_dir), tag)
+    if fsdp is not None:  # [Note: accelerate's FSDP folders] in checkpoint/accelerate_fsdp.py
+        model, optimizer = fsdp
+        if load_optimizer_states and not dcp_read.is_dcp_folder(optimizer):
+            raise ValueError(missing_optimizer(model, optimizer))
+        optimizer_folder = optimizer if load_optimizer_states else None
+        return model, load_dcp(engine, model, load_optimizer_states, load_lr_scheduler_states, optimizer_folder)
+    full = full_state_files(Path(load_dir), tag)
+    if full is not None:  # [Note: accelerate's FSDP folders] in checkpoint/accelerate_fsdp.py
+        model_file, optimizer_file = full
+        if load_optimizer_states and not optimizer_file.is_file():
+            raise ValueError(missing_optimizer(model_file, optimizer_file))
+        read = lambda: read_full_state(model_file, optimizer_file if load_optimizer_states else None)  # noqa: E731
+        return load_foreign(engine, read, load_optimizer_states, load_lr_scheduler_states)
     if dcp_read.is_dcp_folder(named):  # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
         if getattr(engine, "experts", None) is not None:
             raise NotImplementedError(

@@ -131,7 +131,9 @@ def _check_model(state: CheckpointState, checkpoint: ForeignCheckpoint, with_opt
             "keep the model's values, which must be the base weights it was trained from",
             stacklevel=4,
         )
-    extra = sorted(set(saved) - set(model))
+    known = {name for name, _ in state.module.named_parameters(remove_duplicate=False)}
+    known |= {name for name, _ in state.module.named_buffers()}
+    extra = sorted(set(saved) - set(model) - known)  # tied aliases and buffers are not extra
     if extra:
         warnings.warn(f"{checkpoint.folder} holds parameters the model lacks, not loaded: {extra[:10]}", stacklevel=4)
     return set(kept)

@@ -55,6 +55,33 @@ def deepspeed_trainer(rank: int, world_size: int, folder: str, stage: int) -> di
     return out
 
 
+def fsdp_trainer(rank: int, world_size: int, folder: str, state_dict_type: str) -> dict[str, Any]:
+    """transformers' Trainer with FSDP2 (forced on the CPU, tests/integration/fsdp_on_cpu.py), wrapping each decoder
+    layer, trains and checkpoints with `state_dict_type` ("FULL_STATE_DICT", transformers' default, or
+    "SHARDED_STATE_DICT"); returns its end: the log, the step and (rank 0) the full fp32 weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import TrainingArguments
+
+    from tests.integration.fsdp_on_cpu import fsdp_trainer_class
+
+    plain_torchrun_environment()
+    fsdp = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": state_dict_type}
+    args = TrainingArguments(fsdp="full_shard", fsdp_config=fsdp, **_args(Path(folder)))
+    trainer = fsdp_trainer_class()(
+        model=trainer_checks.tiny_llama(), args=args, train_dataset=trainer_checks.dataset()
+    )
+    trainer.train()
+    full = get_model_state_dict(
+        trainer.model_wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {
+        "log": logged(trainer),
+        "step": trainer.state.global_step,
+        "state": {name: value.float() for name, value in full.items()} if rank == 0 else None,
+        "files": sorted(p.name for p in (Path(folder) / f"checkpoint-{SAVE_AT}").iterdir()),
+    }
+
+
 def our_trainer_resumes(rank: int, world_size: int, checkpoint: str, stage: int) -> dict[str, Any]:
     """Our Trainer (`zero_config=` the same config) resumes `checkpoint` and trains to the end."""
     from accelerate_zero import Trainer, TrainingArguments

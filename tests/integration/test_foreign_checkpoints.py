@@ -1,6 +1,8 @@
 """Resuming, in our Trainer, the `checkpoint-N` folders transformers' own Trainer writes under DeepSpeed (a
-`global_stepN/` and `latest` beside its files), with one changed line: `resume_from_checkpoint=` the folder. The
-resumed run must end where the DeepSpeed run that never stopped ended (tests/integration/foreign_checks.py)."""
+`global_stepN/` and `latest` beside its files) and under FSDP (FULL_STATE_DICT, its default: `pytorch_model_fsdp.bin`
+and `optimizer.bin`; SHARDED_STATE_DICT: the DCP folders `pytorch_model_fsdp_0/` and `optimizer_0/`), with one
+changed line: `resume_from_checkpoint=` the folder. The resumed run must end where the run that never stopped ended
+(tests/integration/foreign_checks.py): the same losses and learning rates at steps 3 and 4, the same weights."""
 
 from __future__ import annotations
 
@@ -16,17 +18,22 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def deepspeed_trainer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def trainers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("foreign_trainer")
-    theirs = run_distributed(foreign_checks.deepspeed_trainer, 2, str(root / "deepspeed"), 3, timeout=600)
-    checkpoint = str(root / "deepspeed" / f"checkpoint-{foreign_checks.SAVE_AT}")
-    ours = run_distributed(foreign_checks.our_trainer_resumes, 2, checkpoint, 3, timeout=600)
-    return {"theirs": theirs, "ours": ours}
+    out = {}
+    runs = {
+        "deepspeed": (foreign_checks.deepspeed_trainer, 3),
+        "fsdp_full": (foreign_checks.fsdp_trainer, "FULL_STATE_DICT"),
+        "fsdp_sharded": (foreign_checks.fsdp_trainer, "SHARDED_STATE_DICT"),
+    }
+    for name, (body, option) in runs.items():
+        theirs = run_distributed(body, 2, str(root / name), option, timeout=600)
+        checkpoint = str(root / name / f"checkpoint-{foreign_checks.SAVE_AT}")
+        out[name] = {"theirs": theirs, "ours": run_distributed(foreign_checks.our_trainer_resumes, 2, checkpoint, 3)}
+    return out
 
 
-def test_our_trainer_resumes_a_deepspeed_trainer_checkpoint(deepspeed_trainer: dict[str, Any]) -> None:
-    theirs, ours = deepspeed_trainer["theirs"], deepspeed_trainer["ours"]
-    assert "global_step2" in theirs[0]["files"] and "latest" in theirs[0]["files"], theirs[0]["files"]
+def _same_end(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> None:
     for rank in range(2):
         assert ours[rank]["step"] == theirs[rank]["step"] == 4
         # the steps after the resume: the same batches (loss) and learning rate
@@ -39,3 +46,19 @@ def test_our_trainer_resumes_a_deepspeed_trainer_checkpoint(deepspeed_trainer: d
     assert len(shared) >= len(got) - 1  # lm_head.weight is tied to the embedding
     diff = max((got[name] - reference[name]).abs().max().item() for name in shared)
     assert diff < TOLERANCE, diff
+
+
+def test_our_trainer_resumes_a_deepspeed_trainer_checkpoint(trainers: dict[str, Any]) -> None:
+    files = trainers["deepspeed"]["theirs"][0]["files"]
+    assert "global_step2" in files and "latest" in files, files
+    _same_end(**trainers["deepspeed"])
+
+
+@pytest.mark.parametrize("kind", ["fsdp_full", "fsdp_sharded"])
+def test_our_trainer_resumes_an_fsdp_trainer_checkpoint(trainers: dict[str, Any], kind: str) -> None:
+    files = trainers[kind]["theirs"][0]["files"]
+    expected = (
+        ("pytorch_model_fsdp.bin", "optimizer.bin") if kind == "fsdp_full" else ("pytorch_model_fsdp_0", "optimizer_0")
+    )
+    assert set(expected) <= set(files), files
+    _same_end(**trainers[kind])

@@ -16,7 +16,9 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import convert_file_size_to_int, load
 
-from accelerate_zero.checkpoint import async_save, dcp_read
+from accelerate_zero.checkpoint import accelerate_fsdp, async_save, dcp_read
+from accelerate_zero.checkpoint.accelerate_fsdp import fsdp_folders
+from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.config.checkpoint_writer import decoupled
 from accelerate_zero.engine.engine import ZeroEngine
@@ -96,13 +98,37 @@ def load_state(
     with custom_objects_hidden(accelerator) as custom_objects:
 
         def load_engines(models: list, folder: str) -> None:
-            for tag, entry in checkpointed(prepared):
+            trained = checkpointed(prepared)
+            for index, (tag, entry) in enumerate(trained):
+                tag = saved_tag(Path(folder), index, tag, len(trained))
                 entry.engine.load_checkpoint(folder, tag=tag, **engine_kwargs)
                 entry.optimizer._step_was_skipped = False
             load_custom_objects_safely(custom_objects, folder)
 
         with accelerate_state_only(accelerator, prepared, "_load_model_state_pre_hook", load_engines):
             load(input_dir, load_kwargs, **accelerate_kwargs)
+
+
+DEEPSPEED_TAG = "pytorch_model"
+"""accelerate's DeepSpeed `save_state` writes the i-th model's engine checkpoint as tag `pytorch_model[_i]`."""
+
+
+def saved_tag(folder: Path, index: int, ours: str, trained: int) -> str | None:
+    """The tag under which `folder` holds the `index`-th trained model's state: ours (`zero_model[_i]`), accelerate's
+    FSDP (`pytorch_model_fsdp_<i>` with `optimizer_<i>`, [Note: accelerate's FSDP folders] in
+    checkpoint/accelerate_fsdp.py) or DeepSpeed (`pytorch_model[_i]`) save_state folders; None (the folder's
+    `latest`) for a bare DeepSpeed `save_checkpoint` folder of the one trained model."""
+    if (folder / ours).exists():
+        return ours
+    fsdp = accelerate_fsdp.model_dir(index)
+    if fsdp_folders(folder, fsdp) is not None or accelerate_fsdp.full_state_files(folder, fsdp) is not None:
+        return fsdp
+    deepspeed = DEEPSPEED_TAG if index == 0 else f"{DEEPSPEED_TAG}_{index}"
+    if find_deepspeed_folder(folder, deepspeed) is not None:
+        return deepspeed
+    if trained == 1 and find_deepspeed_folder(folder, None) is not None:
+        return None
+    return ours
 
 
 def _load_dcp(prepared: list[PreparedModel], folder: str, engine_kwargs: dict[str, Any]) -> None:

@@ -12,7 +12,8 @@ The Trainer keeps its loop; what it does with DeepSpeed (INTEGRATION_NOTES §2.1
   rank's shards (`zero_model/`) next to Trainer's own files, and counts as complete only once `trainer_state.json`
   is written, so `resume_from_checkpoint=True` never picks a half-written one. With `checkpoint.writer.decoupled`
   the engine state is written in the background and the rotation waits for it ([Note: the Trainer's asynchronous
-  saves] in checkpoint_saves.py); `resume_from_checkpoint` may name a DCP folder written by FSDP2 or torchtitan.
+  saves] in checkpoint_saves.py). `resume_from_checkpoint` may also name a `checkpoint-N` the transformers Trainer
+  wrote under DeepSpeed or FSDP, or a DCP folder written by FSDP2 or torchtitan.
 * Evaluation/prediction before training prepares the model for inference (sharded at stage 3); `train()` undoes it.
 """
 
@@ -34,11 +35,10 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_zero.checkpoint import dcp_read
-from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
-from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG, exports_in_parallel
+from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG, exports_in_parallel, saved_tag
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
 from accelerate_zero.integrations.transformers import checkpoint_saves
@@ -353,9 +353,9 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
             checkpoint_saves.resume_from_dcp(self, engine, checkpoint, own)
             return
         _check_complete(checkpoint)
-        # A DeepSpeed Trainer's checkpoint-N holds global_stepN/ and `latest` where ours holds zero_model/
-        deepspeed = find_deepspeed_folder(Path(checkpoint), None) is not None
-        engine.load_checkpoint(checkpoint, tag=None if deepspeed else CHECKPOINT_TAG)
+        # A DeepSpeed Trainer's checkpoint-N holds global_stepN/ and `latest`, an FSDP Trainer's pytorch_model_fsdp_0/
+        # and optimizer_0/, where ours holds zero_model/
+        engine.load_checkpoint(checkpoint, tag=saved_tag(Path(checkpoint), 0, CHECKPOINT_TAG, 1))
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if not isinstance(self.lr_scheduler, ZeroSchedulerWrapper) and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
