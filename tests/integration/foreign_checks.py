@@ -1,5 +1,5 @@
-"""What each rank runs for tests/integration/test_foreign_checkpoints.py: transformers' own Trainer with DeepSpeed (and
-with FSDP) writing `checkpoint-N` folders, and ours resuming them.
+"""What each rank runs for tests/integration/test_foreign_checkpoints.py: transformers' own Trainer with DeepSpeed and
+with FSDP writing `checkpoint-N` folders, accelerate's FSDP `save_state`, and ours resuming them.
 
 Every run trains the tiny Llama of trainer_checks.py with AdamW (weight decay 0.1), a linear schedule with 2 warmup
 steps and no clipping, on the Trainer's sequential sampler: 4 optimizer steps of 2 micro-steps, a checkpoint every 2.
@@ -99,3 +99,122 @@ def our_trainer_resumes(rank: int, world_size: int, checkpoint: str, stage: int)
 def logged(trainer: Any) -> dict[int, tuple[float, float]]:
     """step -> (loss, learning rate) the Trainer logged: the batches a step trained on, and its schedule."""
     return {e["step"]: (e["loss"], e["learning_rate"]) for e in trainer.state.log_history if "loss" in e}
+
+
+class Counter:
+    """An object registered with `register_for_checkpointing`: accelerate saves and restores its state_dict."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = state["value"]
+
+
+def _accelerate_loop(accelerator: Any, model: Any, world_size: int, steps: range, force: Any = None) -> Any:
+    """AdamW (weight decay) with a linear warmup LambdaLR, on this rank's slice of the same global batches."""
+    from transformers import get_linear_schedule_with_warmup
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.1)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 3, 12)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if force is not None:
+        force()
+    rank = accelerator.process_index
+    for step in steps:
+        data = torch.randint(0, trainer_checks.VOCAB, (6, 8), generator=torch.Generator().manual_seed(50 + step))
+        batch = data[rank * 6 // world_size : (rank + 1) * 6 // world_size]
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return model, scheduler
+
+
+def accelerate_fsdp(rank: int, world_size: int, folder: str, version: int) -> dict[str, Any]:
+    """accelerate with FSDP `version` (forced on the CPU) trains SAVE_AT steps, `save_state(folder)` (a registered
+    Counter at 5), trains to 4 steps; returns its end (rank 0: the full weights) and the learning rate."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from tests.integration.fsdp_on_cpu import force_fsdp
+
+    plain_torchrun_environment()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=version,
+        state_dict_type="SHARDED_STATE_DICT",
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        use_orig_params=True,  # FSDP1: the optimizer is built before prepare
+        cpu_ram_efficient_loading=False,
+    )
+    # FSDP2 needs accelerate's multi-process CPU state (cpu=True; without it accelerate counts one process and FSDP2
+    # shards over a mesh of one); FSDP1 shards over the default group and refuses cpu=True (device "cpu" vs "cpu:0").
+    # One scheduler step per optimizer step in every run (accelerate otherwise steps it once per process it counts).
+    accelerator = Accelerator(cpu=version == 2, fsdp_plugin=plugin, step_scheduler_with_optimizer=False)
+    force_fsdp(plugin)
+    counter = Counter(5)
+    accelerator.register_for_checkpointing(counter)
+    model, scheduler = _accelerate_loop(
+        accelerator, trainer_checks.tiny_llama(), world_size, range(SAVE_AT), lambda: force_fsdp(plugin)
+    )
+    force_fsdp(plugin)  # each AcceleratorState() copies the CPU's distributed type back (fsdp_on_cpu.py)
+    accelerator.save_state(folder)
+    model, scheduler = _continue(accelerator, model, scheduler, world_size, lambda: force_fsdp(plugin))
+    # The end, saved the same way and merged by torch's own DCP tools (FSDP1's full state_dict hook crashes on the CPU)
+    force_fsdp(plugin)
+    accelerator.save_state(f"{folder}_end")
+    return {"lr": scheduler.get_last_lr()[0], "state": _merged(Path(folder + "_end") / "pytorch_model_fsdp_0", rank)}
+
+
+def _merged(dcp_folder: Path, rank: int) -> dict[str, torch.Tensor] | None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if rank != 0:
+        return None
+    dcp_to_torch_save(dcp_folder, dcp_folder.with_suffix(".pt"))
+    model = torch.load(dcp_folder.with_suffix(".pt"), weights_only=False)["model"]  # a test's own file
+    return {name: value.float() for name, value in model.items()}
+
+
+def _continue(accelerator: Any, model: Any, scheduler: Any, world_size: int, force: Any = None) -> tuple[Any, Any]:
+    rank = accelerator.process_index
+    optimizer = accelerator._optimizers[0]
+    for step in range(SAVE_AT, trainer_checks.STEPS):
+        if force is not None:
+            force()
+        data = torch.randint(0, trainer_checks.VOCAB, (6, 8), generator=torch.Generator().manual_seed(50 + step))
+        batch = data[rank * 6 // world_size : (rank + 1) * 6 // world_size]
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return model, scheduler
+
+
+def zero_accelerator_resumes(rank: int, world_size: int, folder: str, stage: int) -> dict[str, Any]:
+    """`ZeroAccelerator.load_state(folder)` of accelerate's FSDP save, then the same steps to the end."""
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+
+    plain_torchrun_environment()
+    config = {"train_micro_batch_size_per_gpu": 6 // world_size, "gradient_clipping": 0.0}
+    config["zero_optimization"] = {"stage": stage}
+    plugin = ZeroPlugin(config=config, zero3_save_16bit_model=True)
+    accelerator = ZeroAccelerator(plugin, step_scheduler_with_optimizer=False)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    model, scheduler = _accelerate_loop(accelerator, trainer_checks.tiny_llama(seed=7), world_size, range(0))
+    accelerator.load_state(folder)
+    lr_loaded = scheduler.get_last_lr()[0]
+    at_load = {k: v.float() for k, v in accelerator.get_state_dict(model).items()} if rank == 0 else None
+    model, scheduler = _continue(accelerator, model, scheduler, world_size)
+    state = accelerator.get_state_dict(model)
+    out = {"lr": scheduler.get_last_lr()[0], "lr_loaded": lr_loaded, "counter": counter.value, "at_load": at_load}
+    out["saved"] = _merged(Path(folder) / "pytorch_model_fsdp_0", rank)
+    out["state"] = {k: v.float() for k, v in state.items()} if rank == 0 else None
+    accelerator.free_memory()
+    return out

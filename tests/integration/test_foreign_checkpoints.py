@@ -62,3 +62,34 @@ def test_our_trainer_resumes_an_fsdp_trainer_checkpoint(trainers: dict[str, Any]
     )
     assert set(expected) <= set(files), files
     _same_end(**trainers[kind])
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    root = tmp_path_factory.mktemp("foreign_accelerate")
+    out = {}
+    for world_size, version, stage in ((2, 2, 2), (3, 2, 3), (2, 1, 3)):
+        folder = str(root / f"fsdp{version}_w{world_size}")
+        theirs = run_distributed(foreign_checks.accelerate_fsdp, world_size, folder, version, timeout=600)
+        ours = run_distributed(foreign_checks.zero_accelerator_resumes, world_size, folder, stage, timeout=600)
+        out[(world_size, version, stage)] = {"theirs": theirs, "ours": ours}
+    return out
+
+
+def test_zero_accelerator_loads_accelerate_fsdp_save_state(accelerate_runs: dict[Any, Any]) -> None:
+    """FSDP2 at 2 and 3 ranks, FSDP1 (SHARDED_STATE_DICT) at 2, resumed by our stages 2 and 3: the weights, the
+    warmup LambdaLR (accelerate's scheduler.bin) and the registered object carry over, and FSDP2's continuation is
+    matched. FSDP1 under accelerate on this CPU trains each rank alone (accelerate counts one process and refuses
+    cpu=True for it), so its continuation is no reference: its folder is checked as loaded (the same layout)."""
+    for key, runs in accelerate_runs.items():
+        theirs, ours = runs["theirs"], runs["ours"]
+        for rank, got in enumerate(ours):
+            assert got["counter"] == 5, (key, rank)
+            assert got["lr"] == pytest.approx(theirs[rank]["lr"], rel=1e-12), (key, rank)
+            assert got["lr_loaded"] > 0, key  # the warmup did not restart at step 0
+        saved, at_load = ours[0]["saved"], ours[0]["at_load"]
+        assert max((at_load[n] - saved[n]).abs().max().item() for n in saved if n in at_load) == 0.0, key
+        if key[1] == 2:
+            reference, state = theirs[0]["state"], ours[0]["state"]
+            diff = max((state[name] - reference[name]).abs().max().item() for name in reference if name in state)
+            assert diff < TOLERANCE, (key, diff)
