@@ -151,10 +151,10 @@ def load_dcp(
     steps = on_every_rank(engine, restore)
     state.finish_load()
     if load_optimizer_states:
-        _load_param_groups(state, *opt_where, opt_prefix, trained)
+        on_every_rank(engine, lambda: _load_param_groups(state, *opt_where, opt_prefix, trained))
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
-        _load_scheduler(engine.lr_scheduler, folder, metadata)
-    step = dcp_read.load_value(folder, metadata, "train_state.step")
+        on_every_rank(engine, lambda: _load_scheduler(engine.lr_scheduler, folder, metadata))
+    step = on_every_rank(engine, lambda: dcp_read.load_value(folder, metadata, "train_state.step"))
     global_steps = int(step) if isinstance(step, int) else int(steps)
     accumulation = engine.config.gradient_accumulation_steps
     accumulation = accumulation if isinstance(accumulation, int) else 1

@@ -154,4 +154,11 @@ def load_value(folder: Path, metadata: Metadata, key: str) -> Any:
     with open(folder / info.relative_path, "rb") as handle:
         handle.seek(info.offset)
         data = handle.read(info.length)
-    return torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # a damaged byte: any unpickling or zip error
+        raise ValueError(
+            f"{folder / info.relative_path}: the value of {key} (bytes {info.offset}-{info.offset + info.length}) "
+            f"cannot be read ({type(error).__name__}): the file is damaged or truncated; restore it or use another "
+            "checkpoint"
+        ) from None

@@ -45,6 +45,7 @@ from accelerate_zero.checkpoint.fragment_load import check_optimizer, check_shap
 from accelerate_zero.checkpoint.fragments import Fragment, persistent_buffers, range_fragments, whole_key
 from accelerate_zero.checkpoint.frozen import check_frozen, frozen_fingerprints, frozen_names
 from accelerate_zero.checkpoint.io import (
+    LATEST,
     FragmentReader,
     check_shared_folder,
     check_tag,
@@ -53,6 +54,7 @@ from accelerate_zero.checkpoint.io import (
     resolve_tag,
 )
 from accelerate_zero.checkpoint.meta import FORMAT, check_file_set, file_digest, read_meta, verify_digests, write_meta
+from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
 from accelerate_zero.checkpoint.rank_parts import DIGEST_SUFFIX, RankPartWriter
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange, StepCounters, TrainableRange
@@ -305,6 +307,9 @@ def load_engine(
     deepspeed = find_deepspeed_folder(Path(load_dir), tag)
     if deepspeed is not None:  # [Note: foreign checkpoints through our fragments] in checkpoint/pieces.py
         return load_foreign(engine, lambda: read_any(deepspeed), load_optimizer_states, load_lr_scheduler_states)
+    exported = export_files(named)
+    if exported and not (named / LATEST).is_file():
+        raise ValueError(not_a_checkpoint(named, exported))
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
     files = check_file_set(folder, meta)

@@ -20,6 +20,7 @@ from accelerate_zero.checkpoint import accelerate_fsdp, async_save, dcp_read
 from accelerate_zero.checkpoint.accelerate_fsdp import fsdp_folders
 from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
+from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
 from accelerate_zero.config.checkpoint_writer import decoupled
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
@@ -92,6 +93,8 @@ def load_state(
     keys = ("load_optimizer_states", "load_lr_scheduler_states")
     engine_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key in keys}
     accelerate_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key not in keys}
+    if input_dir is not None:
+        _refuse_model_export(Path(input_dir), prepared)
     if input_dir is not None and dcp_read.is_dcp_folder(Path(input_dir)):
         _load_dcp(prepared, input_dir, engine_kwargs)
         return
@@ -129,6 +132,16 @@ def saved_tag(folder: Path, index: int, ours: str, trained: int) -> str | None:
     if trained == 1 and find_deepspeed_folder(folder, None) is not None:
         return None
     return ours
+
+
+def _refuse_model_export(folder: Path, prepared: list[PreparedModel]) -> None:
+    """A `save_pretrained` folder given to `load_state` is named as what it is (no model state of any layout in it)."""
+    exported, trained = export_files(folder), checkpointed(prepared)
+    if not exported or not trained or dcp_read.is_dcp_folder(folder):
+        return
+    tag = trained[0][0]
+    if not (folder / tag).exists() and saved_tag(folder, 0, tag, len(trained)) == tag:
+        raise ValueError(not_a_checkpoint(folder, exported))
 
 
 def _load_dcp(prepared: list[PreparedModel], folder: str, engine_kwargs: dict[str, Any]) -> None:

@@ -37,6 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from accelerate_zero.checkpoint import dcp_read
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
+from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
 from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG, exports_in_parallel, saved_tag
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
@@ -439,6 +440,9 @@ def _is_complete(checkpoint: Path) -> bool:
 
 
 def _check_complete(checkpoint: str) -> None:
+    exported = export_files(Path(checkpoint))
+    if exported and not (Path(checkpoint) / TRAINER_STATE_NAME).exists():
+        raise ValueError(not_a_checkpoint(Path(checkpoint), exported))
     if not _is_complete(Path(checkpoint)):
         raise ValueError(
             f"Can't resume from {checkpoint}: its save did not finish (no readable {TRAINER_STATE_NAME} or engine "
