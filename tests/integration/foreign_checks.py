@@ -134,9 +134,8 @@ def _accelerate_loop(accelerator: Any, model: Any, world_size: int, steps: range
     return model, scheduler
 
 
-def accelerate_fsdp(rank: int, world_size: int, folder: str, version: int) -> dict[str, Any]:
-    """accelerate with FSDP `version` (forced on the CPU) trains SAVE_AT steps, `save_state(folder)` (a registered
-    Counter at 5), trains to 4 steps; returns its end (rank 0: the full weights) and the learning rate."""
+def _fsdp_accelerator(version: int) -> tuple[Any, Any]:
+    """An Accelerator with FSDP `version` (SHARDED_STATE_DICT, each decoder layer wrapped), forced on the CPU."""
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -156,6 +155,15 @@ def accelerate_fsdp(rank: int, world_size: int, folder: str, version: int) -> di
     # One scheduler step per optimizer step in every run (accelerate otherwise steps it once per process it counts).
     accelerator = Accelerator(cpu=version == 2, fsdp_plugin=plugin, step_scheduler_with_optimizer=False)
     force_fsdp(plugin)
+    return accelerator, plugin
+
+
+def accelerate_fsdp(rank: int, world_size: int, folder: str, version: int) -> dict[str, Any]:
+    """accelerate with FSDP `version` (forced on the CPU) trains SAVE_AT steps, `save_state(folder)` (a registered
+    Counter at 5), trains to 4 steps; returns its end (rank 0: the full weights) and the learning rate."""
+    from tests.integration.fsdp_on_cpu import force_fsdp
+
+    accelerator, plugin = _fsdp_accelerator(version)
     counter = Counter(5)
     accelerator.register_for_checkpointing(counter)
     model, scheduler = _accelerate_loop(
@@ -218,3 +226,80 @@ def zero_accelerator_resumes(rank: int, world_size: int, folder: str, stage: int
     out["state"] = {k: v.float() for k, v in state.items()} if rank == 0 else None
     accelerator.free_memory()
     return out
+
+
+def zero_accelerator_saves_fsdp(rank: int, world_size: int, folder: str, stage: int) -> dict[str, Any]:
+    """Our ZeroAccelerator trains SAVE_AT steps, `save_state(folder, checkpoint_format="fsdp")` (Counter at 5), trains
+    to 4 steps: the run that never moved."""
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+
+    plain_torchrun_environment()
+    config = {"train_micro_batch_size_per_gpu": 6 // world_size, "gradient_clipping": 0.0}
+    config["zero_optimization"] = {"stage": stage}
+    plugin = ZeroPlugin(config=config, zero3_save_16bit_model=True)
+    accelerator = ZeroAccelerator(plugin, step_scheduler_with_optimizer=False)
+    accelerator.register_for_checkpointing(Counter(5))
+    model, scheduler = _accelerate_loop(accelerator, trainer_checks.tiny_llama(), world_size, range(SAVE_AT))
+    accelerator.save_state(folder, checkpoint_format="fsdp")
+    model, scheduler = _continue(accelerator, model, scheduler, world_size)
+    state = accelerator.get_state_dict(model)
+    out = {"lr": scheduler.get_last_lr()[0], "state": {k: v.float() for k, v in state.items()} if rank == 0 else None}
+    out["files"] = sorted(p.name for p in Path(folder).iterdir())
+    accelerator.free_memory()
+    return out
+
+
+def accelerate_fsdp_resumes(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """accelerate's FSDP2 `load_state(folder)` of what our ZeroAccelerator saved, then the same steps to the end."""
+    from tests.integration.fsdp_on_cpu import force_fsdp
+
+    accelerator, plugin = _fsdp_accelerator(2)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    model, scheduler = _accelerate_loop(
+        accelerator, trainer_checks.tiny_llama(seed=7), world_size, range(0), lambda: force_fsdp(plugin)
+    )
+    force_fsdp(plugin)
+    accelerator.load_state(folder)
+    model, scheduler = _continue(accelerator, model, scheduler, world_size, lambda: force_fsdp(plugin))
+    force_fsdp(plugin)
+    accelerator.save_state(f"{folder}_fsdp_end")
+    state = _merged(Path(f"{folder}_fsdp_end") / "pytorch_model_fsdp_0", rank)
+    return {"lr": scheduler.get_last_lr()[0], "counter": counter.value, "state": state}
+
+
+def our_trainer_saves(rank: int, world_size: int, folder: str, checkpoint_format: str) -> dict[str, Any]:
+    """Our Trainer with `save_checkpoint_format=checkpoint_format` trains 4 steps, checkpointing every SAVE_AT."""
+    from accelerate_zero import Trainer, TrainingArguments
+
+    plain_torchrun_environment()
+    args = TrainingArguments(
+        zero_config=trainer_checks.zero_config(2), save_checkpoint_format=checkpoint_format, **_args(Path(folder))
+    )
+    trainer = Trainer(model=trainer_checks.tiny_llama(), args=args, train_dataset=trainer_checks.dataset())
+    trainer.train()
+    state = trainer.zero_engine.full_state_dict(dtype=torch.float32)
+    files = sorted(p.name for p in (Path(folder) / f"checkpoint-{SAVE_AT}").iterdir())
+    return {"log": logged(trainer), "step": trainer.state.global_step, "state": state, "files": files}
+
+
+def fsdp_trainer_resumes(rank: int, world_size: int, checkpoint: str, state_dict_type: str) -> dict[str, Any]:
+    """transformers' FSDP Trainer (forced on the CPU) resumes `checkpoint` and trains to the end."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import TrainingArguments
+
+    from tests.integration.fsdp_on_cpu import fsdp_trainer_class
+
+    plain_torchrun_environment()
+    fsdp = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": state_dict_type}
+    folder = Path(checkpoint).parent.parent / f"fsdp_from_{Path(checkpoint).parent.name}"
+    args = TrainingArguments(fsdp="full_shard", fsdp_config=fsdp, **_args(folder))
+    model = trainer_checks.tiny_llama(seed=7)
+    trainer = fsdp_trainer_class()(model=model, args=args, train_dataset=trainer_checks.dataset())
+    trainer.train(resume_from_checkpoint=checkpoint)
+    full = get_model_state_dict(
+        trainer.model_wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    state = {name: value.float() for name, value in full.items()} if rank == 0 else None
+    return {"log": logged(trainer), "step": trainer.state.global_step, "state": state}

@@ -93,3 +93,50 @@ def test_zero_accelerator_loads_accelerate_fsdp_save_state(accelerate_runs: dict
             reference, state = theirs[0]["state"], ours[0]["state"]
             diff = max((state[name] - reference[name]).abs().max().item() for name in reference if name in state)
             assert diff < TOLERANCE, (key, diff)
+
+
+@pytest.fixture(scope="module")
+def fsdp_out(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("fsdp_out")
+    out: dict[str, Any] = {}
+    for stage in (2, 3):
+        folder = str(root / f"zero{stage}")
+        ours = run_distributed(foreign_checks.zero_accelerator_saves_fsdp, 2, folder, stage, timeout=600)
+        out[f"accelerate{stage}"] = {
+            "ours": ours,
+            "fsdp": run_distributed(foreign_checks.accelerate_fsdp_resumes, 2, folder),
+        }
+    for fmt, state_dict_type in (("fsdp_full", "FULL_STATE_DICT"), ("fsdp", "SHARDED_STATE_DICT")):
+        folder = root / f"trainer_{fmt}"
+        ours = run_distributed(foreign_checks.our_trainer_saves, 2, str(folder), fmt, timeout=600)
+        checkpoint = str(folder / f"checkpoint-{foreign_checks.SAVE_AT}")
+        fsdp = run_distributed(foreign_checks.fsdp_trainer_resumes, 2, checkpoint, state_dict_type, timeout=600)
+        out[f"trainer_{fmt}"] = {"ours": ours, "fsdp": fsdp}
+    return out
+
+
+def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max((a[name] - b[name]).abs().max().item() for name in b if name in a)
+
+
+def test_accelerate_fsdp_resumes_our_save_state(fsdp_out: dict[str, Any]) -> None:
+    """`ZeroAccelerator.save_state(dir, checkpoint_format="fsdp")` at stages 2 and 3, then accelerate's FSDP2
+    `load_state(dir)`: it ends where our run ended, with the same learning rate and the registered object."""
+    for stage in (2, 3):
+        ours, fsdp = fsdp_out[f"accelerate{stage}"]["ours"], fsdp_out[f"accelerate{stage}"]["fsdp"]
+        assert {"pytorch_model_fsdp_0", "optimizer_0", "scheduler.bin"} <= set(ours[0]["files"]), ours[0]["files"]
+        for rank in range(2):
+            assert fsdp[rank]["counter"] == 5 and fsdp[rank]["lr"] == pytest.approx(ours[rank]["lr"], rel=1e-12)
+        assert _max_diff(fsdp[0]["state"], ours[0]["state"]) < TOLERANCE, stage
+
+
+@pytest.mark.parametrize("fmt", ["fsdp_full", "fsdp"])
+def test_the_fsdp_trainer_resumes_our_trainer_checkpoint(fsdp_out: dict[str, Any], fmt: str) -> None:
+    """`save_checkpoint_format="fsdp_full"` (FULL_STATE_DICT, the FSDP Trainer's default) or "fsdp" (SHARDED): the
+    transformers FSDP Trainer resumes checkpoint-2 and ends where our Trainer ended."""
+    ours, fsdp = fsdp_out[f"trainer_{fmt}"]["ours"], fsdp_out[f"trainer_{fmt}"]["fsdp"]
+    expected = (
+        ("pytorch_model_fsdp.bin", "optimizer.bin") if fmt == "fsdp_full" else ("pytorch_model_fsdp_0", "optimizer_0")
+    )
+    assert set(expected) <= set(ours[0]["files"]) and "zero_model" not in ours[0]["files"], ours[0]["files"]
+    _same_end(ours, fsdp)

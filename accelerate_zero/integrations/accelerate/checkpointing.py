@@ -18,6 +18,7 @@ from accelerate.utils import convert_file_size_to_int, load
 
 from accelerate_zero.checkpoint import accelerate_fsdp, async_save, dcp_read
 from accelerate_zero.checkpoint.accelerate_fsdp import fsdp_folders
+from accelerate_zero.checkpoint.accelerate_fsdp_save import FULL, SHARDED, save_fsdp
 from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
@@ -57,11 +58,15 @@ def save_state(
         The folder written.
     """
 
-    engine_kwargs = engine_save_kwargs(accelerator.zero_plugin, engine_kwargs)
+    fsdp_type = _fsdp_state_dict_type(accelerator, engine_kwargs)
+    engine_kwargs = engine_save_kwargs(accelerator.zero_plugin, engine_kwargs) if fsdp_type is None else {}
 
     def save_engines(models: list, weights: list, folder: str) -> None:
-        for tag, entry in checkpointed(prepared):
-            entry.engine.save_checkpoint(folder, tag=tag, **engine_kwargs)
+        for index, (tag, entry) in enumerate(checkpointed(prepared)):
+            if fsdp_type is not None:  # [Note: accelerate's FSDP folders out] in checkpoint/accelerate_fsdp_save.py
+                save_fsdp(entry.engine, folder, index, fsdp_type)
+            else:
+                entry.engine.save_checkpoint(folder, tag=tag, **engine_kwargs)
 
     # With `async_save=True` the engines' writers run on after this returns. accelerate's `total_limit` removes the
     # oldest folders before it saves, which may be the one still written: its writer is waited for first.
@@ -69,6 +74,32 @@ def save_state(
         async_save.finish(entry.engine.layout.world)
     with accelerate_state_only(accelerator, prepared, "_save_model_state_pre_hook", save_engines):
         return save(output_dir, safe_serialization)
+
+
+FSDP_FORMATS = {"fsdp": SHARDED, "fsdp_full": FULL}
+"""`save_state(checkpoint_format=...)` values that write accelerate's FSDP layout, and its state_dict_type."""
+
+
+def _fsdp_state_dict_type(accelerator: Accelerator, engine_kwargs: dict[str, Any]) -> str | None:
+    """SHARDED_STATE_DICT / FULL_STATE_DICT when `checkpoint_format` asks for accelerate's FSDP layout, else None.
+
+    Raises:
+        ValueError: other engine arguments with it, or an engine-owned scheduler (a config `scheduler` block): an
+            FSDP run restores the schedulers accelerate prepared (scheduler.bin), which that one is not.
+    """
+    kind = FSDP_FORMATS.get(engine_kwargs.get("checkpoint_format", ""))
+    if kind is None:
+        return None
+    others = sorted(set(engine_kwargs) - {"checkpoint_format"})
+    if others:
+        raise ValueError(f"checkpoint_format={engine_kwargs['checkpoint_format']!r} takes no {others}: remove them")
+    if any(isinstance(s, ZeroSchedulerWrapper) for s in accelerator._schedulers):
+        raise ValueError(
+            f"checkpoint_format={engine_kwargs['checkpoint_format']!r}: the scheduler comes from the ZeRO config's "
+            "`scheduler` block, which an FSDP run does not have (it restores the schedulers accelerate prepared, "
+            "from scheduler.bin). Build a torch scheduler and pass it to prepare() instead, or save the default format"
+        )
+    return kind
 
 
 def engine_save_kwargs(plugin: ZeroPlugin, engine_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_zero.checkpoint import dcp_read
+from accelerate_zero.checkpoint.accelerate_fsdp_save import save_fsdp
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
 from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
@@ -46,7 +47,7 @@ from accelerate_zero.integrations.transformers import checkpoint_saves
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
 from accelerate_zero.integrations.transformers.checkpoint_files import verify_manifest, write_manifest
 from accelerate_zero.integrations.transformers.sequence_steps import SequenceParallelStepsMixin
-from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
+from accelerate_zero.integrations.transformers.training_args import CHECKPOINT_FORMATS, ZeroArgumentsMixin
 from accelerate_zero.sequence.loader import TOKEN_MASK
 from accelerate_zero.sequence.normalization import LossNormalization
 
@@ -310,15 +311,16 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
         if engine is None:
             super()._save_optimizer_and_scheduler(output_dir)
             return
-        # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py
-        engine.save_checkpoint(
-            output_dir, tag=CHECKPOINT_TAG, async_save=checkpoint_saves.saves_asynchronously(self.args)
-        )
-        if (
-            self.args.should_save
-            and self.lr_scheduler is not None
-            and not isinstance(self.lr_scheduler, ZeroSchedulerWrapper)
-        ):
+        fsdp_type = CHECKPOINT_FORMATS[self.args.save_checkpoint_format]
+        if fsdp_type is not None:  # [Note: accelerate's FSDP folders out] in checkpoint/accelerate_fsdp_save.py
+            checkpoint_saves.check_fsdp_scheduler(self.accelerator.zero_config, self.args.save_checkpoint_format)
+            save_fsdp(engine, output_dir, 0, fsdp_type)
+        else:  # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py
+            engine.save_checkpoint(
+                output_dir, tag=CHECKPOINT_TAG, async_save=checkpoint_saves.saves_asynchronously(self.args)
+            )
+        own = not isinstance(self.lr_scheduler, ZeroSchedulerWrapper)
+        if self.args.should_save and self.lr_scheduler is not None and (own or fsdp_type is not None):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
