@@ -90,8 +90,9 @@ def train(engine: Any, steps: range, rank: int, world_size: int) -> None:
 def deepspeed_run(
     rank: int, world_size: int, folder: Path, stage: int, dtype: str = "fp32", lora: bool = False, **save: Any
 ) -> dict[str, Any]:
-    """DeepSpeed trains SAVED_AT steps, saves to `folder` (tag global_step<SAVED_AT>), trains on to STEPS and saves
-    tag FINAL without moving `latest`; returns its learning rate and step count at the end."""
+    """DeepSpeed trains SAVED_AT steps, saves to `folder` (`save`: save_checkpoint's arguments; tag default
+    global_step<SAVED_AT>), trains on to STEPS and saves tag FINAL without moving `latest`; returns its learning rate
+    and step count at the end."""
     ds = deepspeed()
     model = tiny_llama(lora)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -99,7 +100,8 @@ def deepspeed_run(
     train(engine, range(SAVED_AT), rank, world_size)
     engine.save_checkpoint(str(folder), **save)
     train(engine, range(SAVED_AT, STEPS), rank, world_size)
-    engine.save_checkpoint(str(folder), tag=FINAL, save_latest=False, **save)
+    final = {key: value for key, value in save.items() if key != "tag"}
+    engine.save_checkpoint(str(folder), tag=FINAL, save_latest=False, **final)
     out = {"lr": engine.get_lr()[0], "steps": engine.global_steps}
     dist.barrier()
     return out

@@ -92,11 +92,43 @@ def _variants(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     folder = root / "ds_bf16_z2"
     ran = runs.deepspeed_run(rank, world_size, folder, 2, "bf16")
     out[("bf16", 2, 2)] = _compare(rank, _resume(rank, world_size, folder, 2, "bf16"), folder, ran)
+    folder = root / "accelerate_deepspeed"  # the tag accelerate's DeepSpeed save_state writes
+    out["accelerate_ran"] = runs.deepspeed_run(rank, world_size, folder, 2, tag="pytorch_model")
     for stage, exclude in ((2, True), (3, True), (3, False)):
         folder = root / f"ds_lora_z{stage}_{exclude}"
         ran = runs.deepspeed_run(rank, world_size, folder, stage, lora=True, exclude_frozen_parameters=exclude)
         got = _resume(rank, world_size, folder, 5 - stage, lora=True)
         out[("lora", stage, exclude)] = _compare(rank, got, folder, ran)
+    return out
+
+
+def _through_accelerator(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """`ZeroAccelerator.load_state` of the folder accelerate's DeepSpeed `save_state` writes (`pytorch_model/` and
+    `latest`), the optimizer and WarmupLR built from the config blocks (DummyOptim / DummyScheduler), 2 more steps."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    from accelerate_zero import ZeroAccelerator
+    from accelerate_zero.integrations.accelerate import ZeroPlugin
+    from tests.distributed import deepspeed_runs as runs
+    from tests.helpers.dist import plain_torchrun_environment
+
+    plain_torchrun_environment()
+    accelerator = ZeroAccelerator(ZeroPlugin(config=runs.config(world_size, 2)))
+    model = runs.tiny_llama()
+    optimizer = DummyOptim(list(model.parameters()))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, DummyScheduler(optimizer))
+    accelerator.load_state(folder)
+    for step in range(runs.SAVED_AT, runs.STEPS):
+        batch = runs.tokens(step, rank, world_size)
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    state = {name: value.float() for name, value in accelerator.get_state_dict(model).items()}
+    out = {"lr": scheduler.get_last_lr()[0], "diff": None}
+    if rank == 0:
+        out["diff"] = runs.max_diff(state, runs.deepspeed_masters(Path(folder), runs.FINAL))
+    accelerator.free_memory()
     return out
 
 
@@ -163,6 +195,9 @@ def runs_saved_at() -> int:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list, list]:
     root = tmp_path_factory.mktemp("deepspeed")
     two = run_distributed(_body, 2, str(root), None, timeout=600)
+    # a body of its own: accelerate must not have been initialised before the ZeroAccelerator
+    for rank, got in enumerate(run_distributed(_through_accelerator, 2, str(root / "accelerate_deepspeed"))):
+        two[rank]["accelerate"] = got
     three = run_distributed(_body, 3, str(root), str(root), timeout=600)
     return root, two, three
 
@@ -199,3 +234,10 @@ def test_foreign_classes_damaged_and_missing_files_are_refused_on_every_rank(run
     assert all(victim in error and "truncated or corrupted" in error for error in errors), errors
     # not every rank read the file: the others raise what the reading rank found
     assert any("found by rank" in error for error in errors) and not all("found by rank" in e for e in errors), errors
+
+
+def test_zero_accelerator_loads_accelerate_deepspeed_save_state(runs: tuple) -> None:
+    _, two, _ = runs
+    for result in two:
+        assert result["accelerate"]["lr"] == pytest.approx(result["accelerate_ran"]["lr"], rel=1e-12)
+    assert two[0]["accelerate"]["diff"] < TOLERANCE, two[0]["accelerate"]["diff"]
