@@ -8,7 +8,9 @@ it falls back to torch.distributed on gloo ([Note: DeepSpeed in the test ranks])
 [Note: DeepSpeed in the test ranks]
 The brief `deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False` is a test-harness setting of
 DeepSpeed's own op registry (DeepSpeed then takes its torch.distributed path, as it does where the op cannot be
-built); the product never imports deepspeed.
+built); the product never imports deepspeed. A pooled rank runs one body after another, each with a new process
+group, and DeepSpeed caches the groups it saw in module globals (its comm backend, `deepspeed.utils.groups`): they
+are dropped before each DeepSpeed run, so the next one builds them from the current group.
 """
 
 from __future__ import annotations
@@ -31,8 +33,18 @@ def deepspeed() -> Any:
     """The deepspeed module, imported for the CPU (see the module docstring)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed as ds
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
 
     ds.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # A pooled rank gets a new process group for every body: DeepSpeed's caches of the previous one are dropped
+    ds_comm.cdb = None
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+        setattr(groups, name, None)
+    for name in ("_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mpu", "mesh_device"):
+        setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP", "_ALL_TO_ALL_GROUP"):
+        getattr(groups, name).clear()
     return ds
 
 
