@@ -18,14 +18,15 @@ from tests.helpers.dist import plain_torchrun_environment
 from tests.integration import trainer_checks
 
 
-MICRO = 3
+GLOBAL_MICRO = 6
+"""Rows per micro-step over all ranks: 3 per rank on 2 ranks, 2 on 3 (the same rows, so the same run)."""
 SAVE_AT = 2
 
 
-def _args(folder: Path) -> dict[str, Any]:
+def _args(folder: Path, world_size: int = 2) -> dict[str, Any]:
     return trainer_checks.args_kwargs(
         folder,
-        MICRO,
+        GLOBAL_MICRO // world_size,
         optim="adamw_torch",
         weight_decay=0.1,
         learning_rate=2e-2,
@@ -87,8 +88,8 @@ def our_trainer_resumes(rank: int, world_size: int, checkpoint: str, stage: int)
     from accelerate_zero import Trainer, TrainingArguments
 
     plain_torchrun_environment()
-    folder = Path(checkpoint).parent.parent / f"ours_from_{Path(checkpoint).parent.name}"
-    args = TrainingArguments(zero_config=trainer_checks.zero_config(stage), **_args(folder))
+    folder = Path(checkpoint).parent.parent / f"ours{world_size}_from_{Path(checkpoint).parent.name}"
+    args = TrainingArguments(zero_config=trainer_checks.zero_config(stage), **_args(folder, world_size))
     model = trainer_checks.tiny_llama(seed=7)  # other weights: the resume must replace them
     trainer = Trainer(model=model, args=args, train_dataset=trainer_checks.dataset())
     trainer.train(resume_from_checkpoint=checkpoint)
