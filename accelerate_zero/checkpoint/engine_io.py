@@ -281,35 +281,11 @@ def load_engine(
             it was saved with another optimizer class and `load_optimizer_states` is True.
     """
     async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
-    named = Path(load_dir) if tag is None else Path(load_dir) / check_tag(tag, "tag")
-    fsdp = fsdp_folders(Path(load_dir), tag)
-    if fsdp is not None:  # [Note: accelerate's FSDP folders] in checkpoint/accelerate_fsdp.py
-        model, optimizer = fsdp
-        if load_optimizer_states and not dcp_read.is_dcp_folder(optimizer):
-            raise ValueError(missing_optimizer(model, optimizer))
-        optimizer_folder = optimizer if load_optimizer_states else None
-        return model, load_dcp(engine, model, load_optimizer_states, load_lr_scheduler_states, optimizer_folder)
-    full = full_state_files(Path(load_dir), tag)
-    if full is not None:  # [Note: accelerate's FSDP folders] in checkpoint/accelerate_fsdp.py
-        model_file, optimizer_file = full
-        if load_optimizer_states and not optimizer_file.is_file():
-            raise ValueError(missing_optimizer(model_file, optimizer_file))
-        read = lambda: read_full_state(model_file, optimizer_file if load_optimizer_states else None)  # noqa: E731
-        return load_foreign(engine, read, load_optimizer_states, load_lr_scheduler_states)
-    if dcp_read.is_dcp_folder(named):  # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
-        if getattr(engine, "experts", None) is not None:
-            raise NotImplementedError(
-                f"{named} is a DCP checkpoint and this engine splits its experts (expert_parallel): loading DCP "
-                "into split experts is not available yet; load it without expert_parallel, save the universal "
-                "format, and load that"
-            )
-        return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
-    deepspeed = find_deepspeed_folder(Path(load_dir), tag)
-    if deepspeed is not None:  # [Note: foreign checkpoints through our fragments] in checkpoint/pieces.py
-        return load_foreign(engine, lambda: read_any(deepspeed), load_optimizer_states, load_lr_scheduler_states)
-    exported = export_files(named)
-    if exported and not (named / LATEST).is_file():
-        raise ValueError(not_a_checkpoint(named, exported))
+    if tag is not None:
+        check_tag(tag, "tag")
+    other = _load_other_format(engine, Path(load_dir), tag, load_optimizer_states, load_lr_scheduler_states)
+    if other is not None:
+        return other
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
     files = check_file_set(folder, meta)
@@ -336,6 +312,48 @@ def load_engine(
     state.restore_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
     engine.zero_grad()
     return folder, torch.load(folder / "client_state.pt", weights_only=True)
+
+
+def _load_other_format(
+    engine: ZeroEngine, load_dir: Path, tag: str | None, load_optimizer_states: bool, load_lr_scheduler_states: bool
+) -> tuple[Path, dict] | None:
+    """Loads the folder when it is another framework's (accelerate's FSDP save_state, DCP, DeepSpeed) and returns
+    (folder, client state); None when it is none of them; a model export is refused by name.
+
+    Raises:
+        NotImplementedError: a foreign folder and an engine that splits its experts (expert_parallel).
+        ValueError: a model export, or an FSDP save without its optimizer state while it is to be loaded.
+    """
+    named = load_dir if tag is None else load_dir / tag
+    fsdp, full = fsdp_folders(load_dir, tag), full_state_files(load_dir, tag)
+    deepspeed = None if fsdp or full or dcp_read.is_dcp_folder(named) else find_deepspeed_folder(load_dir, tag)
+    if not (fsdp or full or deepspeed or dcp_read.is_dcp_folder(named)):
+        exported = export_files(named)
+        if exported and not (named / LATEST).is_file():
+            raise ValueError(not_a_checkpoint(named, exported))
+        return None
+    if getattr(engine, "experts", None) is not None:
+        raise NotImplementedError(
+            f"{named} is another framework's checkpoint (DCP, accelerate FSDP or DeepSpeed) and this engine splits its "
+            "experts (expert_parallel): loading it into split experts is not available yet; load it without "
+            "expert_parallel, save the universal format, and load that"
+        )
+    if fsdp is not None:  # [Note: accelerate's FSDP folders] in checkpoint/accelerate_fsdp.py
+        model, optimizer = fsdp
+        if load_optimizer_states and not dcp_read.is_dcp_folder(optimizer):
+            raise ValueError(missing_optimizer(model, optimizer))
+        optimizer_folder = optimizer if load_optimizer_states else None
+        return model, load_dcp(engine, model, load_optimizer_states, load_lr_scheduler_states, optimizer_folder)
+    if full is not None:
+        model_file, optimizer_file = full
+        if load_optimizer_states and not optimizer_file.is_file():
+            raise ValueError(missing_optimizer(model_file, optimizer_file))
+        read = lambda: read_full_state(model_file, optimizer_file if load_optimizer_states else None)  # noqa: E731
+        return load_foreign(engine, read, load_optimizer_states, load_lr_scheduler_states)
+    if deepspeed is not None:  # [Note: foreign checkpoints through our fragments] in checkpoint/pieces.py
+        return load_foreign(engine, lambda: read_any(deepspeed), load_optimizer_states, load_lr_scheduler_states)
+    # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
+    return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
 
 
 def _verify_what_this_rank_reads(
