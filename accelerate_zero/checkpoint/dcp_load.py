@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accelerate_zero.checkpoint import dcp_read
+from accelerate_zero.checkpoint.foreign_load import on_every_rank
 from accelerate_zero.checkpoint.fragments import Fragment, range_fragments
 from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange, StepCounters
 
@@ -35,6 +36,16 @@ if TYPE_CHECKING:
 _MODEL_PREFIXES = ("model.", "")
 _OPTIMIZER_PREFIXES = ("optim.", "optimizer.", "")
 _OTHER_TOP_LEVEL = ("optim", "optimizer", "lr_scheduler", "train_state", "dataloader", "scheduler", "extra_state")
+
+
+def _read_metadata(folder: Path, optimizer_folder: Path | None) -> tuple[Metadata, Metadata | None]:
+    metadata = dcp_read.read_metadata(folder)
+    dcp_read.check_data_files(folder, metadata)
+    if optimizer_folder is None:
+        return metadata, None
+    opt_metadata = dcp_read.read_metadata(optimizer_folder)
+    dcp_read.check_data_files(optimizer_folder, opt_metadata)
+    return metadata, opt_metadata
 
 
 def _fragments(shard_range: ShardRange, names: dict[int, str]) -> list[Fragment]:
@@ -96,22 +107,33 @@ def _state_kinds(shapes: dict[str, list[int]], prefix: str, name: str) -> list[s
     return sorted(key[len(head) :] for key in shapes if key.startswith(head) and "." not in key[len(head) :])
 
 
-def load_dcp(engine: ZeroEngine, folder: Path, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> dict:
+def load_dcp(
+    engine: ZeroEngine,
+    folder: Path,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    optimizer_folder: Path | None = None,
+) -> dict:
     """Restores weights (and optimizer state, step counters, scheduler) from the DCP checkpoint `folder`
     ([Note: DCP checkpoints in]); every rank must call it. Returns an empty client state.
 
+    Args:
+        optimizer_folder: a second DCP folder holding the optimizer state (accelerate's FSDP `save_state` writes
+            `pytorch_model_fsdp_0/` and `optimizer_0/`); None: `folder` holds it, if anything does.
+
     Raises:
-        ValueError: the folder is of another model (naming the keys), misses a data file, or has no optimizer state
-            while `load_optimizer_states` is True.
+        ValueError: on every rank ([Note: a foreign checkpoint fails on every rank] in foreign_load.py): the folder
+            is of another model (naming the keys), misses or has a damaged data file (naming it), or has no
+            optimizer state while `load_optimizer_states` is True.
     """
-    metadata = dcp_read.read_metadata(folder)
-    dcp_read.check_data_files(folder, metadata)
+    metadata, opt_metadata = on_every_rank(engine, lambda: _read_metadata(folder, optimizer_folder))
     state = engine.checkpoint_state()
-    shapes = dcp_read.tensor_shapes(metadata)
+    shapes = dcp_read.tensor_shapes(metadata) | (dcp_read.tensor_shapes(opt_metadata) if opt_metadata else {})
     params = state.param_shapes()
     buffers = {name for name, _ in state.module.named_buffers()}
+    aliases = {name for name, _ in state.module.named_parameters(remove_duplicate=False)} - set(params)
     prefix = _model_prefix(shapes, params, folder)
-    _check_model_keys(shapes, params, buffers, prefix, folder)
+    _check_model_keys(shapes, params, buffers | aliases, prefix, folder)
     trained = [name for name, p in state.module.named_parameters() if p.requires_grad]
     opt_prefix = _optimizer_prefix(shapes, trained) if trained else None
     if load_optimizer_states and trained and opt_prefix is None:
@@ -119,17 +141,23 @@ def load_dcp(engine: ZeroEngine, folder: Path, load_optimizer_states: bool, load
             f"{folder} holds no optimizer state for {trained[0]} (no key '<prefix>state.{trained[0]}.<state>'): "
             "pass load_optimizer_states=False to load the weights only"
         )
-    source = _Source(folder, metadata, prefix, opt_prefix if load_optimizer_states else None)
+    opt_where = (optimizer_folder, opt_metadata) if optimizer_folder is not None else (folder, metadata)
+    source = _Source((folder, metadata), opt_where, prefix, opt_prefix if load_optimizer_states else None)
     names = {id(p): n for n, p in state.module.named_parameters()}
-    with torch.no_grad():
-        steps = _load_trainable(state, source, names)
-        _load_rest(state, source, names, buffers)
-        state.finish_load()
+
+    def restore() -> float:
+        with torch.no_grad():
+            steps = _load_trainable(state, source, names)
+            _load_rest(state, source, names, buffers)
+        return steps
+
+    steps = on_every_rank(engine, restore)
+    state.finish_load()
     if load_optimizer_states:
-        _load_param_groups(state, folder, metadata, opt_prefix, trained)
+        on_every_rank(engine, lambda: _load_param_groups(state, *opt_where, opt_prefix, trained))
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
-        _load_scheduler(engine.lr_scheduler, folder, metadata)
-    step = dcp_read.load_value(folder, metadata, "train_state.step")
+        on_every_rank(engine, lambda: _load_scheduler(engine.lr_scheduler, folder, metadata))
+    step = on_every_rank(engine, lambda: dcp_read.load_value(folder, metadata, "train_state.step"))
     global_steps = int(step) if isinstance(step, int) else int(steps)
     accumulation = engine.config.gradient_accumulation_steps
     accumulation = accumulation if isinstance(accumulation, int) else 1
@@ -139,13 +167,20 @@ def load_dcp(engine: ZeroEngine, folder: Path, load_optimizer_states: bool, load
 
 
 class _Source:
-    """Full tensors read from the folder by parameter name and kind ("param" or an optimizer state)."""
+    """Full tensors read by parameter name and kind ("param" or an optimizer state): the model's from one DCP folder,
+    the optimizer state's from the same or another."""
 
-    def __init__(self, folder: Path, metadata: Metadata, prefix: str, opt_prefix: str | None) -> None:
-        self.folder, self.prefix, self.opt_prefix = folder, prefix, opt_prefix
-        self.shapes = dcp_read.tensor_shapes(metadata)
+    def __init__(
+        self, model: tuple[Path, Metadata], optim: tuple[Path, Metadata], prefix: str, opt_prefix: str | None
+    ) -> None:
+        self.where = {"param": model, "optim": optim}
+        self.prefix, self.opt_prefix = prefix, opt_prefix
+        self.shapes = dcp_read.tensor_shapes(model[1]) | dcp_read.tensor_shapes(optim[1])
         self.dtypes = {
-            key: value.properties.dtype for key, value in metadata.state_dict_metadata.items() if key in self.shapes
+            key: value.properties.dtype
+            for _, metadata in (model, optim)
+            for key, value in metadata.state_dict_metadata.items()
+            if key in self.shapes
         }
 
     def kinds(self, name: str) -> list[str]:
@@ -159,7 +194,9 @@ class _Source:
             (name, kind): torch.empty(self.shapes[self.key(name, kind)], dtype=self.dtypes[self.key(name, kind)])
             for name, kind in wanted
         }
-        dcp_read.load_tensors(self.folder, {self.key(name, kind): t for (name, kind), t in tensors.items()})
+        for part, (folder, metadata) in self.where.items():
+            keys = {self.key(n, k): t for (n, k), t in tensors.items() if (k == "param") == (part == "param")}
+            dcp_read.load_tensors(folder, keys, metadata)
         return tensors
 
 

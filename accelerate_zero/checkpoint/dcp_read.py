@@ -114,16 +114,35 @@ def tensor_shapes(metadata: Metadata) -> dict[str, list[int]]:
     }
 
 
-def load_tensors(folder: Path, wanted: dict[str, torch.Tensor]) -> None:
+def load_tensors(folder: Path, wanted: dict[str, torch.Tensor], metadata: Metadata | None = None) -> None:
     """Fills the tensors of `wanted` (full-size, on the CPU) from the folder; no collective (every rank reads what it
-    needs)."""
-    if wanted:
+    needs).
+
+    Raises:
+        ValueError: a data file cannot be read (naming the files the keys are in, when `metadata` is given).
+    """
+    if not wanted:
+        return
+    try:
         dcp.load(
             wanted,
             storage_reader=SafeReader(str(folder)),
             planner=DefaultLoadPlanner(allow_partial_load=True),
             no_dist=True,
         )
+    except Exception as error:  # DCP raises its readers' errors wrapped (CheckpointException), any type inside
+        files = sorted(
+            {info.relative_path for index, info in (metadata.storage_data or {}).items() if index.fqn in wanted}
+            if metadata is not None
+            else set()
+        )
+        where = ", ".join(str(folder / name) for name in files) or str(folder)
+        first = str(error).strip().splitlines()
+        raise ValueError(
+            f"reading {len(wanted)} tensors ({next(iter(wanted))}, ...) from {where} failed "
+            f"({type(error).__name__}: {first[0][:300] if first else ''}): the file is damaged or truncated; "
+            "restore it or use another checkpoint"
+        ) from None
 
 
 def load_value(folder: Path, metadata: Metadata, key: str) -> Any:
@@ -135,4 +154,11 @@ def load_value(folder: Path, metadata: Metadata, key: str) -> Any:
     with open(folder / info.relative_path, "rb") as handle:
         handle.seek(info.offset)
         data = handle.read(info.length)
-    return torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # a damaged byte: any unpickling or zip error
+        raise ValueError(
+            f"{folder / info.relative_path}: the value of {key} (bytes {info.offset}-{info.offset + info.length}) "
+            f"cannot be read ({type(error).__name__}): the file is damaged or truncated; restore it or use another "
+            "checkpoint"
+        ) from None

@@ -82,19 +82,22 @@ def _row_block(full: torch.Tensor, mesh: DeviceMesh, rank: int, world_size: int)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
 
 
-def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
-    """Writes `save_dir/tag` as a DCP checkpoint ([Note: DCP checkpoints out]); every rank must call it.
+def world_mesh(engine: ZeroEngine) -> DeviceMesh | None:
+    """The engine's world as a one-dimensional device mesh (FSDP2's layout at this world size); None on one rank."""
+    world = engine.layout.world
+    group = world.group if world.group is not None else torch.distributed.group.WORLD  # None: the default group
+    return DeviceMesh.from_group(group, engine.device.type) if world.world_size > 1 else None
 
-    Returns:
-        The checkpoint folder.
-    """
+
+def gathered_state(
+    engine: ZeroEngine, mesh: DeviceMesh | None, full_on_main_only: bool = False
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The model state_dict (fp32 masters, persistent buffers), the optimizer state keyed by parameter name and the
+    param groups (with parameter names), as FSDP2's `get_model_state_dict` / `get_optimizer_state_dict` give them:
+    row blocks `Shard(0)` over `mesh`, or, `mesh` None, whole tensors (kept on rank 0 only with `full_on_main_only`).
+    Every rank must call it ([Note: DCP checkpoints out])."""
     world = engine.layout.world
     is_main = world.rank == 0
-    work = fresh_partial_dir(save_dir, tag) if is_main else save_dir / f".{tag}.partial"
-    barrier = lambda: collectives.barrier(world)  # noqa: E731
-    check_shared_folder(
-        work, is_main, barrier, lambda obj: collectives.all_gather_object(obj, world), engine.layout.plan.nodes.node_of
-    )
     state = engine.checkpoint_state()
     contributes = (engine.stage > 0 and engine.layout.writes_shards) or is_main
     pieces, steps, groups = _pieces(state, contributes)
@@ -108,8 +111,6 @@ def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
         all_steps.update(rank_steps)
         for index, group_names in rank_groups.items():
             all_groups.setdefault(index, set()).update(group_names)
-    group = world.group if world.group is not None else torch.distributed.group.WORLD  # None: the default group
-    mesh = DeviceMesh.from_group(group, engine.device.type) if world.world_size > 1 else None
     shapes = state.param_shapes()
     covered = state.sharded_parameters()
     model_sd: dict[str, Any] = {}
@@ -127,7 +128,12 @@ def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
             full = full.to(engine.device)
             collectives.all_reduce(full, world, engine.comm_stats_counter, kind="checkpoint")
             full = full.cpu().reshape(shape)
-            block = _row_block(full, mesh, world.rank, world.world_size) if mesh is not None else full
+            if mesh is not None:
+                block = _row_block(full, mesh, world.rank, world.world_size)
+            elif full_on_main_only and not is_main:
+                continue
+            else:
+                block = full
             if kind == "param":
                 model_sd[name] = block
             else:
@@ -144,6 +150,24 @@ def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
         }
         for index, group in enumerate(state.optimizer.param_groups)
     ]
+    return model_sd, optim_state, param_groups
+
+
+def save_dcp(engine: ZeroEngine, save_dir: Path, tag: str) -> Path:
+    """Writes `save_dir/tag` as a DCP checkpoint ([Note: DCP checkpoints out]); every rank must call it.
+
+    Returns:
+        The checkpoint folder.
+    """
+    world = engine.layout.world
+    is_main = world.rank == 0
+    work = fresh_partial_dir(save_dir, tag) if is_main else save_dir / f".{tag}.partial"
+    barrier = lambda: collectives.barrier(world)  # noqa: E731
+    check_shared_folder(
+        work, is_main, barrier, lambda obj: collectives.all_gather_object(obj, world), engine.layout.plan.nodes.node_of
+    )
+    state = engine.checkpoint_state()
+    model_sd, optim_state, param_groups = gathered_state(engine, world_mesh(engine))
     to_save: dict[str, Any] = {
         "model": model_sd,
         "optim": {"state": optim_state, "param_groups": param_groups},

@@ -30,12 +30,22 @@ from safetensors.torch import save_file
 
 from accelerate_zero.checkpoint import async_save as async_save_io
 from accelerate_zero.checkpoint import dcp_read, rank_parts
+from accelerate_zero.checkpoint.accelerate_fsdp import (
+    fsdp_folders,
+    full_state_files,
+    missing_optimizer,
+    read_full_state,
+)
 from accelerate_zero.checkpoint.dcp_load import load_dcp
 from accelerate_zero.checkpoint.dcp_save import save_dcp
+from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder, read_any
 from accelerate_zero.checkpoint.engine_view import ZeroEngine
+from accelerate_zero.checkpoint.foreign_load import load_foreign
+from accelerate_zero.checkpoint.fragment_load import check_optimizer, check_shapes, load_frozen, load_trainable
 from accelerate_zero.checkpoint.fragments import Fragment, persistent_buffers, range_fragments, whole_key
 from accelerate_zero.checkpoint.frozen import check_frozen, frozen_fingerprints, frozen_names
 from accelerate_zero.checkpoint.io import (
+    LATEST,
     FragmentReader,
     check_shared_folder,
     check_tag,
@@ -44,8 +54,9 @@ from accelerate_zero.checkpoint.io import (
     resolve_tag,
 )
 from accelerate_zero.checkpoint.meta import FORMAT, check_file_set, file_digest, read_meta, verify_digests, write_meta
+from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
 from accelerate_zero.checkpoint.rank_parts import DIGEST_SUFFIX, RankPartWriter
-from accelerate_zero.checkpoint.shaped_state import saved_state, shaped_state
+from accelerate_zero.checkpoint.shaped_state import saved_state
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.checkpoint_state import CheckpointState, ShardRange, StepCounters, TrainableRange
 
@@ -258,8 +269,10 @@ def load_engine(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
 ) -> tuple[Path, dict]:
-    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage, or from
-    a DCP checkpoint written by FSDP2 or torchtitan (`load_dir`, or `load_dir/tag`, holding `.metadata`).
+    """Restores weights (and optimizer, scheduler, counters) from a checkpoint of any world size or stage, from
+    a DCP checkpoint written by FSDP2 or torchtitan (`load_dir`, or `load_dir/tag`, holding `.metadata`), or from a
+    DeepSpeed ZeRO or universal checkpoint (`load_dir` holding `latest` / `latest_universal`, `load_dir/tag`, or the
+    tag folder itself; checkpoint/deepspeed_read.py, deepspeed_universal.py).
 
     Returns:
         (the checkpoint folder, the client state saved with it).
@@ -269,24 +282,25 @@ def load_engine(
             it was saved with another optimizer class and `load_optimizer_states` is True.
     """
     async_save_io.finish(engine.layout.world)  # a save in flight publishes first (it may be the one loaded)
-    named = Path(load_dir) if tag is None else Path(load_dir) / check_tag(tag, "tag")
-    if dcp_read.is_dcp_folder(named):  # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
-        _refuse_dcp_of_whole_parameters(engine)
-        return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
+    if tag is not None:
+        check_tag(tag, "tag")
+    other = _load_other_format(engine, Path(load_dir), tag, load_optimizer_states, load_lr_scheduler_states)
+    if other is not None:
+        return other
     folder = resolve_tag(Path(load_dir), tag)
     meta = read_meta(folder)
     files = check_file_set(folder, meta)
     state = engine.checkpoint_state()
-    _check_shapes(state, meta, folder)
+    check_shapes(state, meta, folder)
     if load_optimizer_states:
-        _check_optimizer(state, meta, folder)
+        check_optimizer(state, meta, folder)
     from_model = check_frozen(engine, meta, folder)
     reader = FragmentReader(files)
     names = _names(state)
     _verify_what_this_rank_reads(engine, state, reader, names, from_model, folder, meta)
     with torch.no_grad():
-        _load_trainable(state, reader, names, load_optimizer_states)
-        _load_frozen(state, reader, names, from_model)
+        load_trainable(state, reader, names, load_optimizer_states)
+        load_frozen(state, reader, names, from_model)
         state.finish_load()
     if load_optimizer_states:
         for group, saved in zip(state.optimizer.param_groups, meta["param_groups"], strict=True):
@@ -299,6 +313,50 @@ def load_engine(
     state.restore_counters(StepCounters(meta["global_steps"], meta["micro_steps"], meta["skipped_steps"]))
     engine.zero_grad()
     return folder, torch.load(folder / "client_state.pt", weights_only=True)
+
+
+def _load_other_format(
+    engine: ZeroEngine, load_dir: Path, tag: str | None, load_optimizer_states: bool, load_lr_scheduler_states: bool
+) -> tuple[Path, dict] | None:
+    """Loads the folder when it is another framework's (accelerate's FSDP save_state, DCP, DeepSpeed) and returns
+    (folder, client state); None when it is none of them; a model export is refused by name.
+
+    Raises:
+        NotImplementedError: a foreign folder and an engine that splits its experts (expert_parallel).
+        ValueError: a model export, or an FSDP save without its optimizer state while it is to be loaded.
+    """
+    named = load_dir if tag is None else load_dir / tag
+    fsdp, full = fsdp_folders(load_dir, tag), full_state_files(load_dir, tag)
+    deepspeed = None if fsdp or full or dcp_read.is_dcp_folder(named) else find_deepspeed_folder(load_dir, tag)
+    if not (fsdp or full or deepspeed or dcp_read.is_dcp_folder(named)):
+        exported = export_files(named)
+        if exported and not (named / LATEST).is_file():
+            raise ValueError(not_a_checkpoint(named, exported))
+        return None
+    if (fsdp or full or deepspeed) and getattr(engine, "experts", None) is not None:
+        raise NotImplementedError(
+            f"{named} is another framework's checkpoint (accelerate FSDP or DeepSpeed) and this engine splits its "
+            "experts (expert_parallel): loading it into split experts is not available yet; load it without "
+            "expert_parallel, save the universal (or DCP) format, and load that"
+        )
+    if fsdp is not None:  # [Note: accelerate's FSDP folders] in checkpoint/accelerate_fsdp.py
+        model, optimizer = fsdp
+        if load_optimizer_states and not dcp_read.is_dcp_folder(optimizer):
+            raise ValueError(missing_optimizer(model, optimizer))
+        optimizer_folder = optimizer if load_optimizer_states else None
+        _refuse_dcp_of_whole_parameters(engine)
+        return model, load_dcp(engine, model, load_optimizer_states, load_lr_scheduler_states, optimizer_folder)
+    if full is not None:
+        model_file, optimizer_file = full
+        if load_optimizer_states and not optimizer_file.is_file():
+            raise ValueError(missing_optimizer(model_file, optimizer_file))
+        read = lambda: read_full_state(model_file, optimizer_file if load_optimizer_states else None)  # noqa: E731
+        return load_foreign(engine, read, load_optimizer_states, load_lr_scheduler_states)
+    if deepspeed is not None:  # [Note: foreign checkpoints through our fragments] in checkpoint/pieces.py
+        return load_foreign(engine, lambda: read_any(deepspeed), load_optimizer_states, load_lr_scheduler_states)
+    # [Note: DCP checkpoints in] in checkpoint/dcp_load.py
+    _refuse_dcp_of_whole_parameters(engine)
+    return named, load_dcp(engine, named, load_optimizer_states, load_lr_scheduler_states)
 
 
 def _verify_what_this_rank_reads(
@@ -326,133 +384,6 @@ def _verify_what_this_rank_reads(
     first = next((problem for rank_problems in found for problem in rank_problems), None)
     if first is not None:
         raise ValueError(first)
-
-
-def _check_shapes(state: CheckpointState, meta: dict[str, Any], folder: Path) -> None:
-    """Every model parameter is in the checkpoint with the same shape; checkpoint extras only warn."""
-    saved: dict[str, list[int] | None] = meta["param_shapes"]
-    model = state.param_shapes()
-    wrong = [
-        f"{name}: checkpoint {saved[name]}, model {shape}"
-        for name, shape in model.items()
-        if name in saved and saved[name] is not None and list(saved[name]) != list(shape)
-    ]
-    if wrong:
-        raise ValueError(
-            f"{folder} was saved from a model with other parameter shapes ({len(wrong)} differ): "
-            + "; ".join(wrong[:10])
-            + ("; ..." if len(wrong) > 10 else "")
-            + ". Build the model with the checkpoint's config."
-        )
-    absent = sorted(set(model) - set(saved))
-    if absent:
-        raise ValueError(
-            f"{folder} has no values for {len(absent)} parameters of the model ({', '.join(absent[:10])}): it was "
-            "saved from another model"
-        )
-    extra = sorted(set(saved) - set(model))
-    if extra:
-        warnings.warn(
-            f"{folder} holds {len(extra)} parameters the model lacks, not loaded: {', '.join(extra[:20])}",
-            stacklevel=4,
-        )
-
-
-def _check_optimizer(state: CheckpointState, meta: dict[str, Any], folder: Path) -> None:
-    saved, current = meta["optimizer"], type(state.optimizer).__name__
-    groups, saved_groups = len(state.optimizer.param_groups), len(meta["param_groups"])
-    if saved != current or groups != saved_groups:
-        raise ValueError(
-            f"{folder} holds the state of a {saved} optimizer with {saved_groups} param groups; this engine's "
-            f"optimizer is a {current} with {groups}: build the same optimizer, or pass load_optimizer_states=False "
-            "to load the weights (and counters) only"
-        )
-
-
-def _values(reader: FragmentReader, frag: Fragment) -> torch.Tensor:
-    for kind in ("master", "param"):
-        found = reader.read_range(frag.name, kind, frag.start, frag.end)
-        if found is not None:
-            return found
-    full = reader.read_whole(whole_key(frag.name, "full"))
-    if full is None:
-        raise ValueError(f"the checkpoint has no values for parameter {frag.name!r}: was it saved from this model?")
-    return full.reshape(-1)[frag.start : frag.end]
-
-
-def _load_trainable(state: CheckpointState, reader: FragmentReader, names: dict[int, str], with_state: bool) -> None:
-    optimizer = state.optimizer
-    for batch in state.trainable_batches(write_back=True):
-        for trainable in batch:
-            master = trainable.master
-            fragments = _fragments(trainable.range, names)
-            for frag in fragments:
-                trainable.flat_master[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
-            state.write_trainable([trainable])
-            if with_state and fragments:
-                group = next(g for g in optimizer.param_groups if any(p is master for p in g["params"]))
-                optimizer.state[master] = _slice_state(reader, fragments, master, group, trainable.whole)
-
-
-def _slice_state(
-    reader: FragmentReader, fragments: list[Fragment], master: torch.Tensor, group: dict[str, Any], whole: bool
-) -> dict[str, torch.Tensor]:
-    kinds = set().union(*(reader.kinds_of(f.name) for f in fragments)) - {"master", "param"}
-    state = {}
-    # As torch.optim's load_state_dict: fused and capturable kernels keep their scalars (`step`) as fp32 on the
-    # parameter's device; the others keep them on the CPU.
-    scalar_device = master.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
-    for kind in sorted(kinds):
-        scalar = reader.read_scalar(fragments[0].name, kind, fragments[0].start, fragments[0].end)
-        if scalar is not None and scalar.ndim == 0:
-            dtype = torch.float32 if kind == "step" else scalar.dtype
-            state[kind] = scalar.to(device=scalar_device, dtype=dtype, copy=True)
-            continue
-        shaped = shaped_state(reader, fragments[0], kind, whole)  # [Note: state in a parameter's own shape]
-        if shaped is not None:
-            state[kind] = shaped.to(master.device, copy=True)
-            continue
-        dtype = scalar.dtype if scalar is not None else master.dtype
-        values = torch.zeros(master.shape, dtype=dtype, device=master.device)
-        flat = values.view(-1)
-        for frag in fragments:
-            piece = reader.read_range(frag.name, kind, frag.start, frag.end)
-            if piece is None:  # a fragment the plan needs is missing by name: never a silent zero state
-                raise ValueError(
-                    f"the checkpoint has no {kind!r} optimizer state for {frag.name}[{frag.start}:{frag.end}] "
-                    "although other parameters have it: a rank file is corrupted or foreign"
-                )
-            flat[frag.offset : frag.offset + frag.numel].copy_(piece)
-        state[kind] = values
-    return state
-
-
-def _load_frozen(state: CheckpointState, reader: FragmentReader, names: dict[int, str], from_model: set[str]) -> None:
-    """Frozen shards and the parameters no rank shards; those in `from_model` (checked) keep the model's values."""
-    for frozen in state.frozen_shards():
-        if all(names[id(p)] in from_model for p in frozen.range.params):
-            continue
-        shard = state.read_frozen(frozen)
-        for frag in _fragments(frozen.range, names):
-            if frag.name not in from_model:
-                shard[frag.offset : frag.offset + frag.numel].copy_(_values(reader, frag))
-        state.write_frozen(frozen, shard)
-    covered = state.sharded_parameters()
-    for name, param in state.module.named_parameters():
-        if id(param) in covered or name in from_model:
-            continue
-        offset = state.part_of_whole(param)
-        if offset is not None:  # a frozen split expert: its range of the whole tensor, however it was saved
-            param.data.copy_(_values(reader, Fragment(name, offset, offset + param.numel(), 0)).reshape(param.shape))
-            continue
-        full = reader.read_whole(whole_key(name, "full"))
-        if full is None:
-            full = _values(reader, Fragment(name, 0, param.numel(), 0)).reshape(param.shape)
-        param.data.copy_(full)
-    for name, buffer in state.module.named_buffers():
-        saved = reader.read_whole(whole_key(name, "buffer"))
-        if saved is not None:
-            buffer.copy_(saved)
 
 
 def _refuse_dcp_of_whole_parameters(engine: ZeroEngine) -> None:

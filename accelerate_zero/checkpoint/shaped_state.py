@@ -12,6 +12,8 @@ range whose state is neither elementwise nor scalar (saving it would drop it sil
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from accelerate_zero.checkpoint.fragments import Fragment
@@ -38,14 +40,15 @@ def saved_state(value: torch.Tensor, piece: slice, numel: int, whole: bool, frag
     )
 
 
-def shaped_state(reader: FragmentReader, frag: Fragment, kind: str, whole: bool) -> torch.Tensor | None:
+def shaped_state(reader: FragmentReader | Any, frag: Fragment, kind: str, whole: bool) -> torch.Tensor | None:
     """The saved `kind` of `frag`'s parameter when it was saved whole in a shape of its own; None when it is
     elementwise (read it range by range) or absent.
 
     Raises:
         ValueError: it was saved in a shape of its own and the loading range is not a whole parameter.
     """
-    for start, end, _, _ in reader.pieces.get((frag.name, kind), []):
+    # only our own rank files keep such state (a foreign reader has no `pieces`: its state is elementwise)
+    for start, end, _, _ in getattr(reader, "pieces", {}).get((frag.name, kind), []):
         if start != 0 or end < frag.end:
             continue
         saved = reader.read_scalar(frag.name, kind, start, end)

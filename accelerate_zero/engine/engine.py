@@ -387,7 +387,8 @@ class ZeroEngine(DeepSpeedEngineAPI, CompileAPI):
     ) -> tuple[str, dict]:
         """Restores a checkpoint written by `save_checkpoint`, re-partitioning it for this world size and stage; or a
         DCP checkpoint written by FSDP2 or torchtitan (`load_dir`, or `load_dir/tag`, holding `.metadata`; [Note: DCP
-        checkpoints in] in checkpoint/dcp_load.py).
+        checkpoints in] in checkpoint/dcp_load.py); or another framework's: DeepSpeed's ZeRO and universal folders,
+        accelerate's FSDP save_state folders (checkpoint/deepspeed_read.py, accelerate_fsdp.py).
 
         Returns:
             (the checkpoint folder, the client_state saved with it).

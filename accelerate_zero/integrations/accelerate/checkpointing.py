@@ -16,8 +16,12 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import convert_file_size_to_int, load
 
-from accelerate_zero.checkpoint import async_save, dcp_read
+from accelerate_zero.checkpoint import accelerate_fsdp, async_save, dcp_read
+from accelerate_zero.checkpoint.accelerate_fsdp import fsdp_folders
+from accelerate_zero.checkpoint.accelerate_fsdp_save import FULL, SHARDED, save_fsdp
+from accelerate_zero.checkpoint.deepspeed_universal import find_deepspeed_folder
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
+from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
 from accelerate_zero.config.checkpoint_writer import decoupled
 from accelerate_zero.engine.engine import ZeroEngine
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
@@ -54,11 +58,15 @@ def save_state(
         The folder written.
     """
 
-    engine_kwargs = engine_save_kwargs(accelerator.zero_plugin, engine_kwargs)
+    fsdp_type = _fsdp_state_dict_type(accelerator, engine_kwargs)
+    engine_kwargs = engine_save_kwargs(accelerator.zero_plugin, engine_kwargs) if fsdp_type is None else {}
 
     def save_engines(models: list, weights: list, folder: str) -> None:
-        for tag, entry in checkpointed(prepared):
-            entry.engine.save_checkpoint(folder, tag=tag, **engine_kwargs)
+        for index, (tag, entry) in enumerate(checkpointed(prepared)):
+            if fsdp_type is not None:  # [Note: accelerate's FSDP folders out] in checkpoint/accelerate_fsdp_save.py
+                save_fsdp(entry.engine, folder, index, fsdp_type)
+            else:
+                entry.engine.save_checkpoint(folder, tag=tag, **engine_kwargs)
 
     # With `async_save=True` the engines' writers run on after this returns. accelerate's `total_limit` removes the
     # oldest folders before it saves, which may be the one still written: its writer is waited for first.
@@ -66,6 +74,32 @@ def save_state(
         async_save.finish(entry.engine.layout.world)
     with accelerate_state_only(accelerator, prepared, "_save_model_state_pre_hook", save_engines):
         return save(output_dir, safe_serialization)
+
+
+FSDP_FORMATS = {"fsdp": SHARDED, "fsdp_full": FULL}
+"""`save_state(checkpoint_format=...)` values that write accelerate's FSDP layout, and its state_dict_type."""
+
+
+def _fsdp_state_dict_type(accelerator: Accelerator, engine_kwargs: dict[str, Any]) -> str | None:
+    """SHARDED_STATE_DICT / FULL_STATE_DICT when `checkpoint_format` asks for accelerate's FSDP layout, else None.
+
+    Raises:
+        ValueError: other engine arguments with it, or an engine-owned scheduler (a config `scheduler` block): an
+            FSDP run restores the schedulers accelerate prepared (scheduler.bin), which that one is not.
+    """
+    kind = FSDP_FORMATS.get(engine_kwargs.get("checkpoint_format", ""))
+    if kind is None:
+        return None
+    others = sorted(set(engine_kwargs) - {"checkpoint_format"})
+    if others:
+        raise ValueError(f"checkpoint_format={engine_kwargs['checkpoint_format']!r} takes no {others}: remove them")
+    if any(isinstance(s, ZeroSchedulerWrapper) for s in accelerator._schedulers):
+        raise ValueError(
+            f"checkpoint_format={engine_kwargs['checkpoint_format']!r}: the scheduler comes from the ZeRO config's "
+            "`scheduler` block, which an FSDP run does not have (it restores the schedulers accelerate prepared, "
+            "from scheduler.bin). Build a torch scheduler and pass it to prepare() instead, or save the default format"
+        )
+    return kind
 
 
 def engine_save_kwargs(plugin: ZeroPlugin, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -90,19 +124,55 @@ def load_state(
     keys = ("load_optimizer_states", "load_lr_scheduler_states")
     engine_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key in keys}
     accelerate_kwargs = {key: value for key, value in load_model_func_kwargs.items() if key not in keys}
+    if input_dir is not None:
+        _refuse_model_export(Path(input_dir), prepared)
     if input_dir is not None and dcp_read.is_dcp_folder(Path(input_dir)):
         _load_dcp(prepared, input_dir, engine_kwargs)
         return
     with custom_objects_hidden(accelerator) as custom_objects:
 
         def load_engines(models: list, folder: str) -> None:
-            for tag, entry in checkpointed(prepared):
+            trained = checkpointed(prepared)
+            for index, (tag, entry) in enumerate(trained):
+                tag = saved_tag(Path(folder), index, tag, len(trained))
                 entry.engine.load_checkpoint(folder, tag=tag, **engine_kwargs)
                 entry.optimizer._step_was_skipped = False
             load_custom_objects_safely(custom_objects, folder)
 
         with accelerate_state_only(accelerator, prepared, "_load_model_state_pre_hook", load_engines):
             load(input_dir, load_kwargs, **accelerate_kwargs)
+
+
+DEEPSPEED_TAG = "pytorch_model"
+"""accelerate's DeepSpeed `save_state` writes the i-th model's engine checkpoint as tag `pytorch_model[_i]`."""
+
+
+def saved_tag(folder: Path, index: int, ours: str, trained: int) -> str | None:
+    """The tag under which `folder` holds the `index`-th trained model's state: ours (`zero_model[_i]`), accelerate's
+    FSDP (`pytorch_model_fsdp_<i>` with `optimizer_<i>`, [Note: accelerate's FSDP folders] in
+    checkpoint/accelerate_fsdp.py) or DeepSpeed (`pytorch_model[_i]`) save_state folders; None (the folder's
+    `latest`) for a bare DeepSpeed `save_checkpoint` folder of the one trained model."""
+    if (folder / ours).exists():
+        return ours
+    fsdp = accelerate_fsdp.model_dir(index)
+    if fsdp_folders(folder, fsdp) is not None or accelerate_fsdp.full_state_files(folder, fsdp) is not None:
+        return fsdp
+    deepspeed = DEEPSPEED_TAG if index == 0 else f"{DEEPSPEED_TAG}_{index}"
+    if find_deepspeed_folder(folder, deepspeed) is not None:
+        return deepspeed
+    if trained == 1 and find_deepspeed_folder(folder, None) is not None:
+        return None
+    return ours
+
+
+def _refuse_model_export(folder: Path, prepared: list[PreparedModel]) -> None:
+    """A `save_pretrained` folder given to `load_state` is named as what it is (no model state of any layout in it)."""
+    exported, trained = export_files(folder), checkpointed(prepared)
+    if not exported or not trained or dcp_read.is_dcp_folder(folder):
+        return
+    tag = trained[0][0]
+    if not (folder / tag).exists() and saved_tag(folder, 0, tag, len(trained)) == tag:
+        raise ValueError(not_a_checkpoint(folder, exported))
 
 
 def _load_dcp(prepared: list[PreparedModel], folder: str, engine_kwargs: dict[str, Any]) -> None:

@@ -84,5 +84,20 @@ def resume_from_dcp(trainer: Any, engine: Any, folder: str, trainer_scheduler: A
                 trainer_scheduler.step()
 
 
+def check_fsdp_scheduler(config: Any, checkpoint_format: str) -> None:
+    """An FSDP Trainer rebuilds its scheduler from its arguments and loads scheduler.pt into it: a schedule from the
+    ZeRO config's `scheduler` block (DeepSpeed's WarmupLR, ...) would not fit it.
+
+    Raises:
+        ValueError: the config has a `scheduler` block.
+    """
+    if config.scheduler is not None:
+        raise ValueError(
+            f"save_checkpoint_format={checkpoint_format!r} with a `scheduler` block in the ZeRO config: an FSDP "
+            "Trainer resumes the scheduler it builds from its arguments (lr_scheduler_type, warmup_steps), which "
+            "this one is not. Remove the block and set lr_scheduler_type/warmup_steps, or save the 'zero' format"
+        )
+
+
 SAVE_PRETRAINED_SHARD_BYTES = 50 * 10**9
 """transformers 5's `save_pretrained` default `max_shard_size` ("50GB")."""

@@ -12,7 +12,8 @@ The Trainer keeps its loop; what it does with DeepSpeed (INTEGRATION_NOTES §2.1
   rank's shards (`zero_model/`) next to Trainer's own files, and counts as complete only once `trainer_state.json`
   is written, so `resume_from_checkpoint=True` never picks a half-written one. With `checkpoint.writer.decoupled`
   the engine state is written in the background and the rotation waits for it ([Note: the Trainer's asynchronous
-  saves] in checkpoint_saves.py); `resume_from_checkpoint` may name a DCP folder written by FSDP2 or torchtitan.
+  saves] in checkpoint_saves.py). `resume_from_checkpoint` may also name a `checkpoint-N` the transformers Trainer
+  wrote under DeepSpeed or FSDP, or a DCP folder written by FSDP2 or torchtitan.
 * Evaluation/prediction before training prepares the model for inference (sharded at stage 3); `train()` undoes it.
 """
 
@@ -34,17 +35,19 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from accelerate_zero.checkpoint import dcp_read
+from accelerate_zero.checkpoint.accelerate_fsdp_save import save_fsdp
 from accelerate_zero.checkpoint.hf_export import save_pretrained_parallel
 from accelerate_zero.checkpoint.io import partial_dir, resolve_tag
+from accelerate_zero.checkpoint.model_export import export_files, not_a_checkpoint
 from accelerate_zero.integrations.accelerate.accelerator import ZeroAccelerator
-from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG, exports_in_parallel
+from accelerate_zero.integrations.accelerate.checkpointing import CHECKPOINT_TAG, exports_in_parallel, saved_tag
 from accelerate_zero.integrations.accelerate.plugin import ZeroPlugin
 from accelerate_zero.integrations.accelerate.prepared import ZeroSchedulerWrapper
 from accelerate_zero.integrations.transformers import checkpoint_saves
 from accelerate_zero.integrations.transformers.auto_values import fill_from_model
 from accelerate_zero.integrations.transformers.checkpoint_files import verify_manifest, write_manifest
 from accelerate_zero.integrations.transformers.sequence_steps import SequenceParallelStepsMixin
-from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
+from accelerate_zero.integrations.transformers.training_args import CHECKPOINT_FORMATS, ZeroArgumentsMixin
 from accelerate_zero.sequence.loader import TOKEN_MASK
 from accelerate_zero.sequence.normalization import LossNormalization
 
@@ -308,15 +311,16 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
         if engine is None:
             super()._save_optimizer_and_scheduler(output_dir)
             return
-        # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py
-        engine.save_checkpoint(
-            output_dir, tag=CHECKPOINT_TAG, async_save=checkpoint_saves.saves_asynchronously(self.args)
-        )
-        if (
-            self.args.should_save
-            and self.lr_scheduler is not None
-            and not isinstance(self.lr_scheduler, ZeroSchedulerWrapper)
-        ):
+        fsdp_type = CHECKPOINT_FORMATS[self.args.save_checkpoint_format]
+        if fsdp_type is not None:  # [Note: accelerate's FSDP folders out] in checkpoint/accelerate_fsdp_save.py
+            checkpoint_saves.check_fsdp_scheduler(self.accelerator.zero_config, self.args.save_checkpoint_format)
+            save_fsdp(engine, output_dir, 0, fsdp_type)
+        else:  # [Note: the Trainer's asynchronous saves] in checkpoint_saves.py
+            engine.save_checkpoint(
+                output_dir, tag=CHECKPOINT_TAG, async_save=checkpoint_saves.saves_asynchronously(self.args)
+            )
+        own = not isinstance(self.lr_scheduler, ZeroSchedulerWrapper)
+        if self.args.should_save and self.lr_scheduler is not None and (own or fsdp_type is not None):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -352,7 +356,9 @@ class ZeroTrainerMixin(SequenceParallelStepsMixin):
             checkpoint_saves.resume_from_dcp(self, engine, checkpoint, own)
             return
         _check_complete(checkpoint)
-        engine.load_checkpoint(checkpoint, tag=CHECKPOINT_TAG)
+        # A DeepSpeed Trainer's checkpoint-N holds global_stepN/ and `latest`, an FSDP Trainer's pytorch_model_fsdp_0/
+        # and optimizer_0/, where ours holds zero_model/
+        engine.load_checkpoint(checkpoint, tag=saved_tag(Path(checkpoint), 0, CHECKPOINT_TAG, 1))
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if not isinstance(self.lr_scheduler, ZeroSchedulerWrapper) and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
@@ -436,6 +442,9 @@ def _is_complete(checkpoint: Path) -> bool:
 
 
 def _check_complete(checkpoint: str) -> None:
+    exported = export_files(Path(checkpoint))
+    if exported and not (Path(checkpoint) / TRAINER_STATE_NAME).exists():
+        raise ValueError(not_a_checkpoint(Path(checkpoint), exported))
     if not _is_complete(Path(checkpoint)):
         raise ValueError(
             f"Can't resume from {checkpoint}: its save did not finish (no readable {TRAINER_STATE_NAME} or engine "

@@ -26,6 +26,10 @@ from accelerate_zero.sequence.normalization import LossNormalization
 logger = logging.getLogger(__name__)
 
 
+CHECKPOINT_FORMATS = {"zero": None, "fsdp": "SHARDED_STATE_DICT", "fsdp_full": "FULL_STATE_DICT"}
+"""`save_checkpoint_format` values, and the FSDP state_dict_type each writes (None: our engine's format)."""
+
+
 @dataclass
 class ZeroArgumentsMixin:
     """Adds `zero_config` to a `TrainingArguments` dataclass (transformers' own, or a subclass such as TRL's
@@ -72,8 +76,26 @@ class ZeroArgumentsMixin:
         },
     )
 
+    save_checkpoint_format: str = field(
+        default="zero",
+        metadata={
+            "help": (
+                "What a checkpoint-N folder holds beside the Trainer's own files: 'zero' (default) our engine's "
+                "shards (zero_model/, any world size and stage); 'fsdp' what the transformers Trainer writes under "
+                "FSDP with state_dict_type SHARDED_STATE_DICT (pytorch_model_fsdp_0/ and optimizer_0/, DCP); "
+                "'fsdp_full' what it writes with FULL_STATE_DICT, its default (pytorch_model_fsdp.bin and "
+                "optimizer.bin): an FSDP run resumes them with resume_from_checkpoint, and so does this Trainer."
+            ),
+            "choices": list(CHECKPOINT_FORMATS),
+        },
+    )
+
     def __post_init__(self) -> None:
         LossNormalization.parse(self.sequence_parallel_loss_normalization)
+        if self.save_checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"save_checkpoint_format={self.save_checkpoint_format!r}: expected one of {list(CHECKPOINT_FORMATS)}"
+            )
         adopt_accelerate_deepspeed_launch()  # before transformers builds a DeepSpeedPlugin from the environment
         if getattr(self, "parallelism_config", None) is None:  # before the Trainer's Accelerator reads the environment
             self.parallelism_config = parallelism_from_launch()
