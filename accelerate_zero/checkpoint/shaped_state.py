@@ -40,15 +40,16 @@ def saved_state(value: torch.Tensor, piece: slice, numel: int, whole: bool, frag
     )
 
 
-def shaped_state(reader: FragmentReader | Any, frag: Fragment, kind: str, whole: bool) -> torch.Tensor | None:
+def shaped_state(reader: Any, frag: Fragment, kind: str, whole: bool) -> torch.Tensor | None:
     """The saved `kind` of `frag`'s parameter when it was saved whole in a shape of its own; None when it is
     elementwise (read it range by range) or absent.
 
     Raises:
         ValueError: it was saved in a shape of its own and the loading range is not a whole parameter.
     """
-    # only our own rank files keep such state (a foreign reader has no `pieces`: its state is elementwise)
-    for start, end, _, _ in getattr(reader, "pieces", {}).get((frag.name, kind), []):
+    if not isinstance(reader, FragmentReader):  # only our own rank files keep such state; a foreign one's is
+        return None  # elementwise (Adam's moments) or scalar
+    for start, end, _, _ in reader.pieces.get((frag.name, kind), []):
         if start != 0 or end < frag.end:
             continue
         saved = reader.read_scalar(frag.name, kind, start, end)
