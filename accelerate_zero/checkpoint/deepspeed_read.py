@@ -197,10 +197,12 @@ def _stage12_pieces(
                     for name, _, _ in offsets:
                         reader.scalars[(name, kind)] = lambda v=values: v
                     continue
-                if values.numel() != flat.numel():
+                # The last rank's masters drop the group's end padding; its optimizer states keep it.
+                if values.numel() not in (flat.numel(), size):
                     raise ValueError(
                         f"{path}: optimizer state {kind!r} of group {g} has {values.numel()} elements, its fp32 "
-                        f"partition {flat.numel()}: the file is damaged or not from DeepSpeed's ZeRO-1/2"
+                        f"partition {flat.numel()} (+{size - flat.numel()} padding): the file is damaged or not "
+                        "from DeepSpeed's ZeRO-1/2"
                     )
                 for name, start, numel in offsets:
                     s, e = max(start, lo), min(start + numel, hi)

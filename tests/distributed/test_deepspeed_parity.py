@@ -72,7 +72,16 @@ def _both_frameworks(rank: int, world_size: int, folder: str, reference: dict) -
             run = getattr(deepspeed_scripts, script)
             extra = (folder,) if script == "tutorial" else (reference,)
             results[f"{case} / {label}"] = run(module, *arguments, *extra, rank)
+    for stage in _resume_stages(world_size):  # DeepSpeed's checkpoint continued by DeepSpeed, and by ours
+        config = {**_tutorial_config(stage), "gradient_clipping": 0.0}
+        for label, reader in (("deepspeed", deepspeed), ("ours", ours)):
+            place = str(Path(folder) / f"resume_{stage}_{label}")
+            results[f"resume stage {stage} / {label}"] = deepspeed_scripts.resumed(deepspeed, reader, config, place, rank)
     return results
+
+
+def _resume_stages(world_size: int) -> tuple[int, ...]:
+    return (1, 2, 3) if world_size == 2 else (3,)
 
 
 def _reference_weights() -> dict[str, torch.Tensor]:
@@ -101,6 +110,16 @@ def test_deepspeed_scripts_train_the_same_with_both_frameworks(world_size: int, 
         assert worst < TOLERANCE, f"{case}: weights differ by {worst}"
         moved = max((weights_a[k] - _initial(case, k)).abs().max().item() for k in weights_a)
         assert moved > 1e-3, f"{case}: training did not move the weights"
+    for stage in _resume_stages(world_size):  # issue 49: a DeepSpeed run moves to us mid-training
+        for rank, r in enumerate(results):
+            theirs, mine = r[f"resume stage {stage} / deepspeed"], r[f"resume stage {stage} / ours"]
+            diff = max(abs(x - y) for x, y in zip(theirs["losses"], mine["losses"], strict=True))
+            assert diff < TOLERANCE, (stage, rank, theirs["losses"], mine["losses"])
+            assert (mine["steps"], mine["client_state"]) == (theirs["steps"], {"epoch": 1}) == (4, {"epoch": 1})
+            assert mine["lr"] == pytest.approx(theirs["lr"]), (stage, rank)
+        theirs, mine = results[0][f"resume stage {stage} / deepspeed"], results[0][f"resume stage {stage} / ours"]
+        worst = max((theirs["weights"][k] - mine["weights"][k]).abs().max().item() for k in theirs["weights"])
+        assert worst < TOLERANCE, f"resume stage {stage}: weights differ by {worst}"
     rlhf = [r.get("rlhf actor stage 3 / ours") for r in results]
     assert all(r is None or r["ref_optimizer"] for r in rlhf)  # no optimizer for the reference engine
 

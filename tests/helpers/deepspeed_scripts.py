@@ -146,3 +146,42 @@ def rlhf_actor(
         "ref_optimizer": ref_optimizer is None,
         "weights": _full_weights(ds, actor_engine.module, rank),
     }
+
+
+def resumed(writer: Any, reader: Any, config: dict, folder: str, rank: int) -> dict[str, Any]:
+    """A run saved halfway by `writer` (DeepSpeed or ours) and continued by a fresh engine of `reader` that loads
+    that checkpoint: AdamW with weight decay, a warmup LambdaLR, `client_state`. Returns the continuation."""
+    writer.init_distributed()
+    generator = torch.Generator().manual_seed(21 + rank)
+    accumulation = config["gradient_accumulation_steps"]
+    batches = [(torch.randn(4, 7, generator=generator), torch.randn(4, 3, generator=generator)) for _ in range(8)]
+
+    def engine_of(ds: Any) -> Any:
+        torch.manual_seed(0)
+        model = make_model()
+        optimizer = torch.optim.AdamW(param_groups(model, lr=0.02, decay=0.1), lr=0.02)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        return ds.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)[0]
+
+    def train(engine: Any, part: list) -> list[float]:
+        losses = []
+        for x, y in part:
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    half = 2 * accumulation
+    first = engine_of(writer)
+    train(first, batches[:half])
+    first.save_checkpoint(folder, client_state={"epoch": 1})
+    second = engine_of(reader)
+    _, client_state = second.load_checkpoint(folder)
+    return {
+        "losses": train(second, batches[half:]),
+        "lr": second.get_lr(),
+        "steps": second.global_steps,
+        "client_state": {k: v for k, v in (client_state or {}).items() if k == "epoch"},
+        "weights": _full_weights(reader, second.module, rank),
+    }
