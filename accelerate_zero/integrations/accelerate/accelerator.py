@@ -411,11 +411,9 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
             safe_serialization: as accelerate's.
             **save_model_func_kwargs: passed to `ZeroEngine.save_checkpoint` (e.g. `client_state`, or
                 `async_save=True`: the engines' shards are written by background threads while training goes on;
-                the next `save_state` or `load_state` waits for them). `checkpoint_format="fsdp"` writes the folder
-                accelerate's FSDP `load_state` reads instead (`pytorch_model_fsdp_<i>/` and `optimizer_<i>/`, DCP,
-                SHARDED_STATE_DICT; "fsdp_full": `pytorch_model_fsdp.bin` and `optimizer.bin`, FULL_STATE_DICT), so
-                an FSDP run resumes it; `load_state` reads both back ([Note: accelerate's FSDP folders out] in
-                checkpoint/accelerate_fsdp_save.py).
+                the next `save_state` or `load_state` waits for them). `checkpoint_format="fsdp"|"fsdp_full"` writes
+                accelerate's FSDP folder (SHARDED / FULL_STATE_DICT) instead, which an FSDP run resumes
+                ([Note: accelerate's FSDP folders out] in checkpoint/accelerate_fsdp_save.py).
 
         Returns:
             The folder written (with `async_save`, the engine shards are published under it once written).
@@ -433,9 +431,8 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
         The engine checkpoints are universal (any world size or stage can load them); only safetensors, JSON and
         `torch.load(weights_only=True)` files are read for them. A DCP checkpoint folder written by FSDP2 or
         torchtitan loads into the one trained model's engine (weights, optimizer state, steps; no accelerate state).
-        The folders accelerate's FSDP `save_state` writes (SHARDED or FULL_STATE_DICT) and DeepSpeed checkpoints
-        (accelerate's `pytorch_model/` tag, or a bare `save_checkpoint` folder) load the same way, with accelerate
-        restoring its own files (scheduler.bin, RNG, samplers, registered objects).
+        accelerate's FSDP `save_state` folders and DeepSpeed checkpoints load the same way (accelerate restores
+        its own files: scheduler.bin, RNG, samplers, registered objects).
 
         Args:
             input_dir: the folder `save_state` wrote (None: the latest with `automatic_checkpoint_naming`).
