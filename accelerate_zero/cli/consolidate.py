@@ -2,6 +2,7 @@
 
 Usage:
     accelerate-zero consolidate out/checkpoint-500 out/consolidated [--dtype fp32|bf16|fp16]
+    accelerate-zero consolidate out/checkpoint-500 out/ds --format deepspeed   # a folder zero_to_fp32.py reads
 
 Runs offline in one process (no process group, any machine); prints the output folder and exits 0, or prints the
 problem and exits 2.
@@ -34,6 +35,13 @@ def register(subcommands: Any) -> None:
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the written weights (default: fp32)"
     )
+    parser.add_argument(
+        "--format",
+        choices=("safetensors", "deepspeed"),
+        default="safetensors",
+        help="safetensors (default): a from_pretrained folder; deepspeed: a DeepSpeed ZeRO folder (latest + "
+        "global_stepN/) whose weights DeepSpeed's zero_to_fp32.py reads (fp32; no optimizer state)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -41,7 +49,14 @@ def run(args: argparse.Namespace) -> int:
     from accelerate_zero.checkpoint.consolidate import consolidate
 
     try:
-        out = consolidate(args.checkpoint, args.output, args.dtype)
+        if args.format == "deepspeed":
+            from accelerate_zero.checkpoint.deepspeed_write import write_deepspeed_folder
+
+            if args.dtype != "fp32":
+                raise ValueError(f"--dtype {args.dtype}: DeepSpeed's folders hold fp32 weights; leave --dtype out")
+            out = write_deepspeed_folder(args.checkpoint, args.output)
+        else:
+            out = consolidate(args.checkpoint, args.output, args.dtype)
     except (FileNotFoundError, ValueError) as error:
         print(f"accelerate-zero consolidate: {error}", file=sys.stderr)
         return BAD_CHECKPOINT_EXIT_CODE
