@@ -1,21 +1,10 @@
 """One training step as lanes over time (compute, device-to-host, host step, host-to-device, file I/O), read from a
-torch.profiler trace, drawn as SVG (and PNG when matplotlib is installed). Used by bench/gpu_compare_worker.py.
-
-Where each lane comes from ([Note: timeline lanes]):
-- compute: the GPU's kernels; on a CPU device (the dry run) the worker's `bench::forward` / `bench::backward`
-  ranges, since there the compute is the host thread itself.
-- device-to-host / host-to-device: the GPU's memcpy events (`Memcpy DtoH` / `Memcpy HtoD`), which are the copies
-  as the copy engines ran them; without a GPU, the engine's own ranges around each copy it issues
-  (`ZeRO::copy_to_host` / `ZeRO::copy_to_device` in engine/host_copies.py).
-- host step: the engine's `ZeRO::optimizer_step` range (engine/sharded_optimizer.py), which under offload is the
-  host AdamW plus the norm and the wait for copies in flight.
-- file I/O: `ZeRO::file_read` / `ZeRO::file_write` (offload/nvme.py), on whichever thread ran them.
-Each lane is the union of its intervals; `busy` is that union's share of the step.
+torch.profiler trace and drawn as SVG, for bench/gpu_compare_worker.py ([Note: timeline lanes] is bench/README.md's
+"The timeline of one step": where each lane comes from).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -136,33 +125,9 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def write_drawings(timeline: dict[str, Any], title: str, stem: Path) -> list[Path]:
-    """Writes `<stem>.svg` always and `<stem>.png` when matplotlib is installed; returns the paths written."""
+def write_drawing(timeline: dict[str, Any], title: str, stem: Path) -> Path:
+    """Writes `<stem>.svg`; returns its path."""
     stem.parent.mkdir(parents=True, exist_ok=True)
-    written = [stem.with_suffix(".svg")]
-    written[0].write_text(svg(timeline, title))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written
-    figure, axes = plt.subplots(figsize=(11, 2.6))
-    for index, (lane, colour) in enumerate(zip(LANES, COLOURS, strict=True)):
-        boxes = [(a, b - a) for a, b in timeline["lanes"][lane]]
-        axes.broken_barh(boxes, (len(LANES) - 1 - index - 0.4, 0.8), facecolors=colour)
-    axes.set_yticks(range(len(LANES)))
-    axes.set_yticklabels([f"{lane} {timeline['busy'][lane]:.0%}" for lane in reversed(LANES)])
-    axes.set_xlim(0, timeline["step_ms"])
-    axes.set_xlabel("ms from the start of the step")
-    axes.set_title(title, fontsize=10)
-    figure.tight_layout()
-    figure.savefig(stem.with_suffix(".png"), dpi=110)
-    plt.close(figure)
-    written.append(stem.with_suffix(".png"))
-    return written
-
-
-def timeline_from_file(trace_path: Path) -> dict[str, Any]:
-    return lanes_from_trace(json.loads(trace_path.read_text()))
+    path = stem.with_suffix(".svg")
+    path.write_text(svg(timeline, title))
+    return path

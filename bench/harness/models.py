@@ -1,10 +1,5 @@
-"""The workloads questions share: the Linear stack every peer trains, its data and the ZeRO config it runs under.
-
-`llama_config` / `llama` build the LlamaForCausalLM most other questions train, from a config (no download).
-The stack's size is 16 x Linear(1024, 1024) unless the launcher sets `SIZE_ENV`'s variables (bench/report runs a
-smaller stack to fit its time budget); every rank reads them, DeepSpeed's included. `AZ_BENCH_BATCH`: the rows
-of each micro-batch (default 8: activations are negligible beside the weights; at 1024 each saved activation is
-4 MB, and the peak under gradient accumulation shows what lives across micro-steps).
+"""The workloads questions share: the Linear stack every peer trains (16 x Linear(1024), or `SIZE_ENV`'s sizes, read
+by every rank), its data and ZeRO config, the offload modes, and the LlamaForCausalLM most other questions build.
 """
 
 from __future__ import annotations
@@ -65,6 +60,22 @@ def engine_config(stage: int, reduce_bucket_size: int | None = None, grad_accum:
     if grad_accum != 1:
         config["gradient_accumulation_steps"] = grad_accum
     return config
+
+
+def offload_zero(mode: str, nvme_dir: str | None = None) -> dict[str, Any]:
+    """The `zero_optimization` offload blocks of `mode`: none; cpu (the optimizer state); cpu+param; nvme_optimizer
+    (the optimizer state in files); nvme (optimizer and parameters in files, none kept in host memory)."""
+    nvme = {"device": "nvme", "nvme_path": nvme_dir}
+    blocks = {
+        "none": {},
+        "cpu": {"offload_optimizer": {"device": "cpu"}},
+        "cpu+param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        "nvme_optimizer": {"offload_optimizer": nvme},
+        "nvme": {"offload_optimizer": nvme, "offload_param": {**nvme, "max_in_cpu": 0}},
+    }
+    if mode not in blocks:
+        raise ValueError(f"offload mode {mode!r}: one of {', '.join(blocks)}")
+    return blocks[mode]
 
 
 def llama_config(
