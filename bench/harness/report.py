@@ -1,7 +1,5 @@
-"""How every question reports: markdown tables, PASS/FAIL/SKIP checks, the machine and its load, the JSON it saves.
-
-Pure Python (no torch). Every question prints `header()` first (where and when it ran, at what load), then its
-tables and checks, and with `--json PATH` saves `save_json(PATH, payload)` (the payload plus the same facts).
+"""How every question reports (pure Python): markdown tables, PASS/FAIL/SKIP checks, the machine and its load in a
+header, the JSON it saves.
 """
 
 from __future__ import annotations
