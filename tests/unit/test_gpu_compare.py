@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import gpu_compare  # noqa: E402
-import gpu_timeline  # noqa: E402
+import gpu_compare_worker  # noqa: E402
 
 
 def _event(name: str, cat: str, ts: float, dur: float) -> dict:
@@ -40,7 +40,7 @@ def test_lanes_from_a_gpu_trace() -> None:
             _event("aten::mm", "cpu_op", 1000, 900),  # not a lane
         ]
     }
-    timeline = gpu_timeline.lanes_from_trace(trace)
+    timeline = gpu_compare_worker.lanes_from_trace(trace)
     assert timeline["gpu"] and timeline["step_ms"] == 1.0
     assert timeline["lanes"] == {
         "compute": [[0.0, 0.4]],
@@ -50,9 +50,9 @@ def test_lanes_from_a_gpu_trace() -> None:
         "file I/O": [[0.6, 0.65]],
     }
     assert timeline["busy"]["compute"] == 0.4 and timeline["busy"]["host-to-device"] == 0.1
-    ElementTree.fromstring(gpu_timeline.svg(timeline, "a <title> & more"))  # well-formed SVG
+    ElementTree.fromstring(gpu_compare_worker.svg(timeline, "a <title> & more"))  # well-formed SVG
     with pytest.raises(ValueError, match="bench::step"):
-        gpu_timeline.lanes_from_trace({"traceEvents": [_event("gemm", "kernel", 0, 1)]})
+        gpu_compare_worker.lanes_from_trace({"traceEvents": [_event("gemm", "kernel", 0, 1)]})
 
 
 def test_dry_run_on_the_cpu(tmp_path: Path) -> None:
