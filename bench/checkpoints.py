@@ -95,9 +95,9 @@ def checkpoint_async(
     text = (f"median of {rounds} rounds; a step without a save: {plain * 1e3:.0f} ms\n\n"
             f"{report.table(columns, rows, 'lllll')}")  # fmt: skip
     if during:
-        text += f"\n\nsteps while an asynchronous writer ran: {len(during)}, median {statistics.median(during) * 1e3:.0f} ms"
-    title = (f"checkpoint_async: {numel / 1e6:.1f} M parameters, checkpoint {numel * 12 / MIB:.0f} MiB; batch {batch}; "
-             f"{torch.get_num_threads()} torch threads on {os.cpu_count()} cores")  # fmt: skip
+        text += f"\n\nsteps while an asynchronous writer ran: {len(during)}, median {statistics.median(during):.3f} s"
+    title = (f"checkpoint_async: {numel / 1e6:.1f} M parameters, checkpoint {numel * 12 / MIB:.0f} MiB; batch "
+             f"{batch}; {torch.get_num_threads()} torch threads on {os.cpu_count()} cores")  # fmt: skip
     return cli.Answer(title, text, {"times": times, "calls": calls, "peaks": peaks})
 
 
@@ -185,9 +185,10 @@ def checkpoint_verify(files: int = 4, file_mib: int = 512, dir: str | None = Non
     rate, seconds = size / serial / 1e9, 70e9 * 12 / (size / serial)  # 70B: fp32 masters, exp_avg, exp_avg_sq
     rows = [(w, f"{seconds:,.0f}", f"{2 * seconds / w:,.1f}", f"{seconds / w:,.1f}") for w in (8, 64, 512)]
     columns = ["W", "before: every file", "after: own file + rank 0's, one thread", "the same, 2 threads"]
-    text = (f"{files} x {file_mib} MiB: one thread {serial:.2f} s ({rate:.2f} GB/s), {files} threads {threaded:.2f} s "
-            f"({size / threaded / 1e9:.2f} GB/s; {os.cpu_count()} cores)\n\n70B checkpoint (840 GB), seconds of "
-            f"hashing per loading rank at the saved world size W:\n\n{report.table(columns, rows, 'rrrr')}")  # fmt: skip
+    text = (f"{files} x {file_mib} MiB: one thread {serial:.2f} s ({rate:.2f} GB/s), {files} threads "
+            f"{threaded:.2f} s ({size / threaded / 1e9:.2f} GB/s; {os.cpu_count()} cores)\n\n70B checkpoint (840 "
+            "GB), seconds of hashing per loading rank at the saved world size W:\n\n")  # fmt: skip
+    text += report.table(columns, rows, "rrrr")
     return cli.Answer("checkpoint_verify: hashing a checkpoint on each loading rank", text, {"rate_gbps": rate})
 
 
@@ -206,7 +207,8 @@ def saved_activations(
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     ds = {"train_micro_batch_size_per_gpu": batch, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "activation_checkpointing": {"cpu_checkpointing": cpu}}  # fmt: skip
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "activation_checkpointing": {"cpu_checkpointing": cpu}}  # fmt: skip
     engine = accelerate_zero.initialize(model, config=ds, device="cpu")
     tokens, counts = torch.randint(0, 1024, (batch, seq)), [0, 0]
 

@@ -33,7 +33,8 @@ def main_table(summaries: list[Summary], ddp: Summary | None, fsdp2: Summary | N
         (PEERS[s.system].label, fmt(s.rss_mb), fmt(s.anon_rss_mb), fmt(s.held_mb),
          f"{FORMULA_TEXT[PEERS[s.system].memory]} = {fmt(s.memory_formula_mb)}", ratio(s.rss_mb, s.memory_formula_mb),
          ratio(s.held_mb, s.memory_formula_mb), f"{fmt(s.comm_mb_per_step)} ({PEERS[s.system].counted_by})",
-         f"{3 if s.system in STAGE3_SYSTEMS else 2}Ψ(W−1)/W·4 = {fmt(s.comm_formula_mb)}", ratio(s.comm_mb_per_step, s.comm_formula_mb), fmt(s.step_ms, 0),
+         f"{3 if s.system in STAGE3_SYSTEMS else 2}Ψ(W−1)/W·4 = {fmt(s.comm_formula_mb)}",
+         ratio(s.comm_mb_per_step, s.comm_formula_mb), fmt(s.step_ms, 0),
          ratio(s.step_ms, ddp and ddp.step_ms), ratio(s.step_ms, fsdp2 and fsdp2.step_ms))
         for s in summaries
     ]  # fmt: skip

@@ -230,8 +230,9 @@ def expert_parallel(
         results[key] = summarize(raw[key])
     counts = next(iter(results.values()))["counts"]
     found = checks(results, list(accums))
-    text = (f"Qwen3-MoE {counts['parameters'] / 1e6:.2f}M parameters, experts {counts['expert_parameters'] / 1e6:.2f}M "
-            f"({4 * counts['expert_parameters'] / MB:.1f} MB fp32), W = {WORLD}, {MICRO} x {seq} tokens per rank and "
+    experts = counts["expert_parameters"]
+    text = (f"Qwen3-MoE {counts['parameters'] / 1e6:.2f}M parameters, experts {experts / 1e6:.2f}M "
+            f"({4 * experts / MB:.1f} MB fp32), W = {WORLD}, {MICRO} x {seq} tokens per rank and "
             f"micro-step\n\n{_tables(results)}\n\n" + "\n".join(found))  # fmt: skip
     ok = not any(line.startswith("FAIL") for line in found)
     return cli.Answer(

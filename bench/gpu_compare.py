@@ -153,7 +153,7 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         f"clipping 1.0, {args.accumulation} x {args.batch} x {args.seq} tokens per step, 1 process, {device}\n\n"
         "| system | mode | s/step | tokens/s | TFLOPS | x no offload | ours / DeepSpeed | predicted s/step "
         "(pred. / meas.) | device peak GiB (phase) | estimate GiB (est. / meas.) | host peak GiB | step timeline "
-        "(busy share) | losses |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+        "(busy share) | losses |\n| --- | --- |" + " ---: |" * 9 + " --- | --- |"
     )
     lines = [head]
     by_key = {(r["system"], r["mode"]): r for r in rows}
@@ -173,15 +173,14 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
             predicted = f"{r['predicted']['total']:.3f} ({r['predicted']['total'] / r['step_seconds']:.2f})"
         phases = r.get("phase_peak_gib") or {"-": r["device_peak_gib"]}
         phase = max(phases, key=lambda name: phases[name] or 0)
-        measured = phases[phase]
-        est = r.get("estimate_gib")
+        measured, est = phases[phase], r.get("estimate_gib")
+        peak = "-" if measured is None else f"{measured} ({phase})"
         versus_estimate = "-" if est is None else f"{est} ({est / measured:.2f})" if measured else f"{est}"
         busy = r.get("timeline", {}).get("busy", {})
         lanes = ", ".join(f"{lane} {share:.0%}" for lane, share in busy.items() if share) or "-"
         lines.append(
             f"| {r['system']} | {r['mode']} | {r['step_seconds']} | {r['tokens_per_second']:.0f} | {r['tflops']} | "
-            f"{slower} | {versus} | {predicted} | {'-' if measured is None else f'{measured} ({phase})'} | {versus_estimate} | "
-            f"{r['host_peak_gib']} | {lanes} | "
+            f"{slower} | {versus} | {predicted} | {peak} | {versus_estimate} | {r['host_peak_gib']} | {lanes} | "
             f"{', '.join(str(v) for v in r['losses'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -194,8 +194,9 @@ def host_adam(
             kwargs = dict(impl=name, numel=numel, tensors=tensors, warmup=warmup, steps=steps, check_numel=check_numel,
                           check_out=f"{tmp}/{tag}.pt")  # fmt: skip
             env = {"OMP_NUM_THREADS": str(count), "MKL_NUM_THREADS": str(count)}  # DeepSpeed's OpenMP
-            r = launch.on_ranks(1, measure, kwargs, name=tag, python=ds_python if name == "deepspeed" else None, env=env,
-                                threads=count, backend="none").results[0]  # fmt: skip
+            python = ds_python if name == "deepspeed" else None
+            r = launch.on_ranks(1, measure, kwargs, name=tag, python=python, env=env, threads=count, backend="none")
+            r = r.results[0]
             results.append(dict(r, impl=name, threads=count, repeat=repeat, check_params=kwargs["check_out"]))
             print(f"  #{repeat} {name:15s} x{count}: {statistics.median(r['wall_s']):.4g} s/step", flush=True)
         check(check_numel, tensors, results)

@@ -116,7 +116,8 @@ def grpo_step(engine: Any, model: Any, group: Any, tiled: bool) -> Callable[[int
 
 def longest(kind: str, budget_mb: float, max_tokens: int) -> dict[str, dict[str, list[float]]]:
     """Rank function: untiled, then tiled; after a warm-up step of 128 tokens (it makes the optimizer's states),
-    lengths 512, 1024, ... until a step's peak exceeds the budget: {length: [peak bytes, seconds]} of those that fit."""
+    lengths 512, 1024, ... until a step's peak exceeds the budget: {length: [peak bytes, seconds]} of those that
+    fit."""
     import torch.distributed as dist
 
     results = {}
@@ -190,7 +191,8 @@ def long_completions(sp: tuple[int, ...] = (1, 2, 4), budget_mb: float = 1200, m
                "vs the first sp"]  # fmt: skip
     table = report.table(columns, [
         (r["sp"], r["mode"], r["longest"], f"{r['peak'] / 1e6:.0f}" if r["peak"] else "-",
-         f"{r['seconds']:.1f} (L={r['common']})" if r["seconds"] else "-", f"{r['vs_sp1']:.2f}x" if r["vs_sp1"] else "-")
+         f"{r['seconds']:.1f} (L={r['common']})" if r["seconds"] else "-",
+         f"{r['vs_sp1']:.2f}x" if r["vs_sp1"] else "-")
         for r in rows], "rlrrrr")  # fmt: skip
     return cli.Answer(f"long_completions: the longest GRPO completion within {budget_mb:.0f} MB per rank", table, rows)
 

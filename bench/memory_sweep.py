@@ -116,8 +116,8 @@ def tables(found: list[dict[str, Any]]) -> tuple[str, bool]:
     verdicts = [(r["model"], r["stage"], r["W"], mb(r["estimated"], 3), mb(r["measured"], 3),
                  f"{r['ratio']:.4f} (rank {r['worst_rank']})", "PASS" if ok else "FAIL")
                 for r, ok in zip(found, honest, strict=True)]  # fmt: skip
-    verdict_columns = ["model", "stage", "W", "estimated model states per rank (MB)",
-                       "memory_breakdown() model states (MB)", "estimate / measured (worst rank)", "within 10%"]  # fmt: skip
+    verdict_columns = ["model", "stage", "W", "estimated model states per rank (MB)", "memory_breakdown() model "
+                       "states (MB)", "estimate / measured (worst rank)", "within 10%"]  # fmt: skip
     ok = bool(found) and all(honest)
     text = (f"{report.table(columns, linear, 'r' * 9)}\n\n**{'PASS: every' if ok else 'FAIL: not every'} estimate "
             f"is within {TOLERANCE:.0%} of what the engine holds.**\n\n"

@@ -165,11 +165,9 @@ def write_checkpoint(folder: Path, ladder: list[int]) -> tuple[int, int]:
         by_file.setdefault(file, {})[name] = param.shape
     for file, shapes in by_file.items():
         if not (shards / file).exists():
+            random = lambda shape: 0.02 * torch.randn(shape, generator=generator)  # noqa: E731
             tensors = {
-                name: torch.ones(shape)
-                if name.endswith("norm.weight")
-                else torch.randn(shape, generator=generator) * 0.02
-                for name, shape in shapes.items()
+                n: torch.ones(shape) if n.endswith("norm.weight") else random(shape) for n, shape in shapes.items()
             }
             save_file(tensors, str(shards / file), metadata={"format": "pt"})
     for layers in sorted(set(ladder)):
@@ -205,15 +203,14 @@ def largest_part(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 ranks = launch.on_ranks(2, largest_point, kwargs, name=f"largest_{system}_{layers}",
                                         timeout=args.point_timeout, rss_budget=budget)  # fmt: skip
-                point.update(status="ok", watchdog_max_rss_sum=ranks.peak_rss_sum)
-                point["peak_rss_per_rank"] = [r["peak_rss"] for r in ranks.results]
-                point["peak_rss_sum"] = sum(point["peak_rss_per_rank"])
-                point["seconds_3_steps"] = max(r["seconds_3_steps"] for r in ranks.results)
-                point["fits"] = point["peak_rss_sum"] <= budget
+                per_rank = [r["peak_rss"] for r in ranks.results]
+                point.update(status="ok", watchdog_max_rss_sum=ranks.peak_rss_sum, peak_rss_per_rank=per_rank,
+                             peak_rss_sum=sum(per_rank), fits=sum(per_rank) <= budget,
+                             seconds_3_steps=max(r["seconds_3_steps"] for r in ranks.results))  # fmt: skip
             except launch.LaunchFailed as failed:
                 code = failed.code
-                point.update(status=code if isinstance(code, str) else f"failed ({code})", fits=False)
-                point["watchdog_max_rss_sum"] = failed.peak_rss_sum
+                point.update(status=code if isinstance(code, str) else f"failed ({code})", fits=False,
+                             watchdog_max_rss_sum=failed.peak_rss_sum)  # fmt: skip
             shutil.rmtree(swap, ignore_errors=True)
             out["points"].append(point)
             seen = point.get("peak_rss_sum", point["watchdog_max_rss_sum"])
@@ -231,12 +228,9 @@ def markdown(payload: dict[str, Any]) -> str:
         a = payload["args"]
         lines += [f"Step time at 2 processes, fp32 AdamW, {a['layers']} x Linear({a['hidden']}) (median of "
                   f"{a['steps']} steps; ratio to no offload in the same group)", ""]  # fmt: skip
-        rows = [
-            (r["stage"], MODE_LABEL[r["mode"]], f"{1000 * r['median_step_s']:.1f}", f"{r['ratio_to_none']:.2f}")
-            if "median_step_s" in r
-            else (r["stage"], r["mode"], r["status"], "")
-            for r in payload["step_time"]
-        ]
+        rows = [(r["stage"], MODE_LABEL[r["mode"]], f"{1000 * r['median_step_s']:.1f}", f"{r['ratio_to_none']:.2f}")
+                if "median_step_s" in r else (r["stage"], r["mode"], r["status"], "")
+                for r in payload["step_time"]]  # fmt: skip
         lines += [report.table(["stage", "mode", "median step (ms)", "ratio to no offload"], rows, "llrr"), ""]
     largest = payload.get("largest")
     if largest:

@@ -28,12 +28,13 @@ def _collectives(numel: int) -> dict[str, tuple[str, Callable[[], object]]]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     full, shard_numel = torch.ones(numel), numel // world_size
     shard = full[rank * shard_numel : (rank + 1) * shard_numel]
-    slices = [full[r * shard_numel : (r + 1) * shard_numel] for r in range(world_size)]
+    slices = [(r, full[r * shard_numel : (r + 1) * shard_numel]) for r in range(world_size)]
     return {
         "all_reduce (in place)": ("all_reduce", lambda: dist.all_reduce(full)),
-        "reduce_scatter_single (output = own slice)": ("reduce_scatter", lambda: dist.reduce_scatter_single(shard, full)),
+        "reduce_scatter_single (output = own slice)": ("reduce_scatter", lambda: dist.reduce_scatter_single(shard,
+                                                                                                             full)),
         "all_gather_single (input = own slice)": ("all_gather", lambda: dist.all_gather_single(full, shard)),
-        "broadcast of each rank's slice (W calls)": ("broadcast", lambda: [dist.broadcast(s, r) for r, s in enumerate(slices)]),
+        "broadcast of each rank's slice (W calls)": ("broadcast", lambda: [dist.broadcast(s, r) for r, s in slices]),
     }  # fmt: skip
 
 

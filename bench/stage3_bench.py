@@ -111,8 +111,9 @@ def phases(
             kwargs = dict(system=system, accumulation=accumulation, steps=steps, warmup=warmup, zero=zero,
                           arena_whole=arena_whole)  # fmt: skip
             python = launch.deepspeed_python(ds_venv) if system.startswith("ds") else None
-            results[(system, accumulation)] = launch.on_ranks(world_size, phase_peaks, kwargs, python=python,
-                                                              name=f"{system}_{accumulation}", out_dir=OUT).results  # fmt: skip
+            name = f"{system}_{accumulation}"
+            ranks = launch.on_ranks(world_size, phase_peaks, kwargs, python=python, name=name, out_dir=OUT)
+            results[(system, accumulation)] = ranks.results
     order = ["forward", "backward", "optimizer"]
     columns = sorted({n for ranks in results.values() for r in ranks for n in r["peaks"]},
                      key=lambda n: (int(n.partition(" ")[2] or 99), order.index(n.partition(" ")[0])))  # fmt: skip
@@ -123,7 +124,7 @@ def phases(
         between = "-" if accumulation == 1 else fmt(max(r["between"] for r in ranks) / MB)
         rows.append((system, accumulation, *(fmt(max(r["peaks"].get(c, 0) for r in ranks) / MB) for c in columns),
                      fmt(peak / MB), between, ratio(peak, top.get((system, first))),
-                     ratio(peak, top.get(("ddp", accumulation))), ratio(peak, top.get(("fsdp2", accumulation)))))  # fmt: skip
+                     *(ratio(peak, top.get((peer, accumulation))) for peer in ("ddp", "fsdp2"))))  # fmt: skip
         if system == "az3" and accumulation != first and ("az3", first) in top:
             value = peak / top[("az3", first)]
             name = f"stage 3 peak at accumulation {accumulation} within 10% of accumulation {first}"
@@ -225,11 +226,12 @@ def loading(
     checks = [Check(f"partitioned loading peak <= model/W + its largest unit + {overhead_mb:.0f} MB",
                     peaks["load_az3"] <= bound, f"VmHWM − baseline {peaks['load_az3']:.1f} MB vs {bound:.1f} MB "
                     f"(transformers' from_pretrained: {peaks['load_hf']:.1f} MB)"),
-              Check("partitioned loading, anonymous memory only (sampled RssAnon peak) <= the same bound", anon <= bound,
-                    f"{anon:.1f} MB vs {bound:.1f} MB; the rest of VmHWM is the safetensors file's page cache")]  # fmt: skip
+              Check("partitioned loading, anonymous memory only (sampled RssAnon peak) <= the same bound",
+                    anon <= bound, f"{anon:.1f} vs {bound:.1f} MB; the rest of VmHWM is the page cache")]  # fmt: skip
     text = (f"Model: {sizes['params']:,} parameters = {model_mb:.1f} MB fp32; one decoder layer {layer_mb:.1f} MB; "
             f"largest tensor {largest_mb:.1f} MB; what no decoder layer owns (embedding, LM head, final norm) "
-            f"{rest_mb:.1f} MB\n\n{report.table(columns, rows)}\n\n" + "\n".join(c.line() for c in checks))  # fmt: skip
+            f"{rest_mb:.1f} MB\n\n{report.table(columns, rows)}\n\n")  # fmt: skip
+    text += "\n".join(c.line() for c in checks)
     ok = all(c.passed for c in checks)
     return cli.Answer(f"stage3_bench loading: W = {world_size}", text, {"raw": raw, "sizes": sizes}, ok)
 

@@ -81,7 +81,8 @@ def system_config(system: str, offload: str, prefetch: str = "as_written") -> tu
 def train(system: str, out: str, **run: Any) -> dict[str, Any]:
     """Rank function: the Trainer trains `system`; every optimizer step's CPU and wall time, per phase and thread.
 
-    `run` holds the run's options (`trainer_bench`'s); `out` is the run's path prefix (the cProfile and torch.profiler tables go beside it).
+    `run` holds the run's options (`trainer_bench`'s); `out` is the run's path prefix (the cProfile and
+    torch.profiler tables go beside it).
     """
     import torch
     from harness import models
@@ -402,7 +403,8 @@ def trainer_bench(
         torch_profile: torch.profiler over the timed steps: each rank's ops by self CPU time in <run>.rank<R>.ops.txt.
     """
     run = dict(steps=steps, warmup=warmup, layers=layers, micro=micro, accumulation=accumulation,
-               world_size=world_size, offload=offload, prefetch=prefetch, profile=profile, torch_profile=torch_profile)  # fmt: skip
+               world_size=world_size, offload=offload, prefetch=prefetch, profile=profile,
+               torch_profile=torch_profile)  # fmt: skip
     started, folder = time.perf_counter(), Path(tempfile.mkdtemp(prefix="trainer_bench_"))
     tree, code_text = code_tree(code, folder)
     names, codes = list(systems), dict.fromkeys(systems, tree)
@@ -449,7 +451,8 @@ def trainer_bench(
     title = (f"Trainer, {world_size} ranks, LlamaForCausalLM {params / 1e6:.1f}M params (hidden {HIDDEN}, {layers} "
              f"layers, vocab {VOCAB}), fp32, micro-batch {micro}, accumulation {accumulation}, seq {SEQ}; {rounds} "
              f"rounds x {steps} timed steps after {warmup} warm-up; offload {offload}; prefetch {prefetch}; "
-             f"{(time.perf_counter() - started) / 60:.1f} min; load average (1 min) {min(loads):.2f}-{max(loads):.2f}; "
+             f"{(time.perf_counter() - started) / 60:.1f} min; load average (1 min) "
+             f"{min(loads):.2f}-{max(loads):.2f}; "
              f"code: {code_text}")  # fmt: skip
     raw = {"runs": runs, "summary": summary, "notes": notes, "configs": configs, "load_averages": loads}
     return cli.Answer(title, "\n".join(lines), raw)

@@ -182,8 +182,8 @@ def load_and_train(system: str, folder: str, shape: str, zero: dict, arena_whole
 
     faulthandler.dump_traceback_later(hang_s, exit=True)  # a stuck rank prints its stacks and ends the run
     stage = int(system[-1]) if system[-1].isdigit() else 3
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage, **zero}}  # fmt: skip
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization":
+              {"stage": stage, **zero}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
     preload(system)
     if arena_whole:
         count_gradient_arenas_whole()
@@ -278,8 +278,10 @@ def user_load(
             return ""
         return report.fmt(max(r[kind][phase][key] - r["baseline"][key] for r in ranks) / MB)
 
-    text = [f"{sizes['params'] / 1e6:.1f}M parameters; one layer {sizes['layer_bytes'] / MB:.1f} MB, largest tensor "
-            f"{sizes['largest_tensor_bytes'] / MB:.1f} MB; MB per rank above the baseline, max over ranks"]  # fmt: skip
+    text = [
+        f"{sizes['params'] / 1e6:.1f}M parameters; one layer {sizes['layer_bytes'] / MB:.1f} MB, largest "
+        f"tensor {sizes['largest_tensor_bytes'] / MB:.1f} MB; MB per rank above the baseline, max over ranks"
+    ]
     for key in ("RssAnon", "RssFile"):
         rows = [(p, *(cell(ranks, p, key) for ranks in results.values())) for p in [*phases, "between steps"]]
         if key == "RssAnon":

@@ -32,12 +32,8 @@ def build_model(hidden: int = HIDDEN, layers: int = LAYERS) -> nn.Sequential:
     The default, 16 x Linear(1024, 1024), has 16.8M fp32 parameters.
     """
     torch.manual_seed(MODEL_SEED)
-    modules: list[nn.Module] = []
-    for index in range(layers):
-        modules.append(nn.Linear(hidden, hidden))
-        if index < layers - 1:
-            modules.append(nn.ReLU())
-    return nn.Sequential(*modules)
+    modules = [module for _ in range(layers) for module in (nn.Linear(hidden, hidden), nn.ReLU())]
+    return nn.Sequential(*modules[:-1])
 
 
 def make_batch(rank: int, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,15 +47,9 @@ def engine_config(stage: int, reduce_bucket_size: int | None = None, grad_accum:
     zero: dict[str, Any] = {"stage": stage, **(STAGE3_KEYS if stage == 3 else {})}
     if reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = reduce_bucket_size
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "zero_optimization": zero,
-        "gradient_clipping": 0.0,
-        "zero_allow_untested_optimizer": True,
-    }
-    if grad_accum != 1:
-        config["gradient_accumulation_steps"] = grad_accum
-    return config
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": zero,
+                              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}  # fmt: skip
+    return config if grad_accum == 1 else dict(config, gradient_accumulation_steps=grad_accum)
 
 
 def offload_zero(mode: str, nvme_dir: str | None = None) -> dict[str, Any]:

@@ -94,14 +94,9 @@ def train(
     model = models.build_model()
     measurement.params = sum(p.numel() for p in model.parameters())
     x, y = models.make_batch(dist.get_rank())
-    wrapped = peers.build(
-        system,
-        model,
-        lambda module: nn.functional.mse_loss(module(x), y),
-        lr=models.LR,
-        grad_accum=grad_accum,
-        zero_config=models.engine_config(int(system[-1]), reduce_bucket_size) if system[-1].isdigit() else None,
-    )
+    config = models.engine_config(int(system[-1]), reduce_bucket_size) if system[-1].isdigit() else None
+    loss = lambda module: nn.functional.mse_loss(module(x), y)  # noqa: E731
+    wrapped = peers.build(system, model, loss, lr=models.LR, grad_accum=grad_accum, zero_config=config)
     run_steps(measurement, wrapped.step, warmup=warmup, steps=steps, reset_comm=wrapped.reset_comm)
     measurement.comm = wrapped.comm()
     measurement.extra["grad_accum"] = grad_accum
@@ -125,32 +120,16 @@ def runnable(systems: list[str], ds_venv: Path) -> list[str]:
 
 
 def launch_train(
-    system: str,
-    world_size: int,
-    *,
-    out_dir: Path,
-    ds_venv: Path = launch.DEFAULT_DS_VENV,
-    round_index: int = 0,
-    function: Callable[..., dict[str, Any]] | None = None,
-    **train_kwargs: Any,
+    system: str, world_size: int, *, out_dir: Path, ds_venv: Path, round_index: int = 0, **train_kwargs: Any
 ) -> list[dict[str, Any]] | None:
-    """Driver side: `train` (or `function`, a rank function that calls it) for `system` on `world_size` fresh ranks
-    (DeepSpeed from `ds_venv`).
-
-    Returns every rank's record (`summary.records`), or None when the group failed (its log's end is printed).
-    DeepSpeed's virtualenv must exist (`runnable` leaves its systems out otherwise).
-    """
+    """Driver side: `train` for `system` on `world_size` fresh ranks (DeepSpeed from `ds_venv`, which must exist:
+    `runnable` leaves its systems out otherwise); every rank's record (`summary.records`), or None when the group
+    failed (its log's end is printed)."""
     name = system if round_index == 0 else f"{system}.round{round_index + 1}"
     python = launch.deepspeed_python(ds_venv) if system.startswith("ds") else None
     try:
-        ranks = launch.on_ranks(
-            world_size,
-            function or train,
-            {"system": system, **train_kwargs},
-            name=name,
-            out_dir=out_dir,
-            python=python,
-        )
+        kwargs = {"system": system, **train_kwargs}
+        ranks = launch.on_ranks(world_size, train, kwargs, name=name, out_dir=out_dir, python=python)
     except launch.LaunchFailed as failed:
         print(f"  FAILED {failed}")
         return None

@@ -76,10 +76,16 @@ def _ranks(world_size: int, off: tuple[str, int, int] | None = None) -> list[dic
             for stage in range(4):
                 replicated, sharded = {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}[stage]
                 held = int(PARAMS * (replicated + sharded / world_size))
-                kinds = {"parameters": held // 2, "gradients": 0, "master_weights": 0, "optimizer_states": held - held // 2}
+                kinds = {
+                    "parameters": held // 2,
+                    "gradients": 0,
+                    "master_weights": 0,
+                    "optimizer_states": held - held // 2,
+                }
                 scale = 1.12 if off == (model, stage, rank) else 1.0
                 entry[model][str(stage)] = {"measured": dict(kinds, total=held),
-                                            "estimated": {k: int(v * scale) for k, v in dict(kinds, total=held).items()},
+                                            "estimated": {k: int(v * scale) for k, v in
+                                                          dict(kinds, total=held).items()},
                                             "live": held + 64, "rss": 2 * held, "params": PARAMS}  # fmt: skip
         out.append(entry)
     return out
