@@ -1,12 +1,6 @@
 """Checkpoints: what a save costs training, synchronous against asynchronous; the host memory of a Hugging Face
 export on rank 0 against every rank; what verifying a checkpoint costs a loading rank; what `cpu_checkpointing`
 takes off the device (bench/README.md, "checkpoints.py").
-
-Usage:
-    .venv/bin/python bench/checkpoints.py checkpoint_async             # 1 process, stage 1, ~1 min
-    .venv/bin/python bench/checkpoints.py checkpoint_hf_export         # 2 ranks, a 29 M-parameter Llama, ~1 min
-    .venv/bin/python bench/checkpoints.py checkpoint_verify --file_mib 2048 --files 2 --dir /the/checkpoint/disk
-    .venv/bin/python bench/checkpoints.py cpu_checkpointing --layers 4 --hidden 256 --seq 512
 """
 
 from __future__ import annotations

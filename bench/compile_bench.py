@@ -1,10 +1,5 @@
 """Eager against torch.compile: ours at stages 0-3, DDP and FSDP2, all in the same ranks per world size (issue 51;
 bench/README.md, "compile_bench.py").
-
-Usage:
-    .venv/bin/python bench/compile_bench.py                          # W=2 and 4, CPU/gloo, inductor (~25 min)
-    .venv/bin/python bench/compile_bench.py --world_sizes 2 --rounds 2 --steps 3 --layers 2     # a short look
-    .venv/bin/python bench/compile_bench.py --device cuda --world_sizes 1 --hidden 2048 --layers 8   # a GPU
 """
 
 from __future__ import annotations

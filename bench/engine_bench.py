@@ -1,9 +1,5 @@
 """Memory, bytes moved and step time of accelerate_zero stages 0-3 against DDP, ZeroRedundancyOptimizer, FSDP2 and
 DeepSpeed on the Linear stack (bench/README.md, "engine_bench.py").
-
-Usage:
-    .venv/bin/python bench/engine_bench.py                       # stages 0-2 and their peers, W = 4 (~6 minutes)
-    .venv/bin/python bench/engine_bench.py --systems ddp az2 fsdp2 az3 ds3 --world_size 2    # stage 3's peers
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Expert parallelism against flat stage 3 on one MoE model: bytes moved per step per collective kind, the experts'
 share of them, peak memory per rank per phase and step time (bench/README.md, "expert_parallel.py").
 
-Usage:
-    .venv/bin/python bench/expert_parallel.py                                   # ~3 min on 2 busy cores
-    .venv/bin/python bench/expert_parallel.py --runs flat3 ep2_s3 ep4_s3 --accums 1 --json bench/out/ep.json
-
 [Note: what the experts moved]
 - flat stage 3: the experts live in their decoder layer's gather unit. Each gather or reduce-scatter of a unit is
   counted as experts in the proportion of the unit's elements that are experts (at the default persistence

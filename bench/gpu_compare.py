@@ -1,12 +1,6 @@
 """Offload side by side on one GPU: ours, DeepSpeed and FSDP2 on the same model, batch, precision, clipping and
 accumulation, one process each; tokens/s, TFLOPS, device peak per phase against the estimate, host peak, a timeline
 of one step (bench/README.md, "Offload side by side on one GPU"; bench/gpu_compare.sh is the prepared session).
-
-Usage:
-    python bench/gpu_compare.py --out out/compare_1b                         # ~1B (hidden 2048 x 16), every mode
-    python bench/gpu_compare.py --hidden 4096 --layers 24 --batch 2 --accumulation 1 --modes cpu+param --label 5B
-    python bench/gpu_compare.py --hidden 4096 --batch 2 --largest            # the estimator's largest model per mode
-    python bench/gpu_compare.py --dry_run --out /tmp/dry                     # tiny, on the CPU: checks the script
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU: ours, DeepSpeed 0.19.8 and FSDP2 per offload mode (bench/gpu_compare.py), the
 # smoke test, host AdamW, compile (bench/README.md, "Offload side by side on one GPU").
-# Usage, from the repository root on the GPU machine (no registry needed):
-#   OUT=out bash bench/gpu_compare.sh            # part 1b: ~1B, modes cpu, none, cpu/sync, cpu+param, cpu/omp1, cpu/host1
-#   OUT=out PARTS="smoke 1b nvme" bash bench/gpu_compare.sh   # tests/gpu/smoke.py first (~3 min on an H100)
-#   OUT=out PARTS=large bash bench/gpu_compare.sh  # 5.1B (hidden 4096 x LARGE_LAYERS=24), cpu+param (~5 min)
-#     LARGE_LAYERS=largest: the estimator's largest for cpu+param on this machine (gpu_compare.py --largest)
-#   OUT=out PARTS=nvme bash bench/gpu_compare.sh   # 0.17B, modes none and nvme (the file I/O lane)
-#   OUT=out PARTS=adam bash bench/gpu_compare.sh   # host AdamW: ours vs DeepSpeed's cpu_adam on all cores (~3 min)
-#   OUT=out PARTS=compile bash bench/gpu_compare.sh  # eager vs torch.compile, ours 0-3, DDP, FSDP2 (bench/compile_bench.py)
-#   DRY=1 PYTHON=.venv/bin/python SYSTEMS="ours fsdp2" PARTS="1b nvme" bash bench/gpu_compare.sh  # CPU, tiny, no installs
-# BUDGET (default 480 s) caps the whole script: a run that would start past it is recorded as skipped, and each
-# run's timeout is cut to what is left, so a session keeps time to rerun. Everything goes to $OUT; the tables
-# (also in $OUT/<part>/table.md) and the timelines ($OUT/<part>/timeline_*.svg) are printed/listed last.
+# Usage (every part, DRY=1, BUDGET, LARGE_LAYERS, WHEELS_DIR): bench/README.md, "Offload side by side on one GPU".
+#   OUT=out PARTS="smoke 1b nvme" BUDGET=780 timeout 900 bash bench/gpu_compare.sh   # a 15-minute lent session
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu_compare}
 PARTS=${PARTS:-1b}

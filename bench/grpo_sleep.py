@@ -1,9 +1,5 @@
 """GRPO at stage 3 with the training state asleep during generation, against awake (bench/README.md,
 "grpo_sleep.py").
-
-Usage:
-    .venv/bin/python bench/grpo_sleep.py                       # W = 2, 4 steps each way (~2 min)
-    .venv/bin/python bench/grpo_sleep.py --hidden 512 --layers 8 --json bench/out/grpo_sleep.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Host AdamW throughput: our offloaded optimizer step against DeepSpeed's compiled cpu_adam and torch's variants
 (bench/README.md, "Host AdamW throughput").
-
-Usage:
-    .venv/bin/python bench/host_adam.py --threads 1 2 --json bench/out/host_adam.json       # what issue 30 reports
-    .venv/bin/python bench/host_adam.py --impl ours deepspeed --threads 1 --numel 10000000
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Stage 3 on 2 simulated nodes: flat, hpZ, MiCS and ZeRO++ (hpZ + qwZ + qgZ), bytes between nodes per step
 against the formulas of accelerate_zero/debug/layouts.py, time per step, memory, and the loss against flat
 (bench/README.md, "layouts.py").
-
-Usage:
-    .venv/bin/python bench/layouts.py                     # W = 4 and 8 (2 nodes x 2 and x 4), ~3 min on 2 cores
-    .venv/bin/python bench/layouts.py --world 4 --hidden 256 --layers 4 --json bench/out/layouts.json
-    .venv/bin/python bench/layouts.py --sft 100           # the SFT recipe's loss curve: flat, ZeRO++, flat seed 43
 """
 
 from __future__ import annotations

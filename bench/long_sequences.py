@@ -1,10 +1,6 @@
 """Long sequences on CPU ranks at ZeRO-3: the longest SFT sequence and the longest GRPO completion that train within a
 memory budget per rank, with Ulysses sequence parallelism (sp 1, 2, 4) and with tiling (bench/README.md,
 "long_sequences.py").
-
-Usage:
-    .venv/bin/python bench/long_sequences.py long_context                     # budget 1200 MB per rank, ~10 min
-    .venv/bin/python bench/long_sequences.py long_completions --budget_mb 600 --max_tokens 8192
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Memory per rank of stages 0-3 against world size, measured and estimated, and whether the estimate is honest
 (bench/README.md, "memory_sweep.py").
-
-Usage:
-    .venv/bin/python bench/memory_sweep.py                          # W = 1-4, the Linear stack; the Llama at W = 2
-    .venv/bin/python bench/memory_sweep.py --world_sizes 1 2 --llama_world_size 0
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """Offload: step time of each mode against no offload, and the largest model each system trains in a RAM budget
 (bench/README.md, "offload_bench.py").
-
-Usage:
-    .venv/bin/python bench/offload_bench.py                         # both parts; budget 24 GiB (this machine)
-    .venv/bin/python bench/offload_bench.py --part step_time --steps 12
-    .venv/bin/python bench/offload_bench.py --part largest --ram_budget_gb 4 --systems ddp az3_nvme
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """Communication and its overlap: what gloo does for each collective, stage 2's step under DeepSpeed's bucket
 defaults and ours, and the offloaded host step across the step boundary (bench/README.md, "overlap.py").
-
-Usage:
-    .venv/bin/python bench/overlap.py gloo_collectives --world_size 4 --numel 16793600
-    .venv/bin/python bench/overlap.py stage2_overlap          # 24 x Linear(2048) (101M params), 2 ranks, ~4 minutes
-    .venv/bin/python bench/overlap.py step_overlap            # 8 x Linear(1024), stage 3, bf16, 1 process
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Whole-tensor ("owner") stepping against flat AdamW: bytes moved per step, step time and what each rank holds
 (bench/README.md, "owner_step.py").
-
-Usage:
-    .venv/bin/python bench/owner_step.py                                  # 2 and 3 ranks, hidden 512 x 8 layers
-    .venv/bin/python bench/owner_step.py --world_sizes 2 4 --hidden 1024 --layers 8 --steps 8
 """
 
 from __future__ import annotations

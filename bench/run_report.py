@@ -1,10 +1,5 @@
 """The benchmark report: runs four questions at a size that fits a small machine and writes bench/RESULTS.md from
 the answers they print (bench/README.md, "Benchmark report").
-
-Usage:
-    .venv/bin/python bench/run_report.py                          # everything, about 10 minutes on 2 idle cores
-    .venv/bin/python bench/run_report.py --skip trainer offload   # some sections
-    .venv/bin/python bench/run_report.py --render_only            # RESULTS.md again from the saved answers
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """Stage 3's memory beside DDP, stage 2 and FSDP2: the peak of every phase of every micro-step under gradient
 accumulation, and partitioned loading (bench/README.md, "stage3_bench.py").
-
-Usage:
-    .venv/bin/python bench/stage3_bench.py phases                       # fsdp2 and az3, accumulation 1 and 4
-    .venv/bin/python bench/stage3_bench.py phases --systems ddp fsdp2 az2 az3 --accumulations 1 4 --arena_whole
-    .venv/bin/python bench/stage3_bench.py loading                      # from_pretrained partitioned and whole
 """
 
 from __future__ import annotations

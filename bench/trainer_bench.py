@@ -1,10 +1,5 @@
 """The transformers Trainer under plain DDP, accelerate_zero stages 2/3 and DeepSpeed stages 2/3: CPU time per
 optimizer step against DDP's, per phase and per thread (bench/README.md, "trainer_bench.py").
-
-Usage:
-    .venv/bin/python bench/trainer_bench.py                # 5 systems x 2 rounds x 10 steps, ~8 minutes
-    .venv/bin/python bench/trainer_bench.py --systems ddp az2 az3 --rounds 3 --steps 4 --layers 2 --offload none
-    .venv/bin/python bench/trainer_bench.py --baseline HEAD~3 --systems ddp az2  # each az system with that code too
 """
 
 from __future__ import annotations

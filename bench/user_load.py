@@ -1,11 +1,6 @@
 """The way DeepSpeed users load, their own `from_pretrained` then the system: the peak host memory of every phase
 per rank, ours at stages 0-3 and through ZeroAccelerator and the Trainer against DDP, ZeroRedundancyOptimizer,
 FSDP2 and DeepSpeed (bench/README.md, "user_load.py").
-
-Usage:
-    .venv/bin/python bench/user_load.py                                             # stage 3's entry points, W = 4
-    .venv/bin/python bench/user_load.py --systems ddp zero1_torch az0 az1 az2 ds0 ds1 ds2 --breakdown   # stages 0-2
-    .venv/bin/python bench/user_load.py --shape llama69m --systems az3 fsdp2 fsdp2_accelerate
 """
 
 from __future__ import annotations
