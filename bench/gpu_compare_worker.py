@@ -1,7 +1,5 @@
-"""One system, one offload mode, one process: the rank function `run` of bench/gpu_compare.py, and one step as lanes
-over time (compute, device-to-host, host step, host-to-device, file I/O) read from a torch.profiler trace and drawn
-as SVG (bench/README.md, "Offload side by side on one GPU": what each system runs, what is read, where each lane
-comes from).
+"""One system, one offload mode, one process: the rank function `run` of bench/gpu_compare.py, and one step's lanes
+from a torch.profiler trace, drawn as SVG (bench/README.md, "Offload side by side on one GPU").
 """
 
 from __future__ import annotations

@@ -3,10 +3,7 @@
 Only torch and the standard library are imported here: a rank running in DeepSpeed's own virtualenv (where
 accelerate_zero is not installed) reads itself with the same code as every other peer.
 
-[Note: how the benchmark measures] is bench/README.md's "How each number is measured": RSS and its anonymous part
-above the baseline read after the imports and the process group, VmHWM reset there for the peak, live tensors by
-the garbage collector, bytes by each system's own counter in the ring convention (`ring_factor`) and by `wchar`
-(what gloo really wrote), step time as the slowest rank's, CPU time and page faults beside it.
+How each reading is taken: bench/README.md, "How each number is measured".
 """
 
 from __future__ import annotations
