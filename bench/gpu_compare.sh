@@ -96,4 +96,4 @@ done
 for part in $PARTS; do
   [ -f "$OUT/$part/table.md" ] && cat "$OUT/$part/table.md" && ls "$OUT/$part"/timeline_* 2>/dev/null
 done
-grep -h '"error"' "$OUT"/*.log 2>/dev/null | cut -c1-1200
+grep -h '"error"' "$OUT"/*.log 2>/dev/null | cut -c1-1200 || true  # no error line is not a failure
