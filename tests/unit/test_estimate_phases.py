@@ -14,7 +14,7 @@ import pytest
 from tests.unit.test_estimate import LLAMA_13B, estimate_json, write_config
 
 
-# bench/user_load.py (and phase_peaks.py, folded into it since), 2026-11-26: anonymous peak per rank above the baseline, MB (1e6 B).
+# bench/user_load.py (phase_peaks.py folded in), 2026-11-26: anonymous peak per rank above the baseline, MB (1e6 B).
 MEASURED_MB = {
     0: {"init": 270.0, "forward": 860.2, "backward": 1149.1, "optimizer_step": 1081.8, "between_steps": 814.4},
     1: {"init": 270.0, "forward": 458.6, "backward": 790.8, "optimizer_step": 714.1, "between_steps": 413.1},
