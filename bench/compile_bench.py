@@ -1,112 +1,58 @@
-"""Eager against torch.compile: ours at stages 0-3, DDP and FSDP2, in one process group per world size (issue 51).
-
-Usage:
-    .venv/bin/python bench/compile_bench.py                          # W=2 and 4, CPU/gloo, inductor (~25 min)
-    .venv/bin/python bench/compile_bench.py --world_sizes 2 --rounds 2 --steps 3 --layers 2     # a short look
-    .venv/bin/python bench/compile_bench.py --device cuda --world_sizes 1 --hidden 2048 --layers 8   # a GPU
-
-Every system trains its own copy of one LlamaForCausalLM (random weights from a config, fp32, untied, use_cache
-off) with AdamW on fixed random token rows (micro-batch `--batch` per rank, no accumulation, clipping at 1.0):
-- `ours0`..`ours3`: `accelerate_zero.initialize` at that stage, DeepSpeed's defaults otherwise;
-  `+compile`: `engine.compile(backend=...)` (stages 0-2 the whole model, stage 3 each decoder layer);
-- `ddp`: DistributedDataParallel; `+compile`: `torch.compile(ddp_model)` (DDP's optimizer splits graphs at buckets);
-- `fsdp2`: `fully_shard` on each decoder layer, then the root; `+compile`: each decoder layer's `module.compile()`
-  before sharding (torchtitan's per-block recipe; FSDP2's hooks stay outside the graphs).
-All systems live in the same ranks. After `--warmup` steps each (compilation happens there), `--rounds` rounds run
-`--steps` steps of every system in turn, the order reversed every other round, so load from other users falls on
-all of them alike. Each step starts after a barrier; recorded per step on rank 0: CPU time of the process
-(`time.process_time`, all its threads) and wall time; per system and round, the load average beside them.
-Reported: per system the median over all timed steps, and the ratios the issue sets goals on: each compiled system
-against its eager self (compile's speedup), and ours3+compile against fsdp2+compile (goal: within 1.10x).
+"""Eager against torch.compile: ours at stages 0-3, DDP and FSDP2, all in the same ranks per world size (issue 51;
+bench/README.md, "compile_bench.py").
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-
-REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ["ours0", "ours1", "ours2", "ours3", "ddp", "fsdp2"]
+from harness import cli, launch, models, report
 
 
-def _parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world_sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--systems", nargs="+", default=FAMILIES, help="families; each runs eager and compiled")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--json", default=None, help="write the readings here too")
-    return parser.parse_args()
+FAMILIES = ("ours0", "ours1", "ours2", "ours3", "ddp", "fsdp2")
 
 
-def _model(args: argparse.Namespace) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    heads = max(1, args.hidden // 64)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-def _build(name: str, args: argparse.Namespace, device: Any) -> Any:
-    """A step function for system `name` (a family, "+compile" for the compiled one)."""
+def _build(name: str, size: dict[str, int], backend: str, device: Any) -> Callable[[Any], None]:
+    """A step function of system `name` (a family, "+compile" for the compiled one) on its own copy of the Llama."""
     import torch
 
     family, compiled = name.removesuffix("+compile"), name.endswith("+compile")
-    model = _model(args)
+    hidden = size["hidden"]
+    config = models.llama_config(hidden, size["layers"], vocab=size["vocab"], heads=max(1, hidden // 64),
+                                 intermediate=hidden * 8 // 3, seq=size["seq"], use_cache=False)  # fmt: skip
+    model = models.llama(config)
     if family.startswith("ours"):
         import accelerate_zero
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        config = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {"stage": int(family[-1])}}
-        engine = accelerate_zero.initialize(model, optimizer, config, device=device)
+        ds = {"train_micro_batch_size_per_gpu": size["batch"], "zero_optimization": {"stage": int(family[-1])}}
+        engine = accelerate_zero.initialize(model, optimizer, ds, device=device)
         if compiled:
-            engine.compile(backend=args.backend)
+            engine.compile(backend=backend)  # stages 0-2 the whole model, stage 3 each decoder layer
 
-        def step(tokens: torch.Tensor) -> None:
+        def engine_step(tokens: torch.Tensor) -> None:
             engine.backward(engine(input_ids=tokens, labels=tokens).loss)
             engine.step()
 
-        return step
+        return engine_step
     model = model.to(device)
     if family == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        call = torch.compile(wrapped, backend=args.backend) if compiled else wrapped
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        call = torch.compile(wrapped, backend=backend) if compiled else wrapped
     else:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in model.model.layers:  # torchtitan's per-block recipe: FSDP2's hooks stay outside the graphs
             if compiled:
-                layer.compile(backend=args.backend)
+                layer.compile(backend=backend)
             fully_shard(layer)
         call = fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -120,94 +66,116 @@ def _build(name: str, args: argparse.Namespace, device: Any) -> Any:
     return step
 
 
-def _worker(rank: int, world_size: int, args: argparse.Namespace, port: int, out: str) -> None:
+def time_systems(systems: list[str], size: dict[str, int], backend: str, cuda: bool, rounds: int, steps: int,
+                 warmup: int) -> dict[str, Any]:  # fmt: skip
+    """Rank function: every system eager and compiled, warmed up (compilation happens there), then `rounds` rounds
+    of `steps` steps of each in turn, reversed every other round; each step after a barrier. Rank 0's CPU time
+    (`time.process_time`, every thread) and wall time per step, the load average per system and round."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch.set_num_threads(1)
-    device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)  # FSDP2's default mesh and NCCL use the current device
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world_size)
-    names = [f"{family}{suffix}" for family in args.systems for suffix in ("", "+compile")]
-    steps, compile_seconds = {}, {}
-    gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    names = [f"{family}{suffix}" for family in systems for suffix in ("", "+compile")]
+    tokens = models.tokens(size["batch"], size["seq"], size["vocab"], seed=dist.get_rank()).to(device)
+    step_of, warmup_seconds = {}, {}
     for name in names:
         start = time.perf_counter()
-        steps[name] = _build(name, args, device)
-        for _ in range(args.warmup):
-            steps[name](tokens)
-        compile_seconds[name] = time.perf_counter() - start
+        step_of[name] = _build(name, size, backend, device)
+        for _ in range(warmup):
+            step_of[name](tokens)
+        warmup_seconds[name] = time.perf_counter() - start
     readings: dict[str, dict[str, list[float]]] = {n: {"cpu": [], "wall": [], "load": []} for n in names}
-    for round_index in range(args.rounds):
-        for name in names if round_index % 2 == 0 else names[::-1]:
-            readings[name]["load"].append(os.getloadavg()[0])
-            for _ in range(args.steps):
-                dist.barrier()
-                cpu, wall = time.process_time(), time.perf_counter()
-                steps[name](tokens)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                readings[name]["cpu"].append(time.process_time() - cpu)
-                readings[name]["wall"].append(time.perf_counter() - wall)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"readings": readings, "warmup_seconds": compile_seconds}))
+    for _, name in launch.interleaved(names, rounds):
+        readings[name]["load"].append(os.getloadavg()[0])
+        for _ in range(steps):
+            dist.barrier()
+            cpu, wall = time.process_time(), time.perf_counter()
+            step_of[name](tokens)
+            if cuda:
+                torch.cuda.synchronize(device)
+            readings[name]["cpu"].append(time.process_time() - cpu)
+            readings[name]["wall"].append(time.perf_counter() - wall)
     dist.destroy_process_group()
+    return {"readings": readings, "warmup_seconds": warmup_seconds}
 
 
-def _run(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "rank0.json")
-        mp.start_processes(_worker, (world_size, args, port, out), nprocs=world_size, start_method="spawn")
-        return json.loads(Path(out).read_text())
-
-
-def _table(world_size: int, result: dict[str, Any]) -> list[str]:
-    readings, medians = result["readings"], {}
-    lines = [f"\nW={world_size}: median per step over every timed step on rank 0 (ms); load average per round",
-             "| system | CPU | wall | warm-up incl. compile (s) | load |", "|---|---|---|---|---|"]  # fmt: skip
+def _table(result: dict[str, Any]) -> str:
+    """Per system, rank 0's medians (ms per step); then compile's speedup per family and ours3+compile against
+    fsdp2+compile (the issue's goal)."""
+    readings, medians, rows = result["readings"], {}, []
     for name, reading in readings.items():
         medians[name] = {kind: statistics.median(reading[kind]) * 1e3 for kind in ("cpu", "wall")}
-        load = " ".join(f"{value:.1f}" for value in reading["load"])
-        warmup = result["warmup_seconds"][name]
-        lines.append(f"| {name} | {medians[name]['cpu']:.1f} | {medians[name]['wall']:.1f} | {warmup:.0f} | {load} |")
-    lines.append("| ratio | CPU | wall | | |")
-    for family in dict.fromkeys(name.removesuffix("+compile") for name in readings):
-        if f"{family}+compile" in medians:
-            eager, compiled = medians[family], medians[f"{family}+compile"]
-            speedup = {kind: eager[kind] / compiled[kind] for kind in ("cpu", "wall")}
-            lines.append(f"| compile's speedup, {family} | {speedup['cpu']:.2f}x | {speedup['wall']:.2f}x | | |")
-    if "ours3+compile" in medians and "fsdp2+compile" in medians:
-        ours, theirs = medians["ours3+compile"], medians["fsdp2+compile"]
-        ratio = {kind: ours[kind] / theirs[kind] for kind in ("cpu", "wall")}
-        lines.append(
-            f"| ours3+compile / fsdp2+compile (goal <= 1.10) | {ratio['cpu']:.2f} | {ratio['wall']:.2f} | | |"
+        rows.append(
+            (
+                name,
+                f"{medians[name]['cpu']:.1f}",
+                f"{medians[name]['wall']:.1f}",
+                f"{result['warmup_seconds'][name]:.0f}",
+                " ".join(f"{v:.1f}" for v in reading["load"]),
+            )
         )
-    return lines
+    pairs = [(f"compile's speedup, {name}", name, f"{name}+compile") for name in readings if "+" not in name]
+    pairs.append(("ours3+compile / fsdp2+compile (goal <= 1.10)", "ours3+compile", "fsdp2+compile"))
+    rows += [(label, *(f"{medians[a][kind] / medians[b][kind]:.2f}" for kind in ("cpu", "wall")), "", "")
+             for label, a, b in pairs if a in medians and b in medians]  # fmt: skip
+    columns = [
+        "system (ms per step, median on rank 0; then ratios)",
+        "CPU",
+        "wall",
+        "warm-up incl. compile (s)",
+        "load",
+    ]
+    return report.table(columns, rows)
 
 
-def main() -> None:
-    args = _parse()
-    sys.path.insert(0, str(REPO))
+def compile_bench(
+    world_sizes: tuple[int, ...] = (2, 4),
+    systems: tuple[str, ...] = FAMILIES,
+    rounds: int = 3,
+    steps: int = 5,
+    warmup: int = 3,
+    hidden: int = 256,
+    layers: int = 4,
+    vocab: int = 4096,
+    seq: int = 128,
+    batch: int = 2,
+    backend: str = "inductor",
+    device: str = "cpu",
+) -> cli.Answer:
+    """Each system trains its own copy of one LlamaForCausalLM (fp32, untied, AdamW, clipping 1.0) on fixed random
+    rows, eager and compiled: ours by `engine.compile()`, DDP as `torch.compile(ddp_model)`, FSDP2 by each decoder
+    layer's `module.compile()` before `fully_shard`.
+
+    Args:
+        world_sizes: one group of ranks per world size, every system in it.
+        systems: families; each runs eager and compiled.
+        rounds: interleaved rounds.
+        steps: timed steps per system and round.
+        warmup: untimed steps per system first (compilation happens there).
+        hidden: the Llama's width (heads of 64).
+        layers: its decoder layers.
+        vocab: its vocabulary.
+        seq: tokens per row.
+        batch: rows per rank.
+        backend: torch.compile's backend.
+        device: cpu (gloo) or cuda (NCCL, one GPU per rank).
+    """
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "az_compile_bench_cache"))
-    results = {world_size: _run(world_size, args) for world_size in args.world_sizes}
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, sequence {args.seq}, "
-          f"micro-batch {args.batch} per rank, fp32, AdamW; backend {args.backend} on {args.device}")  # fmt: skip
-    for world_size, result in results.items():
-        print("\n".join(_table(world_size, result)))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    size = {"hidden": hidden, "layers": layers, "vocab": vocab, "seq": seq, "batch": batch}
+    results, text = {}, []
+    for world_size in world_sizes:
+        kwargs = dict(systems=list(systems), size=size, backend=backend, cuda=device == "cuda", rounds=rounds,
+                      steps=steps, warmup=warmup)  # fmt: skip
+        results[world_size] = launch.on_ranks(world_size, time_systems, kwargs, name=f"w{world_size}", backend="none",
+                                              timeout=3600).results[0]  # fmt: skip
+        text.append(f"W = {world_size}\n\n{_table(results[world_size])}")
+    title = (f"compile_bench: Llama hidden {hidden}, {layers} layers, vocabulary {vocab}, {batch} x {seq} tokens per "
+             f"rank, fp32, AdamW; {backend} on {device}")  # fmt: skip
+    return cli.Answer(title, "\n\n".join(text), results)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(compile_bench, choices={"systems": FAMILIES, "device": ("cpu", "cuda")}))

@@ -1,9 +1,5 @@
 """Expert parallelism against flat stage 3 on one MoE model: bytes moved per step per collective kind, the experts'
-share of them, peak memory per rank per phase and step time (issue 41, item 5; bench/README.md, "expert_parallel.py").
-
-Usage:
-    .venv/bin/python bench/expert_parallel.py                                   # ~3 min on 2 busy cores
-    .venv/bin/python bench/expert_parallel.py --runs flat3 ep2_s3 ep4_s3 --accums 1 --json bench/out/ep.json
+share of them, peak memory per rank per phase and step time (bench/README.md, "expert_parallel.py").
 
 [Note: what the experts moved]
 - flat stage 3: the experts live in their decoder layer's gather unit. Each gather or reduce-scatter of a unit is
@@ -18,14 +14,13 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from harness import launch, report
+from harness import cli, launch, report
 
 
 WORLD, MICRO, SEQ = 4, 2, 64
@@ -211,29 +206,35 @@ def checks(results: dict[str, dict[str, Any]], accums: list[int]) -> list[str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    parser.add_argument("--accums", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps after the warm-up")
-    parser.add_argument("--seq", type=int, default=SEQ, help=f"tokens per sequence (default {SEQ})")
-    parser.add_argument("--json", type=Path, default=None, help="write every rank's readings here")
-    args = parser.parse_args()
-    facts, raw, results = report.machine_facts(), {}, {}
-    for accum, name in itertools.product(args.accums, args.runs):
+def expert_parallel(
+    runs: tuple[str, ...] = tuple(RUNS), accums: tuple[int, ...] = (1, 2), steps: int = 2, seq: int = SEQ
+) -> cli.Answer:
+    """Each run on W = 4 fresh ranks: bytes per rank in the last step, by kind and the experts' share, the phases'
+    peaks, `memory_breakdown()` and the step time; the check of the issue's goal.
+
+    Args:
+        runs: flat3, flat3_release, ep2_s3, ep4_s3, ep4_s2 (stage, expert-parallel size, keys: `RUNS`).
+        accums: gradient accumulation steps.
+        steps: measured optimizer steps after the warm-up.
+        seq: tokens per sequence.
+    """
+    raw, results = {}, {}
+    for accum, name in itertools.product(accums, runs):
         key = f"{name} accum {accum}"
-        kwargs = {"name": name, "accum": accum, "steps": args.steps, "seq": args.seq}
+        kwargs = {"name": name, "accum": accum, "steps": steps, "seq": seq}
         raw[key] = launch.on_ranks(WORLD, train, kwargs, name=f"{name}_accum{accum}").results
         results[key] = summarize(raw[key])
     counts = next(iter(results.values()))["counts"]
-    print(report.header(facts, "expert_parallel: expert parallelism against flat stage 3"))
-    print(f"Qwen3-MoE {counts['parameters'] / 1e6:.2f}M parameters, experts {counts['expert_parameters'] / 1e6:.2f}M "
-          f"({4 * counts['expert_parameters'] / MB:.1f} MB fp32), W = {WORLD}, {MICRO} x {args.seq} tokens per rank "
-          "and micro-step\n")  # fmt: skip
-    print(_tables(results) + "\n\n" + "\n".join(checks(results, args.accums)))
-    if args.json:
-        report.save_json(args.json, {"runs": raw, "summary": results}, facts)
+    found = checks(results, list(accums))
+    experts = counts["expert_parameters"]
+    text = (f"Qwen3-MoE {counts['parameters'] / 1e6:.2f}M parameters, experts {experts / 1e6:.2f}M "
+            f"({4 * experts / MB:.1f} MB fp32), W = {WORLD}, {MICRO} x {seq} tokens per rank and "
+            f"micro-step\n\n{_tables(results)}\n\n" + "\n".join(found))  # fmt: skip
+    ok = not any(line.startswith("FAIL") for line in found)
+    return cli.Answer(
+        "expert_parallel: expert parallelism against flat stage 3", text, {"runs": raw, "summary": results}, ok
+    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(expert_parallel, choices={"runs": list(RUNS)}))

@@ -1,15 +1,6 @@
-"""Offload side by side on one GPU (issue 40): ours, DeepSpeed and FSDP2, the same model, batch, precision, clipping
-and accumulation, one process each, tokens/s, TFLOPS, device peak and host peak per offload mode.
-
-Usage (from the repository root; bench/gpu_compare.sh is the prepared GPU session):
-    python bench/gpu_compare.py --out out/compare_1b                         # ~1B (hidden 2048 x 16), every mode
-    python bench/gpu_compare.py --hidden 4096 --layers 24 --batch 2 --accumulation 1 --modes cpu+param --label 5B
-    python bench/gpu_compare.py --dry_run --out /tmp/dry                     # tiny, on the CPU: checks the script
-
-Each (system, mode) runs `gpu_compare_worker.run` in its own process with its own timeout, so one failure or hang
-loses only its own row (bench/README.md, "Offload side by side on one GPU", says what is compared and read).
-Modes: none, cpu, cpu+param, nvme; `cpu/omp1` repeats ours with OMP_NUM_THREADS=1, `cpu/sync` with the host step
-inside `engine.step()`. Output: `<out>/results.json`, `<out>/table.md` (printed last), `<out>/timeline_*.svg|png|json`.
+"""Offload side by side on one GPU: ours, DeepSpeed and FSDP2 on the same model, batch, precision, clipping and
+accumulation, one process each; tokens/s, TFLOPS, device peak per phase against the estimate, host peak, a timeline
+of one step (bench/README.md, "Offload side by side on one GPU"; bench/gpu_compare.sh is the prepared session).
 """
 
 from __future__ import annotations
@@ -24,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import gpu_compare_worker
-from harness import launch
+from harness import launch, models
 
 
 SYSTEMS = ("ours", "deepspeed", "fsdp2")
 MODES = ("none", "cpu", "cpu+param")
 ONE_THREAD = "cpu/omp1"  # ours in mode cpu with OMP_NUM_THREADS=1, as torchrun and accelerate launch set it
 SYNCHRONOUS = "cpu/sync"  # ours in mode cpu with the host step inside engine.step() (ACCELERATE_ZERO_OVERLAP_STEP=0)
-VARIANTS = (ONE_THREAD, SYNCHRONOUS)
+ONE_HOST_THREAD = "cpu/host1"  # ours in mode cpu with ACCELERATE_ZERO_HOST_THREADS=1 ([Note: threads for host work])
+VARIANTS = (ONE_THREAD, SYNCHRONOUS, ONE_HOST_THREAD)
 DRY_RUN = {"hidden": 256, "layers": 2, "batch": 2, "seq": 32, "accumulation": 2, "steps": 2, "vocab": 1024}
 
 
@@ -61,6 +53,7 @@ def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, A
         return {**row, "skipped": f"out of time: --budget {args.budget} s spent before this run"}
     threads = 1 if variant == "omp1" else args.threads
     env = {"OMP_NUM_THREADS": str(threads), "ACCELERATE_ZERO_OVERLAP_STEP": "0" if variant == "sync" else "1"}
+    env.update({"ACCELERATE_ZERO_HOST_THREADS": "1"} if variant == "host1" else {})
     timeline = str(args.out / f"timeline_{tag(system, run_mode)}") if system in args.timeline_systems else None
     worker = {
         key: getattr(args, key)
@@ -73,7 +66,57 @@ def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, A
         ranks = launch.on_ranks(1, gpu_compare_worker.run, {"args": worker}, backend="none", **options)
     except launch.LaunchFailed as failed:
         return {**row, "error": str(failed)[-2000:]}
-    return {**ranks.results[0], **row, "wall_seconds": round(time.perf_counter() - begin, 1)}
+    found = {**ranks.results[0], **row, "wall_seconds": round(time.perf_counter() - begin, 1)}
+    if system == "ours":
+        predicted = estimate(args, mode)
+        found["estimate_gib"] = round((predicted["memory"].device["total"] + predicted["activations"]) / 2**30, 3)
+    return found
+
+
+def estimate(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """The estimator's memory (device, host, disk) and activation bytes of ours in `mode` on this model."""
+    from accelerate_zero.config import ZeroConfig
+    from accelerate_zero.debug import estimate as est
+
+    config = gpu_compare_worker.llama_config(args.hidden, args.layers, args.seq, args.vocab)
+    ds = gpu_compare_worker.deepspeed_config(mode, args.batch, args.accumulation, args.nvme_dir or "/tmp", False)
+    zero = ZeroConfig.from_any(ds).zero_optimization
+    architecture = est.Architecture(hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+                                    num_heads=config.num_attention_heads, vocab_size=config.vocab_size)  # fmt: skip
+    shapes = est.shapes_from_module(models.llama(config, device="meta"), zero, architecture=architecture)
+    memory = est.estimate_stage(shapes, est.TrainingSetup(world_size=1, mixed_precision="bf16", zero=zero), 3, mode)
+    activations = est.activation_bytes(architecture, micro_batch=args.batch, seq_len=args.seq, compute_bytes=2)
+    return {"memory": memory, "activations": activations, "numel": shapes.numel}
+
+
+def largest(args: argparse.Namespace) -> None:
+    """Prints, per mode, the most layers (at `--hidden`) the estimator says fit 90% of the GPU, 95% of the RAM and
+    `--disk_gb` of disk, and what each place would hold."""
+    from accelerate_zero.debug import estimate as est
+
+    gib = 2**30
+    budget = est.Budget(int(args.gpu_gib * gib * 0.9), int(args.cpu_gib * gib * 0.95), int(args.disk_gb * 1e9))
+    for mode in (*MODES, "nvme"):
+
+        def fitting_at(layers: int) -> dict[str, Any] | None:
+            args.layers = layers
+            predicted = estimate(args, mode)  # noqa: B023 (called at once)
+            return predicted if est.fits(predicted["memory"], predicted["activations"], budget) else None
+
+        fitting, low, high = None, 0, 1  # double while it fits, then halve the gap: a few estimates of small models
+        while high <= 4096 and (found := fitting_at(high)) is not None:
+            fitting, low, high = (high, found), high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            found = fitting_at(middle)
+            fitting, low, high = ((middle, found), middle, high) if found else (fitting, low, middle)
+        if fitting is None:
+            print(f"{mode}: no layer count fits")
+            continue
+        (layers, predicted), memory = fitting, fitting[1]["memory"]
+        device = (memory.device["total"] + predicted["activations"]) / gib
+        print(f"{mode}: {layers} layers, {predicted['numel'] / 1e9:.2f}B parameters; device {device:.1f} GiB, host "
+              f"{memory.host['total'] / gib:.1f} GiB, disk {memory.nvme['total'] / 1e9:.1f} GB")  # fmt: skip
 
 
 def add_predictions(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -103,8 +146,8 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         f"{args.label}: Llama hidden {args.hidden} x {args.layers} layers ({numel / 1e9:.2f}B parameters), bf16, "
         f"clipping 1.0, {args.accumulation} x {args.batch} x {args.seq} tokens per step, 1 process, {device}\n\n"
         "| system | mode | s/step | tokens/s | TFLOPS | x no offload | ours / DeepSpeed | predicted s/step "
-        "(pred. / meas.) | device peak GiB | host peak GiB | step timeline (busy share) | losses |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+        "(pred. / meas.) | device peak GiB (phase) | estimate GiB (est. / meas.) | host peak GiB | step timeline "
+        "(busy share) | losses |\n| --- | --- |" + " ---: |" * 9 + " --- | --- |"
     )
     lines = [head]
     by_key = {(r["system"], r["mode"]): r for r in rows}
@@ -122,11 +165,16 @@ def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         predicted = "-"
         if r.get("predicted") is not None:
             predicted = f"{r['predicted']['total']:.3f} ({r['predicted']['total'] / r['step_seconds']:.2f})"
+        phases = r.get("phase_peak_gib") or {"-": r["device_peak_gib"]}
+        phase = max(phases, key=lambda name: phases[name] or 0)
+        measured, est = phases[phase], r.get("estimate_gib")
+        peak = "-" if measured is None else f"{measured} ({phase})"
+        versus_estimate = "-" if est is None else f"{est} ({est / measured:.2f})" if measured else f"{est}"
         busy = r.get("timeline", {}).get("busy", {})
         lanes = ", ".join(f"{lane} {share:.0%}" for lane, share in busy.items() if share) or "-"
         lines.append(
             f"| {r['system']} | {r['mode']} | {r['step_seconds']} | {r['tokens_per_second']:.0f} | {r['tflops']} | "
-            f"{slower} | {versus} | {predicted} | {r['device_peak_gib']} | {r['host_peak_gib']} | {lanes} | "
+            f"{slower} | {versus} | {predicted} | {peak} | {versus_estimate} | {r['host_peak_gib']} | {lanes} | "
             f"{', '.join(str(v) for v in r['losses'])} |"
         )
     return "\n".join(lines) + "\n"
@@ -151,6 +199,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--label", default="side by side")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_compare"))
     parser.add_argument("--dry_run", action="store_true", help="a tiny model on the CPU (checks the script)")
+    parser.add_argument("--largest", action="store_true", help="print the estimator's largest model per mode")
+    parser.add_argument("--gpu_gib", type=float, default=139.0, help="for --largest: GPU memory")
+    parser.add_argument("--cpu_gib", type=float, default=125.0, help="for --largest: RAM")
+    parser.add_argument("--disk_gb", type=float, default=64.0, help="for --largest: free disk for NVMe offload")
     args = parser.parse_args(argv)
     for mode in args.modes:
         if mode not in (*MODES, "nvme", *VARIANTS):
@@ -164,6 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.largest:
+        largest(args)
+        return 0
     args.deadline = time.monotonic() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -1,17 +1,8 @@
 #!/usr/bin/env bash
-# The prepared side-by-side run for a lent GPU (issue 40): ours, DeepSpeed 0.19.8 and FSDP2 per offload mode
-# (bench/gpu_compare.py; its docstring says what each system runs and what is measured).
-# Usage, from the repository root on the GPU machine (no registry needed):
-#   OUT=out bash bench/gpu_compare.sh            # part 1b: ~1B, modes cpu, none, cpu/sync, cpu+param, cpu/omp1
-#   OUT=out PARTS=large bash bench/gpu_compare.sh  # 5.1B (hidden 4096 x LARGE_LAYERS=24), cpu+param (~5 min)
-#     LARGE_LAYERS=largest: the estimator's largest for cpu+param on this machine (bench/gpu_offload.py --largest)
-#   OUT=out PARTS=nvme bash bench/gpu_compare.sh   # 0.17B, modes none and nvme (the file I/O lane)
-#   OUT=out PARTS=adam bash bench/gpu_compare.sh   # host AdamW: ours vs DeepSpeed's cpu_adam on all cores (~3 min)
-#   OUT=out PARTS=compile bash bench/gpu_compare.sh  # eager vs torch.compile, ours 0-3, DDP, FSDP2 (bench/compile_bench.py)
-#   DRY=1 PYTHON=.venv/bin/python SYSTEMS="ours fsdp2" PARTS="1b nvme" bash bench/gpu_compare.sh  # CPU, tiny, no installs
-# BUDGET (default 480 s) caps the whole script: a run that would start past it is recorded as skipped, and each
-# run's timeout is cut to what is left, so a session keeps time to rerun. Everything goes to $OUT; the tables
-# (also in $OUT/<part>/table.md) and the timelines ($OUT/<part>/timeline_*.svg|png) are printed/listed last.
+# The prepared run for a lent GPU: ours, DeepSpeed 0.19.8 and FSDP2 per offload mode (bench/gpu_compare.py), the
+# smoke test, host AdamW, compile (bench/README.md, "Offload side by side on one GPU").
+# Usage (every part, DRY=1, BUDGET, LARGE_LAYERS, WHEELS_DIR): bench/README.md, "Offload side by side on one GPU".
+#   OUT=out PARTS="smoke 1b nvme" BUDGET=780 timeout 900 bash bench/gpu_compare.sh   # a 15-minute lent session
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu_compare}
 PARTS=${PARTS:-1b}
@@ -55,11 +46,11 @@ fi
 for part in $PARTS; do
   case $part in
     1b) options=(--hidden 2048 --layers 16 --batch 4 --seq 1024 --accumulation 4 --steps 2 --timeout 150
-                 --modes cpu none cpu/sync cpu+param cpu/omp1 --label "~1B") ;;
+                 --modes cpu none cpu/sync cpu+param cpu/omp1 cpu/host1 --label "~1B") ;;
     large) layers=${LARGE_LAYERS:-24}
            if [ "$layers" = largest ]; then
              gib=$(free -g | awk '/^Mem:/ {print $2}')
-             layers=$($PY bench/gpu_offload.py --hidden 4096 --batch 2 --largest --cpu_gib "$gib" 2>/dev/null \
+             layers=$($PY bench/gpu_compare.py --hidden 4096 --batch 2 --largest --cpu_gib "$gib" 2>/dev/null \
                       | sed -n 's/^cpu+param: \([0-9]*\) layers.*/\1/p')
              echo "the estimator's largest for cpu+param with ${gib} GiB of RAM: ${layers:-?} layers"
              layers=${layers:-24}
@@ -69,6 +60,13 @@ for part in $PARTS; do
     nvme) options=(--hidden 1024 --layers 8 --batch 4 --seq 1024 --accumulation 1 --steps 2 --timeout 120
                    --modes nvme none --nvme_dir "${NVME_DIR:-/tmp/gpu_compare_nvme}" --label "NVMe")
           mkdir -p "${NVME_DIR:-/tmp/gpu_compare_nvme}" ;;
+    smoke) # tests/gpu/smoke.py on one process: every check asserted (its docstring lists them)
+          if [ -n "${DRY:-}" ] || [ "$(left)" -lt 200 ]; then echo "part smoke: skipped (dry run or $(left) s left)"; continue; fi
+          timeout 180 $PY -m torch.distributed.run --nproc_per_node 1 tests/gpu/smoke.py --out "$OUT/smoke.json" \
+            >"$OUT/smoke.log" 2>&1
+          echo "part smoke: exit $? at ${SECONDS}s"; grep -E "^  (ok|FAIL)" "$OUT/smoke.log" | grep -v ": skipped$"
+          grep -E "Error|Traceback" "$OUT/smoke.log" | head -5
+          continue ;;
     adam) # bench/host_adam.py runs DeepSpeed from a virtualenv folder: here DeepSpeed is in $PY itself
           mkdir -p "$OUT/adam/python/bin"
           printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")" >"$OUT/adam/python/bin/python"
@@ -85,9 +83,9 @@ for part in $PARTS; do
           device=cuda; [ -n "${DRY:-}" ] && device=cpu
           timeout "$(( $(left) - 10 ))" $PY bench/compile_bench.py --device "$device" --world_sizes 1 "${size[@]}" \
             --rounds 3 --steps 5 --warmup 3 --json "$OUT/compile.json" >"$OUT/compile.log" 2>&1
-          echo "part compile: exit $? at ${SECONDS}s"; grep '^|\|^W=\|^model' "$OUT/compile.log"
+          echo "part compile: exit $? at ${SECONDS}s"; grep '^|\|^W = \|^compile_bench' "$OUT/compile.log"
           continue ;;
-    *) echo "unknown part $part (choose from 1b large nvme adam compile)"; continue ;;
+    *) echo "unknown part $part (choose from smoke 1b large nvme adam compile)"; continue ;;
   esac
   if [ "$(left)" -lt 60 ]; then echo "part $part: skipped, $(left) s of the budget left"; continue; fi
   $PY bench/gpu_compare.py "${options[@]}" ${extra[@]+"${extra[@]}"} --systems "${systems[@]}" --budget "$(( $(left) - 15 ))" \
@@ -98,4 +96,4 @@ done
 for part in $PARTS; do
   [ -f "$OUT/$part/table.md" ] && cat "$OUT/$part/table.md" && ls "$OUT/$part"/timeline_* 2>/dev/null
 done
-grep -h '"error"' "$OUT"/*.log 2>/dev/null | cut -c1-1200
+grep -h '"error"' "$OUT"/*.log 2>/dev/null | cut -c1-1200 || true  # no error line is not a failure

@@ -1,24 +1,16 @@
-"""GRPO at stage 3 with the training state asleep during generation, against awake (issue 33, item 3;
-bench/README.md, "grpo_sleep.py").
-
-Usage:
-    .venv/bin/python bench/grpo_sleep.py                       # W = 2, 4 steps each way (~2 min)
-    .venv/bin/python bench/grpo_sleep.py --hidden 512 --layers 8 --json bench/out/grpo_sleep.json
-
-`ZeroGRPOTrainer` trains a Llama built from recipes/assets/tiny-llama's config and tokenizer, widened, once with
-`offload_states_during_generation` false and once true. Per rollout: what the engine holds on its device while
-generating (`memory_breakdown()` at every forward of the call: the maximum) and the call's wall time.
+"""GRPO at stage 3 with the training state asleep during generation, against awake (bench/README.md,
+"grpo_sleep.py").
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harness import launch, report
+from harness import cli, launch, report
 
 
 ASSET = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "tiny-llama"
@@ -75,33 +67,34 @@ def grpo(hidden: int, layers: int, steps: int, sleep: bool, bf16: bool) -> dict[
     return {"calls": calls, "params": sum(p.numel() for p in model.parameters())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world_size", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 weights (default: bf16, as TRL)")
-    args = parser.parse_args()
-    facts, results = report.machine_facts(), {}
+def grpo_sleep(
+    world_size: int = 2, hidden: int = 256, layers: int = 6, steps: int = 4, fp32: bool = False
+) -> cli.Answer:
+    """`ZeroGRPOTrainer` on a widened tiny-llama, with `offload_states_during_generation` false then true: what the
+    engine holds on its device while generating (the largest `memory_breakdown()` at a forward of the call) and the
+    call's wall time, per rollout after the first (which comes before any optimizer state exists).
+
+    Args:
+        world_size: ranks.
+        hidden: the Llama's width.
+        layers: its decoder layers.
+        steps: GRPO steps each way.
+        fp32: fp32 weights (default: bf16, as TRL).
+    """
+    results = {}
     for sleep in (False, True):
-        kwargs = {"hidden": args.hidden, "layers": args.layers, "steps": args.steps, "sleep": sleep, "bf16": args.bf16}
+        kwargs = {"hidden": hidden, "layers": layers, "steps": steps, "sleep": sleep, "bf16": not fp32}
         name = "asleep" if sleep else "awake"
-        results[name] = launch.on_ranks(args.world_size, grpo, kwargs, name=name, backend="none").results[0]
-    print(
-        report.header(facts, f"grpo_sleep: {results['awake']['params'] / 1e6:.1f}M parameters, W = {args.world_size}")
-    )
-    print("Per rollout after the first step (rank 0; the first rollout comes before any optimizer state exists):\n")
+        results[name] = launch.on_ranks(world_size, grpo, kwargs, name=name, backend="none").results[0]
     rows = []
     for run, got in results.items():
         later = got["calls"][1:]
         held = [f"{max(c['held'].get(k, 0) for c in later) / MB:.1f}" for k in KINDS]
         rows.append((run, *held, f"{statistics.median(c['seconds'] for c in later):.3f}"))
-    print(report.table(["run", *(f"{k} held while generating (MB)" for k in KINDS), "s per rollout"], rows))
-    if args.json:
-        report.save_json(args.json, results, facts)
+    table = report.table(["run", *(f"{k} held while generating (MB)" for k in KINDS), "s per rollout"], rows)
+    title = f"grpo_sleep: {results['awake']['params'] / 1e6:.1f}M parameters, W = {world_size}, rank 0"
+    return cli.Answer(title, table, results)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(grpo_sleep))

@@ -1,28 +1,20 @@
 """Host AdamW throughput: our offloaded optimizer step against DeepSpeed's compiled cpu_adam and torch's variants
-(bench/README.md, "Host AdamW throughput", says what each implementation is and how it is timed and checked).
-
-Usage:
-    .venv/bin/python bench/host_adam.py --threads 1 2 --json bench/out/host_adam.json       # what issue 30 reports
-    .venv/bin/python bench/host_adam.py --impl ours deepspeed --threads 1 --numel 10000000
-
-Each (implementation, thread count, repeat) runs in a fresh process with OMP_NUM_THREADS and MKL_NUM_THREADS set,
-repeats interleaved; each implementation's parameters after 3 steps must match torch-for-loop's to 1e-6 of their
-largest magnitude.
+(bench/README.md, "Host AdamW throughput").
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from harness import launch, report
+from harness import cli, launch, report
 
 
 IMPLS = ("torch-fused", "torch-foreach", "torch-for-loop", "ours", "deepspeed")
@@ -121,9 +113,9 @@ def measure(impl: str, numel: int, tensors: int, warmup: int, steps: int, check_
     }
 
 
-def check(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+def check(check_numel: int, tensors: int, results: list[dict[str, Any]]) -> None:
     """Max abs difference to torch-for-loop's parameters (computed here) after CHECK_STEPS steps, per run."""
-    ref = check_run("torch-for-loop", args.check_numel, args.tensors)
+    ref = check_run("torch-for-loop", check_numel, tensors)
     scale = max(t.abs().max().item() for t in ref)
     for r in results:
         got = torch.load(r.pop("check_params"))
@@ -132,18 +124,18 @@ def check(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
         assert diff <= RTOL * scale, f"{r['impl']} x{r['threads']}: max |p - p_ref| {diff:.3g} > {RTOL} * {scale:.3g}"
 
 
-def table(args: argparse.Namespace, results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+def table(impls: list[str], threads_list: list[int], numel: int, results: list[dict[str, Any]]) -> tuple[list, str]:
     """One row per (implementation, threads), pooling its repeats: the summary rows and their markdown table."""
     rows, lines = [], []
-    for impl in args.impl:
-        for threads in args.threads:
+    for impl in impls:
+        for threads in threads_list:
             runs = [r for r in results if r["impl"] == impl and r["threads"] == threads]
             if not runs:
                 continue
             medians = [statistics.median(r["wall_s"]) for r in runs]
             pooled = statistics.median([t for r in runs for t in r["wall_s"]])
             row = {"impl": impl, "threads": threads, "s_per_step": pooled, "run_medians_s": medians,
-                   "runs_spread": max(medians) / min(medians) - 1, "mparams_per_s": args.numel / pooled / 1e6,
+                   "runs_spread": max(medians) / min(medians) - 1, "mparams_per_s": numel / pooled / 1e6,
                    "cpu_s_per_step": statistics.median([t for r in runs for t in r["cpu_s"]]),
                    "other_cores": [r["other_cores"] for r in runs],
                    "max_abs_diff": max(r["max_abs_diff"] for r in runs),
@@ -159,61 +151,59 @@ def table(args: argparse.Namespace, results: list[dict[str, Any]]) -> tuple[list
     return rows, report.table(columns, lines, "lrrrrlrlr")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
-    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--numel", type=int, default=50_000_000)
-    parser.add_argument("--tensors", type=int, default=8)
-    parser.add_argument("--check_numel", type=int, default=1_000_003)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps (>= 5); 20 gives the other-load reading")
-    parser.add_argument("--repeats", type=int, default=2, help="fresh processes per (impl, threads), interleaved")
-    parser.add_argument("--ds_venv", type=Path, default=launch.DEFAULT_DS_VENV, help="DeepSpeed's own virtualenv")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    if args.steps < 5:
-        parser.error("--steps must be at least 5")
-    ds_python = launch.deepspeed_python(args.ds_venv)
-    if "deepspeed" in args.impl and ds_python is None:
-        print(f"no DeepSpeed virtualenv at {args.ds_venv} (see harness/launch.py): skipping deepspeed")
-        args.impl = [i for i in args.impl if i != "deepspeed"]
-    facts = report.machine_facts()
-    print(report.header(facts, f"host_adam: {args.numel:,} fp32 parameters in {args.tensors} tensors"))
+def host_adam(
+    impl: tuple[str, ...] = IMPLS,
+    threads: tuple[int, ...] = (1, 2),
+    numel: int = 50_000_000,
+    tensors: int = 8,
+    check_numel: int = 1_000_003,
+    warmup: int = 2,
+    steps: int = 20,
+    repeats: int = 2,
+    ds_venv: Path = launch.DEFAULT_DS_VENV,
+) -> cli.Answer:
+    """Each (implementation, threads, repeat) in a fresh process with OMP_NUM_THREADS and MKL_NUM_THREADS set,
+    repeats interleaved; each implementation's parameters after 3 steps must match torch-for-loop's to 1e-6 of their
+    largest magnitude.
+
+    Args:
+        impl: implementations (ours: the engine's path under offload_optimizer cpu; deepspeed: DeepSpeedCPUAdam).
+        threads: thread counts.
+        numel: fp32 parameters, in `tensors` uneven views of one flat buffer.
+        tensors: views.
+        check_numel: parameters of the correctness run.
+        warmup: untimed steps.
+        steps: timed steps (at least 5; 20 gives the other-load reading).
+        repeats: fresh processes per (impl, threads), interleaved.
+        ds_venv: DeepSpeed's own virtualenv.
+    """
+    if steps < 5:
+        raise SystemExit("--steps must be at least 5")
+    ds_python, impls = launch.deepspeed_python(ds_venv), list(impl)
+    if "deepspeed" in impls and ds_python is None:
+        print(f"no DeepSpeed virtualenv at {ds_venv} (see harness/launch.py): skipping deepspeed")
+        impls.remove("deepspeed")
     results = []
     with tempfile.TemporaryDirectory(prefix="host_adam_") as tmp:
-        for repeat in range(args.repeats):
-            for impl in args.impl:
-                for threads in args.threads:
-                    tag = f"{impl}_{threads}_{repeat}"
-                    kwargs = dict(
-                        impl=impl,
-                        numel=args.numel,
-                        tensors=args.tensors,
-                        warmup=args.warmup,
-                        steps=args.steps,
-                        check_numel=args.check_numel,
-                        check_out=f"{tmp}/{tag}.pt",
-                    )
-                    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # DeepSpeed's OpenMP
-                    python = ds_python if impl == "deepspeed" else None
-                    r = launch.on_ranks(1, measure, kwargs, name=tag, python=python, env=env, threads=threads,
-                                        backend="none").results[0]  # fmt: skip
-                    results.append(
-                        dict(r, impl=impl, threads=threads, repeat=repeat, check_params=kwargs["check_out"])
-                    )
-                    print(
-                        f"  #{repeat} {impl:15s} x{threads}: {statistics.median(r['wall_s']):.4g} s/step", flush=True
-                    )
-        check(args, results)
-    rows, text = table(args, results)
-    print(text)
-    print(f"correctness: all within {RTOL} * max|p_ref| of torch-for-loop after {CHECK_STEPS} steps (last column)")
-    if args.json:
-        report.save_json(
-            args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "runs": results}, facts
-        )
+        for repeat, name, count in [(r, i, t) for r in range(repeats) for i in impls for t in threads]:
+            tag = f"{name}_{count}_{repeat}"
+            kwargs = dict(impl=name, numel=numel, tensors=tensors, warmup=warmup, steps=steps, check_numel=check_numel,
+                          check_out=f"{tmp}/{tag}.pt")  # fmt: skip
+            env = {"OMP_NUM_THREADS": str(count), "MKL_NUM_THREADS": str(count)}  # DeepSpeed's OpenMP
+            python = ds_python if name == "deepspeed" else None
+            r = launch.on_ranks(1, measure, kwargs, name=tag, python=python, env=env, threads=count, backend="none")
+            r = r.results[0]
+            results.append(dict(r, impl=name, threads=count, repeat=repeat, check_params=kwargs["check_out"]))
+            print(f"  #{repeat} {name:15s} x{count}: {statistics.median(r['wall_s']):.4g} s/step", flush=True)
+        check(check_numel, tensors, results)
+    rows, text = table(impls, list(threads), numel, results)
+    text += (
+        f"\n\ncorrectness: all within {RTOL} * max|p_ref| of torch-for-loop after {CHECK_STEPS} steps (last column)"
+    )
+    return cli.Answer(
+        f"host_adam: {numel:,} fp32 parameters in {tensors} tensors", text, {"rows": rows, "runs": results}
+    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(host_adam, choices={"impl": IMPLS}))

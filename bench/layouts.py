@@ -1,16 +1,10 @@
 """Stage 3 on 2 simulated nodes: flat, hpZ, MiCS and ZeRO++ (hpZ + qwZ + qgZ), bytes between nodes per step
-against the formulas of accelerate_zero/debug/layouts.py, time per step, memory, and the loss against flat (issue 32;
-bench/README.md, "layouts.py").
-
-Usage:
-    .venv/bin/python bench/layouts.py                     # W = 4 and 8 (2 nodes x 2 and x 4), ~3 min on 2 cores
-    .venv/bin/python bench/layouts.py --world 4 --hidden 256 --layers 4 --json bench/out/layouts.json
-    .venv/bin/python bench/layouts.py --sft 100           # the SFT recipe's loss curve: flat, ZeRO++, flat seed 43
+against the formulas of accelerate_zero/debug/layouts.py, time per step, memory, and the loss against flat
+(bench/README.md, "layouts.py").
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -20,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import launch, report
+from harness import cli, launch, report
 
 
 NODES, GRAD_ACCUM, SEQ, VOCAB = 2, 2, 64, 2048
@@ -121,12 +115,12 @@ def _summarise(world: int, ranks: list[dict[str, dict[str, Any]]]) -> list[dict[
     return rows
 
 
-def sft_curves(steps: int) -> None:
+def sft_curves(steps: int) -> str:
     """The SFT recipe (recipes/sft.py, the embedded tiny Llama) on 4 processes as 2 simulated nodes: flat stage 3,
     ZeRO++ and flat with another data seed; the loss every 10 steps. The bound for ZeRO++ is the seed's: quantized
     collectives must move the curve less than another shuffle of the same data does."""
     root = Path(__file__).resolve().parents[1]
-    curves = {}
+    curves, lines = {}, []
     for name, (extra, seed) in {
         "flat": ({}, 42),
         "ZeRO++": (_layouts(2)["ZeRO++"], 42),
@@ -146,44 +140,43 @@ def sft_curves(steps: int) -> None:
         if done.returncode:
             raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
         curves[name] = [float(v) for v in re.findall(r"'loss': '?([0-9.]+)'?", done.stdout + done.stderr)]
-        print(f"{name}: {time.perf_counter() - start:.0f} s, losses {curves[name]}")
+        lines.append(f"{name}: {time.perf_counter() - start:.0f} s, losses {curves[name]}")
     for name in ("ZeRO++", "flat, seed 43"):
         gaps = [abs(a - b) for a, b in zip(curves[name], curves["flat"], strict=True)]
-        print(f"{name} against flat: max |loss gap| {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}")
+        lines.append(f"{name} against flat: max |loss gap| {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}")
+    return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world", type=int, nargs="*", default=[4, 8])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--sft", type=int, default=0, metavar="STEPS", help="run the SFT recipe's loss curves")
-    args = parser.parse_args()
-    if args.sft:
-        sft_curves(args.sft)
-        return
-    facts, rows = report.machine_facts(), []
-    for world in args.world:
-        kwargs = {"hidden": args.hidden, "layers": args.layers, "steps": args.steps}
-        rows += _summarise(
-            world, launch.on_ranks(world, train_layouts, kwargs, name=f"w{world}", env=NODES_ENV).results
-        )
-    print(report.header(facts, f"layouts: stage 3 on {NODES} simulated nodes, W = {args.world}"))
+def layouts(
+    world: tuple[int, ...] = (4, 8), hidden: int = 256, layers: int = 4, steps: int = 4, sft: int = 0
+) -> cli.Answer:
+    """Every layout in turn on the same Llama and data, each world size as 2 simulated nodes.
+
+    Args:
+        world: world sizes.
+        hidden: the Llama's width.
+        layers: its decoder layers.
+        steps: optimizer steps of 2 micro-steps.
+        sft: instead, run the SFT recipe's loss curves for this many steps (flat, ZeRO++, flat with seed 43).
+    """
+    if sft:
+        return cli.Answer(f"layouts: the SFT recipe, {sft} steps, 4 processes as 2 simulated nodes", sft_curves(sft))
+    rows = []
+    for size in world:
+        kwargs = {"hidden": hidden, "layers": layers, "steps": steps}
+        rows += _summarise(size, launch.on_ranks(size, train_layouts, kwargs, name=f"w{size}", env=NODES_ENV).results)
     columns = ["W", "layout", "between nodes MB/step", "formula MB", "ratio", "flat / this", "s/step",
                "held MB (rank 0)", "max loss gap"]  # fmt: skip
-    print(report.table(columns, [
+    table = report.table(columns, [
         (r["world"], r["layout"], f"{r['between_nodes_MB_per_step']:.2f}", f"{r['formula_MB']:.2f}",
          f"{r['ratio']:.4f}", f"{r['vs_flat']:.2f}x" if r["vs_flat"] else "-", f"{r['seconds_per_step']:.3f}",
          f"{r['held_MB_rank0']:.1f}", f"{r['max_loss_gap']:.2e}") for r in rows
-    ], "rlrrrrrrr"))  # fmt: skip
-    print(f"parameters: {rows[0]['parameters']:,}")
+    ], "rlrrrrrrr")  # fmt: skip
     control = max(r["control_bytes_per_step"] for r in rows)
-    print(f"other bytes between nodes (gradient norm, step checks): at most {control:.0f} per step")
-    if args.json:
-        report.save_json(args.json, {"rows": rows}, facts)
+    text = (f"{table}\n\nparameters: {rows[0]['parameters']:,}\nother bytes between nodes (gradient norm, step "
+            f"checks): at most {control:.0f} per step")  # fmt: skip
+    return cli.Answer(f"layouts: stage 3 on {NODES} simulated nodes, W = {list(world)}", text, rows)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(layouts))

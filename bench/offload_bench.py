@@ -1,12 +1,5 @@
 """Offload: step time of each mode against no offload, and the largest model each system trains in a RAM budget
-(bench/README.md, "offload_bench.py", says what each part runs and reads).
-
-Usage:
-    .venv/bin/python bench/offload_bench.py                         # both parts; budget 24 GiB (this machine)
-    .venv/bin/python bench/offload_bench.py --ram_budget_gb 4       # the largest-model search within 4 GiB
-    .venv/bin/python bench/offload_bench.py --part step_time --steps 12
-    .venv/bin/python bench/offload_bench.py --part largest --ram_budget_gb 4 --systems ddp az3_nvme
-    .venv/bin/python bench/offload_bench.py --from_json bench/out/offload.json   # print a saved run again
+(bench/README.md, "offload_bench.py").
 """
 
 from __future__ import annotations
@@ -22,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import launch, report
+from harness import cli, launch, models, report
 
 
-BENCH_DIR = Path(__file__).resolve().parent
 GIB = 1024**3
+NVME_DIR = Path(tempfile.gettempdir()) / "accelerate_zero_nvme_bench"
 LADDER_LLAMA = dict(vocab=1024, intermediate=2816, heads=8, seq=128)
 """The largest-model part's LlamaForCausalLM at hidden 1024 (12.85M parameters per decoder layer)."""
 LADDER = [1, 2, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96]
@@ -38,38 +31,23 @@ LEAN_STAGE3 = {
 """Largest-model part, ZeRO systems: gather one decoder layer ahead, at most two live, release each after use (what
 a user picks to fit the largest model; DeepSpeed's defaults keep up to 1e9 parameters gathered)."""
 LARGEST_SYSTEMS = ["ddp", "az3", "az3_cpu", "az3_nvme"]
-STEP_MODES = {
-    2: ["none", "opt_cpu", "opt_nvme"],
-    3: ["none", "opt_cpu", "opt_param_cpu", "opt_nvme", "opt_param_nvme"],
-}
-MODE_LABEL = {
-    "none": "no offload",
-    "opt_cpu": "optimizer cpu",
-    "opt_param_cpu": "optimizer + param cpu",
-    "opt_nvme": "optimizer nvme",
-    "opt_param_nvme": "optimizer + param nvme",
-}
+STEP_MODES = {2: ["none", "cpu", "nvme_optimizer"], 3: ["none", "cpu", "cpu+param", "nvme_optimizer", "nvme"]}
+"""`models.offload_zero`'s modes each stage has."""
+MODE_LABEL = {"none": "no offload", "cpu": "optimizer cpu", "cpu+param": "optimizer + param cpu",
+              "nvme_optimizer": "optimizer nvme", "nvme": "optimizer + param nvme"}  # fmt: skip
 
 
 def ladder_llama(layers: int) -> Any:
-    from harness import models
-
     return models.llama_config(1024, layers, **LADDER_LLAMA)
 
 
 def zero_config(stage: int, mode: str, nvme_dir: str) -> dict[str, Any]:
     """The DeepSpeed-format config of one offload mode."""
-    zero: dict[str, Any] = {"stage": stage}
+    zero: dict[str, Any] = {"stage": stage, **models.offload_zero(mode, nvme_dir)}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    if mode.startswith("opt_"):
-        nvme = mode.endswith("nvme")
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir} if nvme else {"device": "cpu"}
+    if mode != "none":
         zero["sub_group_size"] = 4_000_000
-    if mode == "opt_param_cpu":
-        zero["offload_param"] = {"device": "cpu"}
-    if mode == "opt_param_nvme":
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": 0}
     return {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0, "zero_optimization": zero}
 
 
@@ -78,7 +56,6 @@ def step_times(stage: int, layers: int, hidden: int, steps: int, nvme_dir: str) 
     """Rank function: every mode of `stage` in turn on the Linear stack, no offload again last; seconds per step."""
     import torch
     import torch.distributed as dist
-    from harness import models
     from torch import nn
 
     import accelerate_zero
@@ -108,7 +85,6 @@ def largest_point(system: str, layers: int, checkpoint: str, nvme_dir: str) -> d
     """Rank function: 3 steps of one ladder point; this rank's baseline and peak RSS (VmHWM)."""
     import torch
     import torch.distributed as dist
-    from harness import models
     from harness.readings import proc_status
 
     import accelerate_zero
@@ -125,7 +101,7 @@ def largest_point(system: str, layers: int, checkpoint: str, nvme_dir: str) -> d
     else:
         from transformers import LlamaForCausalLM
 
-        mode = {"az3": "none", "az3_cpu": "opt_param_cpu", "az3_nvme": "opt_param_nvme"}[system]
+        mode = {"az3": "none", "az3_cpu": "cpu+param", "az3_nvme": "nvme"}[system]
         config = zero_config(3, mode, nvme_dir)
         config["train_micro_batch_size_per_gpu"] = 2
         config["zero_optimization"].update(LEAN_STAGE3)
@@ -171,7 +147,6 @@ def write_checkpoint(folder: Path, ladder: list[int]) -> tuple[int, int]:
         (parameters outside the decoder layers, parameters per decoder layer).
     """
     import torch
-    from harness import models
     from safetensors.torch import save_file
 
     shards, max_layers = folder / "shards", max(ladder)
@@ -185,11 +160,9 @@ def write_checkpoint(folder: Path, ladder: list[int]) -> tuple[int, int]:
         by_file.setdefault(file, {})[name] = param.shape
     for file, shapes in by_file.items():
         if not (shards / file).exists():
+            random = lambda shape: 0.02 * torch.randn(shape, generator=generator)  # noqa: E731
             tensors = {
-                name: torch.ones(shape)
-                if name.endswith("norm.weight")
-                else torch.randn(shape, generator=generator) * 0.02
-                for name, shape in shapes.items()
+                n: torch.ones(shape) if n.endswith("norm.weight") else random(shape) for n, shape in shapes.items()
             }
             save_file(tensors, str(shards / file), metadata={"format": "pt"})
     for layers in sorted(set(ladder)):
@@ -225,15 +198,14 @@ def largest_part(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 ranks = launch.on_ranks(2, largest_point, kwargs, name=f"largest_{system}_{layers}",
                                         timeout=args.point_timeout, rss_budget=budget)  # fmt: skip
-                point.update(status="ok", watchdog_max_rss_sum=ranks.peak_rss_sum)
-                point["peak_rss_per_rank"] = [r["peak_rss"] for r in ranks.results]
-                point["peak_rss_sum"] = sum(point["peak_rss_per_rank"])
-                point["seconds_3_steps"] = max(r["seconds_3_steps"] for r in ranks.results)
-                point["fits"] = point["peak_rss_sum"] <= budget
+                per_rank = [r["peak_rss"] for r in ranks.results]
+                point.update(status="ok", watchdog_max_rss_sum=ranks.peak_rss_sum, peak_rss_per_rank=per_rank,
+                             peak_rss_sum=sum(per_rank), fits=sum(per_rank) <= budget,
+                             seconds_3_steps=max(r["seconds_3_steps"] for r in ranks.results))  # fmt: skip
             except launch.LaunchFailed as failed:
                 code = failed.code
-                point.update(status=code if isinstance(code, str) else f"failed ({code})", fits=False)
-                point["watchdog_max_rss_sum"] = failed.peak_rss_sum
+                point.update(status=code if isinstance(code, str) else f"failed ({code})", fits=False,
+                             watchdog_max_rss_sum=failed.peak_rss_sum)  # fmt: skip
             shutil.rmtree(swap, ignore_errors=True)
             out["points"].append(point)
             seen = point.get("peak_rss_sum", point["watchdog_max_rss_sum"])
@@ -251,12 +223,9 @@ def markdown(payload: dict[str, Any]) -> str:
         a = payload["args"]
         lines += [f"Step time at 2 processes, fp32 AdamW, {a['layers']} x Linear({a['hidden']}) (median of "
                   f"{a['steps']} steps; ratio to no offload in the same group)", ""]  # fmt: skip
-        rows = [
-            (r["stage"], MODE_LABEL[r["mode"]], f"{1000 * r['median_step_s']:.1f}", f"{r['ratio_to_none']:.2f}")
-            if "median_step_s" in r
-            else (r["stage"], r["mode"], r["status"], "")
-            for r in payload["step_time"]
-        ]
+        rows = [(r["stage"], MODE_LABEL[r["mode"]], f"{1000 * r['median_step_s']:.1f}", f"{r['ratio_to_none']:.2f}")
+                if "median_step_s" in r else (r["stage"], r["mode"], r["status"], "")
+                for r in payload["step_time"]]  # fmt: skip
         lines += [report.table(["stage", "mode", "median step (ms)", "ratio to no offload"], rows, "llrr"), ""]
     largest = payload.get("largest")
     if largest:
@@ -284,53 +253,53 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["both", "step_time", "largest"], default="both")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per mode (>= 10)")
-    parser.add_argument("--stages", type=int, nargs="+", default=[3, 2])
-    parser.add_argument("--layers", type=int, default=8, help="step time: Linear layers")
-    parser.add_argument("--hidden", type=int, default=1024, help="step time: Linear width")
-    parser.add_argument("--ram_budget_gb", type=float, default=24.0, help="largest model: RAM of the machine")
-    parser.add_argument("--systems", nargs="+", default=LARGEST_SYSTEMS, choices=LARGEST_SYSTEMS)
-    parser.add_argument("--max_layers", type=int, default=max(LADDER), help="largest model: top of the ladder")
-    parser.add_argument("--ladder", type=int, nargs="+", help=f"largest model: layer counts, ascending ({LADDER})")
-    parser.add_argument("--point_timeout", type=float, default=900, help="seconds before a ladder point is cut")
-    parser.add_argument(
-        "--nvme_dir", type=Path, default=Path(tempfile.gettempdir()) / "accelerate_zero_nvme_bench",
-        help="a folder on the local disk to measure (default: in the system's temporary folder)",
-    )  # fmt: skip
-    parser.add_argument("--json", type=Path, default=BENCH_DIR / "out" / "offload.json")
-    parser.add_argument("--from_json", type=Path, help="print the tables of a saved run")
-    return parser.parse_args(argv)
+def offload_bench(
+    part: str = "both",
+    steps: int = 12,
+    stages: tuple[int, ...] = (3, 2),
+    layers: int = 8,
+    hidden: int = 1024,
+    ram_budget_gb: float = 24.0,
+    systems: tuple[str, ...] = tuple(LARGEST_SYSTEMS),
+    max_layers: int = max(LADDER),
+    ladder: tuple[int, ...] = (),
+    point_timeout: float = 900,
+    nvme_dir: Path = NVME_DIR,
+) -> cli.Answer:
+    """The step-time part (2 ranks, every offload mode of each stage on the Linear stack, no offload first and again
+    last) and the largest-model part (each system climbs the Llama ladder within the RAM budget).
 
-
-def main() -> None:
-    args = parse_args()
-    if args.from_json:
-        print(markdown(json.loads(args.from_json.read_text())))
-        return
-    if args.steps < 10:
-        raise SystemExit(f"--steps={args.steps}: the step time is a median of at least 10 steps")
-    facts = report.machine_facts()
-    payload: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "command": sys.argv}
-    root = args.nvme_dir
-    root.mkdir(parents=True, exist_ok=True)
-    args.nvme_dir = Path(tempfile.mkdtemp(prefix="offload_bench_", dir=root))  # concurrent runs do not collide
+    Args:
+        part: both, step_time or largest.
+        steps: step time: timed steps per mode (at least 10: medians).
+        stages: step time: ZeRO stages.
+        layers: step time: Linear layers.
+        hidden: step time: Linear width.
+        ram_budget_gb: largest model: RAM of the machine.
+        systems: largest model: ddp, az3, az3_cpu, az3_nvme.
+        max_layers: largest model: the top of the ladder.
+        ladder: largest model: layer counts, ascending (default: LADDER up to max_layers).
+        point_timeout: largest model: seconds before a ladder point is cut.
+        nvme_dir: a folder on the local disk to measure (a fresh folder is made in it, deleted at the end).
+    """
+    if steps < 10:
+        raise SystemExit(f"--steps={steps}: the step time is a median of at least 10 steps")
+    args = argparse.Namespace(**locals())  # the parts read their options from it
+    payload: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    nvme_dir.mkdir(parents=True, exist_ok=True)
+    args.nvme_dir = Path(tempfile.mkdtemp(prefix="offload_bench_", dir=nvme_dir))  # concurrent runs do not collide
     try:
-        if args.part in ("both", "step_time"):
+        if part in ("both", "step_time"):
             payload["step_time"] = step_time_part(args)
-        if args.part in ("both", "largest"):
+        if part in ("both", "largest"):
             payload["largest"] = largest_part(args)
     finally:
         shutil.rmtree(args.nvme_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
-            root.rmdir()  # only when no other run uses it
-    payload["markdown"] = markdown(payload)
-    print(report.header(facts, "offload_bench: step time per offload mode, the largest model in a RAM budget"))
-    print("\n" + payload["markdown"])
-    report.save_json(args.json, payload, facts)
+            nvme_dir.rmdir()  # only when no other run uses it
+    title = "offload_bench: step time per offload mode, the largest model in a RAM budget"
+    return cli.Answer(title, markdown(payload), payload)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(offload_bench, choices={"part": ("both", "step_time", "largest"), "systems": LARGEST_SYSTEMS}))

@@ -1,28 +1,15 @@
 """Whole-tensor ("owner") stepping against flat AdamW: bytes moved per step, step time and what each rank holds
-(issue 50, item 5; bench/README.md, "owner_step.py").
-
-Usage:
-    .venv/bin/python bench/owner_step.py                                  # 2 and 3 ranks, hidden 512 x 8 layers
-    .venv/bin/python bench/owner_step.py --world_sizes 2 4 --hidden 1024 --layers 8 --steps 8
-
-W gloo ranks train the harness's stack of `--layers` x Linear(--hidden, --hidden) in bf16 at stages 2 and 3 (every
-Linear a unit), clipping 1.0, with AdamW (flat shards), torch's Adafactor, and Muon on the matrices + AdamW on the
-biases (whole parameters on owners, engine/owned_step.py). Per step, from the engine's own count (ring volumes): the
-gradient bytes each rank sends beside DeepSpeed 0.19.8's Muon (`reduce_scatter: false`: an all-reduce of every
-fp32 gradient, 2 N (W-1)/W x 4 bytes per rank), the value bytes, the median step time of `--steps` timed steps after
-2 warm-up steps (the optimizers in turn, twice) and `memory_breakdown()`'s master weights and optimizer states;
-bytes and memory the largest over the ranks.
+(bench/README.md, "owner_step.py").
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from harness import launch, report
+from harness import cli, launch, report
 
 
 OPTIMIZERS = ("adamw", "adafactor", "muon")
@@ -93,17 +80,22 @@ def train(hidden: int, layers: int, steps: int) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world_sizes", type=int, nargs="+", default=[2, 3])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    facts, out, rows = report.machine_facts(), {}, []
-    for world_size in args.world_sizes:
-        kwargs = {"hidden": args.hidden, "layers": args.layers, "steps": args.steps}
+def owner_step(
+    world_sizes: tuple[int, ...] = (2, 3), hidden: int = 512, layers: int = 8, steps: int = 6
+) -> cli.Answer:
+    """AdamW (flat shards), Adafactor and Muon + AdamW (whole parameters on owners) at stages 2 and 3 in bf16: the
+    gradient bytes each rank sends beside DeepSpeed's Muon (an all-reduce of every fp32 gradient), the value bytes,
+    the step time and `memory_breakdown()`'s masters and optimizer states; bytes and memory the largest over ranks.
+
+    Args:
+        world_sizes: one group per world size.
+        hidden: the stack's width.
+        layers: its Linear layers (each a unit at stage 3).
+        steps: timed steps after 2 warm-up steps, the optimizers in turn, twice.
+    """
+    out, rows = {}, []
+    for world_size in world_sizes:
+        kwargs = {"hidden": hidden, "layers": layers, "steps": steps}
         ranks = launch.on_ranks(world_size, train, kwargs, name=f"w{world_size}").results
         out[f"W={world_size}"] = merged = ranks[0]
         for key, entry in merged.items():  # bytes and memory: the rank sending or holding most
@@ -114,13 +106,11 @@ def main() -> None:
             rows.append((world_size, stage[-1], name, f"{entry['gradient_bytes_per_step'] / 1e6:.2f} MB", muon,
                          f"{entry['value_bytes_per_step'] / 1e6:.2f} MB", f"{entry['master_weights'] / 1e6:.2f} MB",
                          f"{entry['optimizer_states'] / 1e6:.2f} MB", entry["step_ms"]))  # fmt: skip
-    print(report.header(facts, f"owner_step: {args.layers} x Linear({args.hidden}), bf16, clipping 1.0"))
     columns = ["W", "stage", "optimizer", "gradient bytes / step", "DeepSpeed Muon", "value bytes / step", "masters",
                "optimizer states", "step (ms)"]  # fmt: skip
-    print(report.table(columns, rows, "rrlrrrrrr"))
-    if args.json:
-        report.save_json(args.json, out, facts)
+    title = f"owner_step: {layers} x Linear({hidden}), bf16, clipping 1.0"
+    return cli.Answer(title, report.table(columns, rows, "rrlrrrrrr"), out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(owner_step))

@@ -1,30 +1,11 @@
 """The transformers Trainer under plain DDP, accelerate_zero stages 2/3 and DeepSpeed stages 2/3: CPU time per
-optimizer step against DDP's, per phase and per thread (issue 18; bench/README.md, "trainer_bench.py", says what
-runs and how each number is read).
-
-Usage:
-    .venv/bin/python bench/trainer_bench.py                # 5 systems x 2 rounds x 10 steps, ~8 minutes
-    .venv/bin/python bench/trainer_bench.py --code head --json bench/out/trainer.json     # the committed code
-    .venv/bin/python bench/trainer_bench.py --systems ddp az2 az3 --rounds 3 --steps 4 --layers 2
-    .venv/bin/python bench/trainer_bench.py --offload none                     # the same configs, offload removed
-    .venv/bin/python bench/trainer_bench.py --baseline HEAD~3 --systems ddp az2  # each az system with that code too
-    .venv/bin/python bench/trainer_bench.py --from_json bench/out/trainer.json  # print a saved run again
-
-Systems, each on `--world_size` fresh ranks per round (harness/launch.py; rounds interleaved): `ddp` (transformers'
-Trainer, no ZeRO), `az2` / `az3` (`accelerate_zero.Trainer` with `TrainingArguments(zero_config=...)`), `ds2` / `ds3`
-(transformers' Trainer with `TrainingArguments(deepspeed=...)`, DeepSpeed from its own virtualenv), all with
-transformers' own ds_config_zero2/3.json (tests/fixtures/). A TrainerCallback reads CPU and wall time from
-`on_step_begin` to `on_step_end` on every rank; `PhaseClock` splits the CPU time into the step's phases.
+optimizer step against DDP's, per phase and per thread (bench/README.md, "trainer_bench.py").
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import datetime
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -34,15 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import code, launch, report
+from harness import cli, launch, report
+from harness.code import REPO, code_tree
 
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
 SYSTEMS = ["ddp", "az2", "az3", "ds2", "ds3"]
 GOALS = {"az2": 1.05, "az3": 1.15}
 """Issue 18's goals: accelerate_zero's CPU time per optimizer step at most this many times DDP's."""
-CONFIG_DIRS = [REPO / "tests" / "fixtures"]
 
 HIDDEN, LAYERS, INTERMEDIATE, VOCAB, HEADS, SEQ = 512, 4, 1376, 20000, 8, 128
 # TrainingArguments that agree with the values ds_config_zero3.json writes out (the rest of both files is "auto").
@@ -51,26 +30,15 @@ OPTIMIZER_ARGS = {
     "weight_decay": 3e-7, "warmup_steps": 500, "max_grad_norm": 1.0,
 }  # fmt: skip
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
-RUN_KEYS = ("steps", "warmup", "layers", "micro", "accumulation", "world_size", "offload", "prefetch", "profile",
-            "torch_profile")  # fmt: skip
-"""The options a rank reads (`train`'s keyword arguments besides the system and its output prefix)."""
 
 
 # ------------------------------------------------------------------------------------------------------ configs
-def config_path(stage: int) -> Path:
-    for folder in CONFIG_DIRS:
-        path = folder / f"ds_config_zero{stage}.json"
-        if path.exists():
-            return path
-    raise FileNotFoundError(f"ds_config_zero{stage}.json is in none of {[str(d) for d in CONFIG_DIRS]}")
-
-
 def system_config(system: str, offload: str, prefetch: str = "as_written") -> tuple[dict[str, Any] | None, list[str]]:
     """The DeepSpeed config a system trains with (None for DDP) and the changes made to the file, in words."""
     if system == "ddp":
         return None, []
     stage = int(system[2])
-    path = config_path(stage)
+    path = REPO / "tests" / "fixtures" / f"ds_config_zero{stage}.json"  # transformers' own test configs
     config = json.loads(path.read_text())
     changes = [f"read from {path}"]
     fp16 = config.get("fp16", {})
@@ -108,7 +76,8 @@ def system_config(system: str, offload: str, prefetch: str = "as_written") -> tu
 def train(system: str, out: str, **run: Any) -> dict[str, Any]:
     """Rank function: the Trainer trains `system`; every optimizer step's CPU and wall time, per phase and thread.
 
-    `run` holds `RUN_KEYS`; `out` is the run's path prefix (the cProfile and torch.profiler tables go beside it).
+    `run` holds the run's options (`trainer_bench`'s); `out` is the run's path prefix (the cProfile and
+    torch.profiler tables go beside it).
     """
     import torch
     from harness import models
@@ -293,17 +262,19 @@ def base_system(system: str) -> str:
     return system.split("@")[0]
 
 
-def run_system(system: str, args: argparse.Namespace, folder: Path, name: str, tree: Path) -> list[Any] | str:
-    """One system on `--world_size` fresh ranks; its per-rank readings, or why it did not run."""
+def run_system(
+    system: str, run: dict[str, Any], ds_venv: Path, timeout: int, folder: Path, name: str, tree: Path
+) -> list[Any] | str:
+    """One system on `run["world_size"]` fresh ranks; its per-rank readings, or why it did not run."""
     system = base_system(system)
-    python = launch.deepspeed_python(args.ds_venv) if system.startswith("ds") else None
+    python = launch.deepspeed_python(ds_venv) if system.startswith("ds") else None
     if system.startswith("ds") and python is None:
-        return f"skipped: no DeepSpeed virtualenv at {args.ds_venv}"
-    kwargs = {"system": system, "out": str(folder / name), **{key: getattr(args, key) for key in RUN_KEYS}}
+        return f"skipped: no DeepSpeed virtualenv at {ds_venv}"
     env = None if python is not None else {"PYTHONPATH": str(tree)}  # DeepSpeed's ranks: never the project's code
     try:
-        return launch.on_ranks(args.world_size, train, kwargs, name=name, out_dir=folder, python=python, env=env,
-                               timeout=args.timeout, backend="none").results  # fmt: skip
+        return launch.on_ranks(run["world_size"], train, {"system": system, "out": str(folder / name), **run},
+                               name=name, out_dir=folder, python=python, env=env, timeout=timeout,
+                               backend="none").results  # fmt: skip
     except launch.LaunchFailed as failed:
         return f"failed ({failed.code}), see {folder / name}.log"
 
@@ -386,148 +357,102 @@ def phase_table(summary: dict[str, dict[str, Any]]) -> str:
     return report.table(columns, rows)
 
 
-def header(meta: dict[str, Any]) -> str:
-    a, loads = meta["args"], meta["load_averages"]
-    return (
-        f"Trainer, {a['world_size']} ranks, LlamaForCausalLM {meta['params'] / 1e6:.1f}M params (hidden {HIDDEN}, "
-        f"{a['layers']} layers, vocab {VOCAB}), fp32, micro-batch {a['micro']}, accumulation {a['accumulation']}, "
-        f"seq {SEQ}; {a['rounds']} rounds x {a['steps']} timed steps after {a['warmup']} warm-up; offload "
-        f"{a['offload']}; prefetch {a.get('prefetch', 'as_written')}; {meta['start_utc']} to {meta['end_utc']} UTC "
-        f"({meta['seconds'] / 60:.1f} min); load average (1 min) {min(loads):.2f}-{max(loads):.2f}; code: "
-        f"{meta['code']}"
-    )
+def trainer_bench(
+    systems: tuple[str, ...] = tuple(SYSTEMS),
+    rounds: int = 2,
+    steps: int = 10,
+    warmup: int = 2,
+    layers: int = LAYERS,
+    micro: int = 2,
+    accumulation: int = 2,
+    world_size: int = 2,
+    offload: str = "as_written",
+    prefetch: str = "as_written",
+    code: str = "tree",
+    baseline: str | None = None,
+    ds_venv: Path = launch.DEFAULT_DS_VENV,
+    timeout: int = 900,
+    profile: bool = False,
+    torch_profile: bool = False,
+) -> cli.Answer:
+    """Each system on fresh ranks per round, rounds interleaved; the medians, their ratios to DDP and the goals.
 
-
-def report_text(payload: dict[str, Any]) -> str:
-    meta = payload["meta"]
-    lines = [header(meta), "", *(f"- {system}: " + "; ".join(changes) for system, changes in meta["configs"].items())]
-    lines += ["", table(payload["summary"], payload["notes"]), "", phase_table(payload["summary"]), ""]
-    for system, row in payload["summary"].items():
+    Args:
+        systems: ddp, az2, az3 (accelerate_zero.Trainer), ds2, ds3 (transformers' Trainer with DeepSpeed).
+        rounds: rounds, every other one in reverse order.
+        steps: timed optimizer steps per system and round.
+        warmup: optimizer steps before the timed ones.
+        layers: the Llama's decoder layers.
+        micro: per-device train batch size.
+        accumulation: gradient accumulation steps.
+        world_size: ranks.
+        offload: as_written, or none (the configs' offload blocks removed).
+        prefetch: stage 3: as_written (zero3's stage3_prefetch_bucket_size 0: off) or auto (0.9 x hidden^2).
+        code: accelerate_zero from the working tree (tree), a `git archive` of HEAD (head: for a tree others are
+            editing) or of any other commit.
+        baseline: also run every accelerate_zero system with the code of this revision, interleaved: rows
+            <system>@<commit>.
+        ds_venv: DeepSpeed's own virtualenv.
+        timeout: seconds before one system's run is cut.
+        profile: cProfile rank 0 (a .prof beside each run's log).
+        torch_profile: torch.profiler over the timed steps: each rank's ops by self CPU time in <run>.rank<R>.ops.txt.
+    """
+    run = dict(steps=steps, warmup=warmup, layers=layers, micro=micro, accumulation=accumulation,
+               world_size=world_size, offload=offload, prefetch=prefetch, profile=profile,
+               torch_profile=torch_profile)  # fmt: skip
+    started, folder = time.perf_counter(), Path(tempfile.mkdtemp(prefix="trainer_bench_"))
+    tree, code_text = code_tree(code, folder)
+    names, codes = list(systems), dict.fromkeys(systems, tree)
+    if baseline:  # each accelerate_zero system also runs next to itself with the baseline's code: an A/B, one load
+        other, other_text = code_tree(baseline, folder)
+        code_text += f"; systems named <system>@{other.name[5:]}: {other_text}"
+        names = [n for s in systems for n in ([s, f"{s}@{other.name[5:]}"] if s.startswith("az") else [s])]
+        codes.update({n: other for n in names if "@" in n})
+    runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in names}
+    notes: dict[str, str] = {}
+    loads = [os.getloadavg()[0]]
+    print(f"logs in {folder}; code: {code_text}", flush=True)
+    for round_index, system in launch.interleaved(names, rounds):
+        if system in notes:
+            continue
+        mark = time.perf_counter()
+        result = run_system(system, run, ds_venv, timeout, folder, f"{system}_round{round_index + 1}", codes[system])
+        loads.append(os.getloadavg()[0])
+        if isinstance(result, str):
+            notes[system] = result
+            runs.pop(system)
+        else:
+            runs[system].append(result)
+            result = f"rank-0 CPU s/step median {statistics.median(result[0]['cpu']):.3f}"
+        print(f"{system} round {round_index + 1}: {result} ({time.perf_counter() - mark:.0f} s, load {loads[-1]:.2f})")
+    for snapshot in set(codes.values()) - {REPO}:
+        shutil.rmtree(snapshot, ignore_errors=True)
+    summary = summarize(runs)
+    params = next((row["params"] for row in summary.values()), 0)
+    configs = {s: system_config(base_system(s), offload, prefetch)[1] for s in names if s != "ddp"}
+    lines = [*(f"- {system}: " + "; ".join(changes) for system, changes in configs.items()), "",
+             table(summary, notes), "", phase_table(summary), ""]  # fmt: skip
+    for system, row in summary.items():
         goal, ratio = GOALS.get(base_system(system)), row.get("cpu_rank0_vs_ddp")
         if goal is not None and ratio is not None:
             verdict = "PASS" if ratio <= goal else "FAIL"
             lines.append(
                 f"goal {system}: CPU time per step {ratio:.2f}x DDP's (rank 0), at most {goal:.2f}: {verdict}"
             )
-    ddp = payload["summary"].get("ddp")
+    ddp = summary.get("ddp")
     if ddp is not None and len(ddp["cpu_rank0_by_round"]) > 1:
         spread = max(ddp["cpu_rank0_by_round"]) / min(ddp["cpu_rank0_by_round"])
         lines.append(f"noise: DDP's per-round medians of rank-0 CPU time are {spread:.2f}x apart")
-    return "\n".join(lines)
-
-
-# -------------------------------------------------------------------------------------------------------- main
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per system and round")
-    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the timed ones")
-    parser.add_argument("--layers", type=int, default=LAYERS)
-    parser.add_argument("--micro", type=int, default=2, help="per-device train batch size")
-    parser.add_argument("--accumulation", type=int, default=2)
-    parser.add_argument("--world_size", type=int, default=2)
-    parser.add_argument("--offload", choices=["as_written", "none"], default="as_written")
-    parser.add_argument(
-        "--prefetch",
-        choices=["as_written", "auto"],
-        default="as_written",
-        help="stage 3: zero3's stage3_prefetch_bucket_size (0: off) or \"auto\" (0.9 x hidden^2, transformers' docs)",
-    )
-    parser.add_argument(
-        "--code",
-        default="tree",
-        help="accelerate_zero from the working tree (tree), or from a `git archive` of HEAD (head: for a tree others "
-        "are editing) or of any other commit (a before/after comparison with the same benchmark code)",
-    )
-    parser.add_argument(
-        "--baseline",
-        default=None,
-        help="also run every accelerate_zero system with the code of this revision (a `git archive`), interleaved "
-        "with the others: rows <system>@<commit>",
-    )
-    parser.add_argument("--ds_venv", type=Path, default=launch.DEFAULT_DS_VENV)
-    parser.add_argument("--timeout", type=int, default=900, help="seconds before one system's run is cut")
-    parser.add_argument("--json", type=Path, default=None, help="write the raw readings and the summary here")
-    parser.add_argument("--from_json", type=Path, default=None, help="print a saved run's report, run nothing")
-    parser.add_argument("--profile", action="store_true", help="cProfile rank 0 (a .prof beside each run's log)")
-    parser.add_argument(
-        "--torch_profile",
-        action="store_true",
-        help="torch.profiler over the timed steps: each rank's ops by self CPU time in <run>.rank<R>.ops.txt",
-    )
-    args = parser.parse_args()
-    if args.from_json:
-        print(report_text(json.loads(args.from_json.read_text())))
-        return
-
-    start_utc = datetime.datetime.now(datetime.timezone.utc)
-    started = time.perf_counter()
-    folder = Path(tempfile.mkdtemp(prefix="trainer_bench_"))
-    tree, code_text = code.code_tree(args.code, folder)
-    codes = dict.fromkeys(args.systems, tree)
-    if args.baseline:
-        # Each accelerate_zero system runs twice per round, next to itself with the baseline's code: an A/B in one
-        # interleaved run, under the same load.
-        baseline, baseline_text = code.code_tree(args.baseline, folder)
-        code_text += f"; systems named <system>@{baseline.name[5:]}: {baseline_text}"
-        systems = []
-        for system in args.systems:
-            systems.append(system)
-            if system.startswith("az"):
-                systems.append(f"{system}@{baseline.name[5:]}")
-                codes[systems[-1]] = baseline
-        args.systems = systems
-    configs = {s: system_config(base_system(s), args.offload, args.prefetch)[1] for s in args.systems if s != "ddp"}
-    runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in args.systems}
-    notes: dict[str, str] = {}
-    loads = [os.getloadavg()[0]]
-    print(f"logs in {folder}; code: {code_text}", flush=True)
-    for round_index in range(args.rounds):
-        order = args.systems if round_index % 2 == 0 else args.systems[::-1]
-        for system in order:
-            if system in notes:
-                continue
-            mark = time.perf_counter()
-            result = run_system(system, args, folder, f"{system}_round{round_index + 1}", codes[system])
-            loads.append(os.getloadavg()[0])
-            if isinstance(result, str):
-                notes[system] = result
-                runs.pop(system)
-                print(f"{system}: {result}", flush=True)
-                continue
-            runs[system].append(result)
-            print(
-                f"{system} round {round_index + 1}: rank-0 CPU s/step median {statistics.median(result[0]['cpu']):.3f}"
-                f" ({time.perf_counter() - mark:.0f} s, load {loads[-1]:.2f})",
-                flush=True,
-            )
-    summary = summarize(runs)
-    params = next((row["params"] for row in summary.values()), 0)
-    for snapshot in set(codes.values()) - {REPO}:
-        shutil.rmtree(snapshot, ignore_errors=True)
-    meta = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "start_utc": start_utc.strftime("%Y-%m-%d %H:%M"),
-        "end_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "seconds": time.perf_counter() - started,
-        "load_averages": loads,
-        "load_average_1_5_15_at_end": list(os.getloadavg()),
-        "code": code_text,
-        "commit": code.git("rev-parse", "--short", "HEAD"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "params": params,
-        "configs": configs,
-        "config_used": {
-            s: system_config(base_system(s), args.offload, args.prefetch)[0] for s in args.systems if s != "ddp"
-        },
-        "versions": {s: copy.deepcopy(r[0][0].get("modules", {})) for s, r in runs.items() if r},
-    }
-    payload = {"meta": meta, "runs": runs, "summary": summary, "notes": notes}
-    print(f"\n{report_text(payload)}")
-    if args.json is not None:
-        report.save_json(args.json, payload, report.machine_facts())
+    title = (f"Trainer, {world_size} ranks, LlamaForCausalLM {params / 1e6:.1f}M params (hidden {HIDDEN}, {layers} "
+             f"layers, vocab {VOCAB}), fp32, micro-batch {micro}, accumulation {accumulation}, seq {SEQ}; {rounds} "
+             f"rounds x {steps} timed steps after {warmup} warm-up; offload {offload}; prefetch {prefetch}; "
+             f"{(time.perf_counter() - started) / 60:.1f} min; load average (1 min) "
+             f"{min(loads):.2f}-{max(loads):.2f}; "
+             f"code: {code_text}")  # fmt: skip
+    raw = {"runs": runs, "summary": summary, "notes": notes, "configs": configs, "load_averages": loads}
+    return cli.Answer(title, "\n".join(lines), raw)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.main(trainer_bench, choices={"systems": SYSTEMS, "offload": ("as_written", "none"),
+                                              "prefetch": ("as_written", "auto")}))  # fmt: skip

@@ -19,7 +19,7 @@ staged state dict.
 
 [Note: the snapshot is copied by the writer]
 The copy into the staging buffers is most of what a save costs the training thread (measured: 20-100 ms of a 0.1-1.4
-s step for a 96 MiB checkpoint, bench/checkpoint_async.py). The masters and the optimizer's state, when they are in
+s step for a 96 MiB checkpoint, bench/checkpoints.py). The masters and the optimizer's state, when they are in
 host memory, only change in an optimizer step, so the writer thread copies those itself, first, while the next
 forward and backward run, and every `torch.optim` optimizer's step waits until that copy is done (a global step
 pre-hook, `register_optimizer_step_pre_hook`). Only what lives in the optimizer's own storages (its parameters and

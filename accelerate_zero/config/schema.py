@@ -28,7 +28,7 @@ Deliberate differences from DeepSpeed 0.19.6:
   5e7 elements (DeepSpeed: 5e8) and `overlap_comm` is true at every stage (DeepSpeed: at stage 3 only). With 5e8 a
   model under 500M parameters is one bucket, reduced after backward has finished; with overlap off each bucket's
   reduction stops backward until it is done. Measured at stage 2 on 2 ranks, 101M parameters (bench/README.md,
-  `bench/stage2_overlap.py`): these defaults take 0.71-0.76x the step time of DeepSpeed's. It also holds less:
+  `bench/overlap.py stage2_overlap`): these defaults take 0.71-0.76x the step time of DeepSpeed's. It also holds less:
   three 5e7-element buckets in flight are 0.3x one 5e8 bucket. A value the config writes is honoured as DeepSpeed
   honours it (`overlap_comm: false` waits for each reduction).
 

@@ -13,7 +13,7 @@ gather schedule), phase by phase, with `held` = parameters + master weights + op
   gradient: everything that can coexist at the start of backward, an upper bound;
 - optimizer step: held + the gradients;
 - between steps: held.
-Measured against bench/user_load.py and bench/phase_peaks.py (a 66.9M Llama, 4 ranks, fp32 AdamW, 1 x 64 tokens,
+Measured against bench/user_load.py (a 66.9M Llama, 4 ranks, fp32 AdamW, 1 x 64 tokens,
 anonymous RSS): the 20 cells (5 phases x stages 0-3) within 10% of the measured peak (0.93-1.05 of it;
 tests/unit/test_estimate_phases.py keeps them). The stage-3 backward is measured with the gradient arena counted
 from its allocation, as a device allocator counts it (`--arena_whole`, [Note: resident pages against allocated

@@ -6,7 +6,7 @@ buffer sends N*(W-1)/W bytes from each rank, an all-reduce twice that, a broadca
 
 [Note: reduce-scatter on gloo]
 gloo has no reduce-scatter algorithm: torch implements it as an all-reduce of a copy of the input, then keeps one
-chunk (bench/gloo_collectives.py: twice the bytes of a ring reduce-scatter, and a full-size temporary). We run it
+chunk (bench/overlap.py: twice the bytes of a ring reduce-scatter, and a full-size temporary). We run it
 as point-to-point messages instead: every rank sends chunk j of its partial sums to rank j and receives the W - 1
 other partial sums of its own chunk, which `wait()` adds to its own in rank order (r_0 + r_1 + ... + r_{W-1}, the
 order of the definition: the same values on every rank and at every W). Each rank sends N*(W-1)/W bytes, as in a
@@ -22,7 +22,7 @@ flight.
 gloo's all-gather writes into a full-size temporary of its own and copies it into the output afterwards: a fresh
 block per call (page faults in host memory) and a second pass over the result. We run it as W broadcasts instead,
 rank r's slice sent from rank r straight into slice r of the output on every rank: nothing temporary, and each rank
-sends its slice to the W-1 others, N*(W-1)/W bytes as in a ring. bench/gloo_collectives.py at W = 2 on 41 MB: 92 ms
+sends its slice to the W-1 others, N*(W-1)/W bytes as in a ring. bench/overlap.py at W = 2 on 41 MB: 92 ms
 for the all-gather, 31 ms for the broadcasts. They are issued together; `wait()` waits for all of them.
 
 [Note: bytes between nodes]

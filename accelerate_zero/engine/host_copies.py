@@ -36,7 +36,7 @@ from accelerate_zero.engine.kept_grads import fold_into
 
 TO_HOST, TO_DEVICE = "ZeRO::copy_to_host", "ZeRO::copy_to_device"
 """Profiler ranges around every copy issued here (on a GPU they cover issuing it; the copy itself is the profiler's
-memcpy event). bench/gpu_timeline.py draws them as lanes."""
+memcpy event). bench/gpu_compare_worker.py draws them as lanes."""
 
 
 class CopyDone:

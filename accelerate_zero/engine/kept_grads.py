@@ -115,7 +115,7 @@ class ReducedInPlace:
 # reduction) and released when the engine zeroes the gradients after its step. `contiguous_gradients` (DeepSpeed's
 # default) keeps its meaning, one buffer for the buckets instead of one per bucket (fewer allocations, no
 # fragmentation): a `GradArena`, allocated when its first bucket takes a slot and freed when its last one gives the
-# slot back. Measured in bench/user_load.py (stage 3) and bench/phase_peaks.py (stages 0-2).
+# slot back. Measured in bench/user_load.py (stages 0-3).
 class GradArena:
     """One flat buffer that several buckets' gradients are cut from (`contiguous_gradients`), allocated while at
     least one of them holds its slot."""

@@ -31,7 +31,7 @@ from accelerate_zero.optim.bitsandbytes import carry_overrides
 
 
 OPTIMIZER_STEP = "ZeRO::optimizer_step"
-"""Profiler range around the optimizer step (under offload: the host step lane of bench/gpu_timeline.py)."""
+"""Profiler range around the optimizer step (under offload: the host step lane of bench/gpu_compare_worker.py)."""
 
 
 @dataclass(frozen=True)

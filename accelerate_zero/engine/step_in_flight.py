@@ -134,7 +134,7 @@ class StepInFlight:
         profile_range: str,
     ) -> None:
         """`threads`: entered by the worker (offload/host_threads.py); `profile_range`: the profiler range its step
-        runs in (the host step lane of bench/gpu_timeline.py)."""
+        runs in (the host step lane of bench/gpu_compare_worker.py)."""
         self.runner, self.slices, self.device, self.profile_range = runner, slices, device, profile_range
         self.threads = threads if threads is not None else nullcontext()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from accelerate_zero.engine.stores import SliceStepper
 
 FILE_READ, FILE_WRITE = "ZeRO::file_read", "ZeRO::file_write"
-"""Profiler ranges around every swap-file read and write (the file I/O lane of bench/gpu_timeline.py)."""
+"""Profiler ranges around every swap-file read and write (the file I/O lane of bench/gpu_compare_worker.py)."""
 
 # exp_avg and exp_avg_sq for Adam-like optimizers: the most any torch optimizer keeps per element.
 _STATES_PER_ELEMENT = 2

@@ -1,8 +1,5 @@
-"""Which accelerate_zero the ranks import: this checkout's working tree, or a `git archive` of a commit.
-
-`code_tree(code, folder)` gives the folder to put first on the ranks' PYTHONPATH (`launch.on_ranks(...,
-env={"PYTHONPATH": str(tree)})`): a before/after comparison of two commits with the same benchmark code, or the
-committed code while others edit the tree. No git state changes.
+"""Which accelerate_zero the ranks import: this checkout's working tree, or a `git archive` of a commit (an A/B of two
+commits with the same benchmark code; no git state changes).
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Runs a function on W fresh ranks (one `torchrun --standalone` group per call, a lone process at W = 1) and brings
-back what each returned.
-
-`on_ranks(2, steps.train, {"system": "az3", "steps": 20})` starts 2 processes under torch.distributed.run, each
-running harness/rank.py: it joins a gloo process group, calls `steps.train(system="az3", steps=20)` and writes
-the JSON-able result; the launcher reads every rank's, with the seconds the group took and the 1-minute load
-average before and after. The function must be defined at the top level of a module under bench/ (a question
-run as a script is imported by its file name, so its `if __name__ == "__main__"` block does not run on the ranks).
-
-Every rank starts with `RANK_ENV` (one thread, freed buffers returned to the OS at once: [Note: how the benchmark
-measures] in harness/readings.py). DeepSpeed runs from its own virtualenv (`deepspeed_python()`): it is compared,
-never imported into this project's environment, and that rank's environment drops PYTHONPATH and VIRTUAL_ENV.
+back what each returned, with the seconds and the load average before and after. Every rank starts with `RANK_ENV`;
+DeepSpeed runs from its own virtualenv (`deepspeed_python`), never imported into this project's environment.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The workloads questions share: the Linear stack every peer trains, its data and the ZeRO config it runs under.
-
-`llama_config` / `llama` build the LlamaForCausalLM most other questions train, from a config (no download).
-The stack's size is 16 x Linear(1024, 1024) unless the launcher sets `SIZE_ENV`'s variables (bench/report runs a
-smaller stack to fit its time budget); every rank reads them, DeepSpeed's included. `AZ_BENCH_BATCH`: the rows
-of each micro-batch (default 8: activations are negligible beside the weights; at 1024 each saved activation is
-4 MB, and the peak under gradient accumulation shows what lives across micro-steps).
+"""The workloads questions share: the Linear stack every peer trains (16 x Linear(1024), or `SIZE_ENV`'s sizes, read
+by every rank), its data and ZeRO config, the offload modes, and the LlamaForCausalLM most other questions build.
 """
 
 from __future__ import annotations
@@ -37,12 +32,8 @@ def build_model(hidden: int = HIDDEN, layers: int = LAYERS) -> nn.Sequential:
     The default, 16 x Linear(1024, 1024), has 16.8M fp32 parameters.
     """
     torch.manual_seed(MODEL_SEED)
-    modules: list[nn.Module] = []
-    for index in range(layers):
-        modules.append(nn.Linear(hidden, hidden))
-        if index < layers - 1:
-            modules.append(nn.ReLU())
-    return nn.Sequential(*modules)
+    modules = [module for _ in range(layers) for module in (nn.Linear(hidden, hidden), nn.ReLU())]
+    return nn.Sequential(*modules[:-1])
 
 
 def make_batch(rank: int, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,15 +47,25 @@ def engine_config(stage: int, reduce_bucket_size: int | None = None, grad_accum:
     zero: dict[str, Any] = {"stage": stage, **(STAGE3_KEYS if stage == 3 else {})}
     if reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = reduce_bucket_size
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "zero_optimization": zero,
-        "gradient_clipping": 0.0,
-        "zero_allow_untested_optimizer": True,
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "zero_optimization": zero,
+                              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}  # fmt: skip
+    return config if grad_accum == 1 else dict(config, gradient_accumulation_steps=grad_accum)
+
+
+def offload_zero(mode: str, nvme_dir: str | None = None) -> dict[str, Any]:
+    """The `zero_optimization` offload blocks of `mode`: none; cpu (the optimizer state); cpu+param; nvme_optimizer
+    (the optimizer state in files); nvme (optimizer and parameters in files, none kept in host memory)."""
+    nvme = {"device": "nvme", "nvme_path": nvme_dir}
+    blocks = {
+        "none": {},
+        "cpu": {"offload_optimizer": {"device": "cpu"}},
+        "cpu+param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        "nvme_optimizer": {"offload_optimizer": nvme},
+        "nvme": {"offload_optimizer": nvme, "offload_param": {**nvme, "max_in_cpu": 0}},
     }
-    if grad_accum != 1:
-        config["gradient_accumulation_steps"] = grad_accum
-    return config
+    if mode not in blocks:
+        raise ValueError(f"offload mode {mode!r}: one of {', '.join(blocks)}")
+    return blocks[mode]
 
 
 def llama_config(

@@ -1,24 +1,7 @@
-"""The systems we compare with, each wrapping the same model the way its users do, with its own byte counter.
-
-| name | system |
-| --- | --- |
-| `ddp` | `DistributedDataParallel` (defaults) + `torch.optim.AdamW`: the reference of step-time ratios |
-| `ddp_bucket_view` | the same with `gradient_as_bucket_view=True` (no second copy of the gradients) |
-| `ddp_zero_r` | DDP + `ZeroRedundancyOptimizer(optimizer_class=AdamW)` |
-| `fsdp2` | `fully_shard` on every module of `shard_types` (default: each `nn.Linear`), then on the root |
-| `az0` .. `az3` | `accelerate_zero.initialize(model, AdamW, config=...)` at that stage |
-| `ds1` .. `ds3` | `deepspeed.initialize`, the same config plus its comms logger, where `deepspeed` imports (1) |
-
-(1) On the CPU: DeepSpeed's own virtualenv, `launch.on_ranks(..., python=launch.deepspeed_python())`.
-
-Libraries are imported by `preload` (call it before the baseline reading, so that every peer's baseline holds the
-same modules) or lazily by `build`; this module itself imports only the standard library, so the pure-Python
-report code can read `PEERS` without torch.
-
-How each accumulates (what its users do): DDP and ZeRO-R run the non-boundary micro-steps under `no_sync()`
-(local accumulation, one all-reduce on the boundary); FSDP2 runs its default path (a reduce-scatter every
-micro-step into the sharded `.grad`); accelerate_zero and DeepSpeed are given `gradient_accumulation_steps` and
-call `engine.backward` / `engine.step` every micro-step.
+"""The systems we compare with, each wrapping the same model the way its users do, with its own byte counter
+(bench/README.md, "engine_bench.py", lists them). This module imports only the standard library: the pure-Python
+report code reads `PEERS` without torch. How each accumulates: DDP and ZeRO-R under `no_sync()` until the boundary,
+FSDP2 its default path (a reduce-scatter every micro-step), the engines given `gradient_accumulation_steps`.
 """
 
 from __future__ import annotations

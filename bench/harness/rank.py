@@ -1,10 +1,7 @@
-"""One rank of a group started by harness/launch.py: joins the process group, runs the function, writes its result.
-
-Never run by hand: `launch.on_ranks` builds the command line. The result goes to `<out>.rank<RANK>.json`, a
-failure's traceback to `<out>.rank<RANK>.error`. After
-writing it the rank leaves without interpreter teardown: tearing down a DDP module there can deadlock inside torch
-(seen once in ~30 runs: the main thread, holding the GIL, frees DDP's reducer and joins gloo's threads while one
-of them waits for the GIL to release a finished collective's tensor), which would hang the run after its readings.
+"""One rank of a group started by harness/launch.py (never run by hand): joins the process group, runs the function,
+writes its result to `<out>.rank<RANK>.json` (a failure's traceback to `<out>.rank<RANK>.error`), then leaves without
+interpreter teardown: tearing down a DDP module there can deadlock inside torch (seen once in ~30 runs: the main
+thread, holding the GIL, joins gloo's threads while one of them waits for the GIL), which would hang the run.
 """
 
 from __future__ import annotations

@@ -3,28 +3,7 @@
 Only torch and the standard library are imported here: a rank running in DeepSpeed's own virtualenv (where
 accelerate_zero is not installed) reads itself with the same code as every other peer.
 
-[Note: how the benchmark measures]
-- Resident memory: `VmRSS` from /proc/self/status after `gc.collect()`, minus the same reading taken after the
-  imports and the process group, before the model existed. The launcher sets `MALLOC_MMAP_THRESHOLD_=131072`
-  (harness/launch.py) so that large tensors are mmap-ed and their pages go back to the OS when freed. `RssAnon`
-  (the anonymous part, same difference) is kept too: RSS also counts file-backed pages of the shared libraries,
-  which the kernel can drop under memory pressure from other processes (seen once: -70 MB of VmRSS in one run).
-  The peak (`VmHWM`, reset at the baseline through /proc/self/clear_refs) minus the same baseline shows transient
-  buffers; `PeakSampler` polls RssAnon and RssFile apart where VmHWM cannot tell them.
-- Live tensor bytes: every torch.Tensor the garbage collector can see, each storage once (tensors held only by
-  C++, such as DDP's gradient buckets, are not seen).
-- Bytes per step: each system's own count (engine `comm_stats()`, a DDP comm hook, wrapped torch.distributed
-  calls, DeepSpeed's comms logger) with one convention, the ring volume (`ring_factor`). Independently,
-  `wchar` from /proc/self/io: gloo's TCP transport sends with writev(2), so `wchar` counts the bytes this
-  process really put on the wire, whatever the algorithm.
-- Step time (harness/steps.py): `dist.barrier()` then the full step timed on every rank; the step's time is the
-  slowest rank's, the reported figure the median over the timed steps. The CPU time of the process (all its
-  threads) over the same step is kept too: it moves less than wall time when other users load the machine,
-  though it still counts time spent waiting in a spinning thread. Minor page faults per step (getrusage) count
-  the pages touched for the first time: a buffer freed and allocated again every step (with the mmap threshold
-  above) shows up as about one fault per 4 KiB of it.
-- The machine's load: the 1-minute load average before and after every launch (harness/launch.py) and in every
-  report's header (harness/report.py): a ratio read under load is noted as such.
+How each reading is taken: bench/README.md, "How each number is measured".
 """
 
 from __future__ import annotations
@@ -201,3 +180,26 @@ def with_total(by_kind: dict[str, dict[str, float]]) -> dict[str, dict[str, floa
         key: sum(entry[key] for entry in out.values()) for key in ("calls", "payload_bytes", "bytes_per_rank")
     }
     return out
+
+
+def count_gradient_arenas_whole() -> None:
+    """Makes each engine gradient arena resident when it is allocated, as a device's caching allocator counts it.
+
+    [Note: resident pages against allocated bytes] The arena is `torch.empty` (engine/kept_grads.py): on the CPU its
+    pages count in RSS only once written, and the stage-3 backward writes the shard one reduce-scatter at a time,
+    so RSS at the start of backward holds a small part of it. A device allocator counts the whole arena from its
+    allocation, and so does the estimate (accelerate_zero/debug/phases.py). This run-time wrapper of our own class
+    (in the benchmark's rank only) fills it once at allocation so that RSS measures what a device would hold.
+    """
+    from accelerate_zero.engine.kept_grads import GradArena
+
+    take = GradArena.take
+
+    def take_resident(self: GradArena, offset: int, numel: int) -> torch.Tensor:
+        fresh = self._flat is None
+        slot = take(self, offset, numel)
+        if fresh:
+            self._flat.zero_()
+        return slot
+
+    GradArena.take = take_resident

@@ -1,11 +1,10 @@
-"""How every question reports: markdown tables, PASS/FAIL/SKIP checks, the machine and its load, the JSON it saves.
-
-Pure Python (no torch). Every question prints `header()` first (where and when it ran, at what load), then its
-tables and checks, and with `--json PATH` saves `save_json(PATH, payload)` (the payload plus the same facts).
+"""How every question reports (pure Python): markdown tables, PASS/FAIL/SKIP checks, the machine and its load in a
+header, the JSON it saves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -22,7 +21,7 @@ from .summary import MB, Summary
 
 
 REPO = Path(__file__).resolve().parents[2]
-VERSIONED = ("torch", "transformers", "accelerate", "deepspeed", "matplotlib")
+VERSIONED = ("torch", "transformers", "accelerate", "deepspeed")
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -68,18 +67,9 @@ def at_most(name: str, value: float | None, reference: float | None, limit: floa
 
 def comm_kind_table(summaries: list[Summary]) -> str:
     """Per collective kind, as each peer counted it (per step per rank)."""
-    rows = [
-        (
-            PEERS[s.system].label,
-            kind,
-            f"{entry['calls'] / s.steps:g}",
-            f"{entry['payload_bytes'] / s.steps / MB:,.2f}",
-            f"{entry['bytes_per_rank'] / s.steps / MB:,.2f}",
-        )
-        for s in summaries
-        for kind, entry in s.comm_by_kind.items()
-        if kind != "total"
-    ]
+    rows = [(PEERS[s.system].label, kind, f"{entry['calls'] / s.steps:g}",
+             f"{entry['payload_bytes'] / s.steps / MB:,.2f}", f"{entry['bytes_per_rank'] / s.steps / MB:,.2f}")
+            for s in summaries for kind, entry in s.comm_by_kind.items() if kind != "total"]  # fmt: skip
     columns = ("system", "kind", "calls per step", "payload per step (MB)", "bytes per step per rank (MB)")
     return table(columns, rows, "llrrr")
 
@@ -91,40 +81,30 @@ def machine_facts() -> dict[str, Any]:
     mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
     versions = {}
     for package in VERSIONED:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    git = ["git", "-C", str(REPO)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "accelerate_zero"], capture_output=True, text=True
-    ).stdout.splitlines()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_gib": mem_kib / 2**20,
-        "python": platform.python_version(),
-        "versions": versions,
-        "commit": head,
-        "uncommitted_engine_files": [line[3:] for line in dirty],
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "loadavg": list(os.getloadavg()),
-    }
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout
+
+    dirty = git("status", "--porcelain", "--", "accelerate_zero").splitlines()
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": mem_kib / 2**20, "python": platform.python_version(),
+            "versions": versions, "commit": git("rev-parse", "--short", "HEAD").strip(),
+            "uncommitted_engine_files": [line[3:] for line in dirty],
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "loadavg": list(os.getloadavg())}  # fmt: skip
 
 
 def header(facts: dict[str, Any], title: str) -> str:
-    """Two lines: what ran, and where, when and at what load (compare ratios within one run)."""
+    """Two lines: what ran, and where, when (the code, the versions) and at what load (compare ratios within one
+    run)."""
     load = ", ".join(f"{value:.1f}" for value in facts["loadavg"])
-    dirty = (
-        f" + {len(facts['uncommitted_engine_files'])} changed engine file(s)"
-        if facts["uncommitted_engine_files"]
-        else ""
-    )
-    return (
-        f"{title}\n{facts['date']}, commit {facts['commit']}{dirty}, {facts['cpu']}, {facts['cores']} cores, "
-        f"{facts['ram_gib']:.0f} GiB; load average (1, 5, 15 min) {load} at the start"
-    )
+    changed = len(facts["uncommitted_engine_files"])
+    versions = ", ".join(f"{name} {version}" for name, version in facts["versions"].items())
+    dirty = f" + {changed} changed engine file(s)" if changed else ""
+    return (f"{title}\n{facts['date']}, commit {facts['commit']}{dirty}, {facts['cpu']}, {facts['cores']} cores, "
+            f"{facts['ram_gib']:.0f} GiB, Python {facts['python']}, {versions}; load average (1, 5, 15 min) {load} "
+            "at the start")  # fmt: skip
 
 
 def save_json(path: Path, payload: dict[str, Any], facts: dict[str, Any]) -> None:

@@ -1,8 +1,6 @@
-"""Every rank's `Measurement` of a training run, combined into one `Summary` per peer.
-
-Pure Python (no torch): every number here is computed from the JSON the ranks wrote. MB means 10**6 bytes.
-Memory is the max over ranks, time the median over steps of the slowest rank; with several rounds, memory, bytes
-and loss come from the first round (they repeat exactly) and the step times pool every round.
+"""Every rank's `Measurement` of a training run, combined into one `Summary` per peer (pure Python). MB = 10**6
+bytes. Memory is the max over ranks, time the median over steps of the slowest rank; with several rounds, memory,
+bytes and loss come from the first round (they repeat exactly) and the step times pool every round.
 """
 
 from __future__ import annotations
@@ -16,6 +14,8 @@ from .peers import PEERS
 
 MB = 1e6
 BYTES_FP32 = 4
+STAGE3_SYSTEMS = ("az3", "fsdp2", "ds3")
+"""Peers that gather the parameters in forward and in backward: 3Ψ(W−1)/W moved per step, not 2Ψ(W−1)/W."""
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Summary:
     comm_mb_per_step: float
     wire_mb_per_step: float
     comm_formula_mb: float
+    """2Ψ(W−1)/W·4 bytes, 3Ψ(W−1)/W·4 for `STAGE3_SYSTEMS`."""
     step_ms: float
     step_ms_p25_p75: tuple[float, float]
     step_ms_by_round: list[float]
@@ -95,7 +96,7 @@ def summarize(system: str, rounds: list[list[dict[str, Any]]]) -> Summary:
         memory_formula_mb=memory_formula_bytes(system, params, world_size) / MB,
         comm_mb_per_step=max(r["comm"]["total"]["bytes_per_rank"] for r in ranks) / steps / MB,
         wire_mb_per_step=max(sum(r["wire_bytes_per_step"]) for r in ranks) / steps / MB,
-        comm_formula_mb=comm_formula_bytes(params, world_size) / MB,
+        comm_formula_mb=comm_formula_bytes(params, world_size, 3 if system in STAGE3_SYSTEMS else 2) / MB,
         step_ms=1000 * statistics.median(slowest),
         step_ms_p25_p75=(1000 * quartiles[0], 1000 * quartiles[2]),
         step_ms_by_round=[1000 * statistics.median(round_slowest) for round_slowest in slowest_by_round],

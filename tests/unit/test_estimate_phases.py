@@ -14,13 +14,13 @@ import pytest
 from tests.unit.test_estimate import LLAMA_13B, estimate_json, write_config
 
 
-# bench/user_load.py and bench/phase_peaks.py, 2026-11-26: anonymous peak per rank above the baseline, MB (1e6 B).
+# bench/user_load.py (phase_peaks.py folded in), 2026-11-26: anonymous peak per rank above the baseline, MB (1e6 B).
 MEASURED_MB = {
     0: {"init": 270.0, "forward": 860.2, "backward": 1149.1, "optimizer_step": 1081.8, "between_steps": 814.4},
     1: {"init": 270.0, "forward": 458.6, "backward": 790.8, "optimizer_step": 714.1, "between_steps": 413.1},
     2: {"init": 270.0, "forward": 459.2, "backward": 798.0, "optimizer_step": 480.4, "between_steps": 413.5},
     # the stage-3 backward with `--arena_whole`: the gradient arena counted from its allocation, as on a device
-    # ([Note: resident pages against allocated bytes] in bench/user_load.py); 584.5 by RSS alone
+    # ([Note: resident pages against allocated bytes] in bench/harness/readings.py); 584.5 by RSS alone
     3: {"init": 69.6, "forward": 526.4, "backward": 617.0, "optimizer_step": 281.5, "between_steps": 214.7},
 }
 BENCH_LLAMA = {**LLAMA_13B, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 10}

@@ -1,5 +1,6 @@
 """bench/gpu_compare.py, the side-by-side offload benchmark a lent GPU runs (issue 40): its dry run on the CPU, so
-that the GPU session does not die on a typo, and the timeline's lanes from a GPU-shaped trace."""
+that the GPU session does not die on a typo, the estimator's largest model per mode, and the timeline's lanes from a
+GPU-shaped trace."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import gpu_compare  # noqa: E402
-import gpu_timeline  # noqa: E402
+import gpu_compare_worker  # noqa: E402
 
 
 def _event(name: str, cat: str, ts: float, dur: float) -> dict:
@@ -39,7 +40,7 @@ def test_lanes_from_a_gpu_trace() -> None:
             _event("aten::mm", "cpu_op", 1000, 900),  # not a lane
         ]
     }
-    timeline = gpu_timeline.lanes_from_trace(trace)
+    timeline = gpu_compare_worker.lanes_from_trace(trace)
     assert timeline["gpu"] and timeline["step_ms"] == 1.0
     assert timeline["lanes"] == {
         "compute": [[0.0, 0.4]],
@@ -49,9 +50,9 @@ def test_lanes_from_a_gpu_trace() -> None:
         "file I/O": [[0.6, 0.65]],
     }
     assert timeline["busy"]["compute"] == 0.4 and timeline["busy"]["host-to-device"] == 0.1
-    ElementTree.fromstring(gpu_timeline.svg(timeline, "a <title> & more"))  # well-formed SVG
+    ElementTree.fromstring(gpu_compare_worker.svg(timeline, "a <title> & more"))  # well-formed SVG
     with pytest.raises(ValueError, match="bench::step"):
-        gpu_timeline.lanes_from_trace({"traceEvents": [_event("gemm", "kernel", 0, 1)]})
+        gpu_compare_worker.lanes_from_trace({"traceEvents": [_event("gemm", "kernel", 0, 1)]})
 
 
 def test_dry_run_on_the_cpu(tmp_path: Path) -> None:
@@ -84,8 +85,20 @@ def test_dry_run_on_the_cpu(tmp_path: Path) -> None:
     for stem in ("timeline_ours_cpu_param", "timeline_ours_nvme"):
         ElementTree.parse(out / f"{stem}.svg")
     assert "fsdp2" not in " ".join(p.name for p in out.glob("timeline_*"))
+    for row in (ours, rows["ours", "nvme"]):  # the estimate beside the device peak (none on a CPU)
+        assert row["estimate_gib"] > 0 and row["phase_peak_gib"] == {} and row["device_peak_gib"] is None
+    assert "estimate_gib" not in fsdp2
     text = (out / "table.md").read_text()
     assert "| ours | nvme |" in text and "skipped: FSDP2" in text
+
+
+def test_largest_prints_the_estimator_s_largest_model_per_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """Offload fits more layers in the same GPU (then the RAM binds); NVMe is bound by the disk."""
+    argv = ["--largest", "--hidden", "256", "--batch", "2", "--seq", "64", "--vocab", "1024", "--gpu_gib", "0.15"]
+    assert gpu_compare.main([*argv, "--cpu_gib", "0.4", "--disk_gb", "0.1"]) == 0
+    layers = {line.split(":")[0]: int(line.split()[1]) for line in capsys.readouterr().out.splitlines()}
+    assert set(layers) == {"none", "cpu", "cpu+param", "nvme"}
+    assert layers["none"] < layers["cpu"] <= layers["cpu+param"] and layers["nvme"] < layers["cpu"]
 
 
 def test_predictions_come_from_our_no_offload_step_and_the_measured_figures() -> None:
