@@ -4,7 +4,7 @@ The configs below are copied verbatim from the project's seed notes (open-r1's `
 and `zero3.yaml`, and the tutorial's `zero2_config.yaml`/`zero3_config.yaml` with `mixed_precision: bf16`). The
 script (tests/integration/scripts/accelerate_loop.py) feeds float32 batches from a DataLoader to an `nn.Sequential`
 whose weights the engine keeps in 16-bit: the prepared model must cast its inputs (issue 13, part 3) and the loss
-must fall. Launch-line flags fill what a config leaves to the machine (`--num_processes 2` on this 2-core runner,
+must fall. Each launch is planned by the launcher and run on the pooled ranks (tests/integration/planned_launch.py). Launch-line flags fill what a config leaves to the machine (`--num_processes 2` on this 2-core runner,
 the precision of the configs that set none); the files themselves are not edited.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from accelerate_zero.cli.main import main
 from accelerate_zero.config import ZeroConfig
 from accelerate_zero.engine.setup import cast_forward_inputs, forward_input_dtype
 from tests.helpers.dist import scaled_seconds
+from tests.integration.planned_launch import planned_environment, run_as_planned
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,24 +113,33 @@ def _launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
 
 
-@pytest.mark.parametrize(
-    ("config", "flags", "stage", "accumulation", "dtype"),
-    [
-        pytest.param(RECIPE_ZERO2, ["--mixed_precision", "fp16"], 2, 4, "torch.float16", id="recipe-zero2-fp16"),
-        pytest.param(RECIPE_ZERO3, ["--mixed_precision", "bf16"], 3, 1, "torch.bfloat16", id="recipe-zero3-bf16"),
-        pytest.param(TUTORIAL_ZERO2, [], 2, 4, "torch.bfloat16", id="tutorial-zero2-bf16"),
-        pytest.param(TUTORIAL_ZERO3, [], 3, 1, "torch.bfloat16", id="tutorial-zero3-bf16"),
-    ],
-)
-def test_seed_config_trains_a_plain_loop_fed_float32(
-    tmp_path: Path, config: str, flags: list[str], stage: int, accumulation: int, dtype: str
-) -> None:
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(config)
-    out = tmp_path / "out"
-    command = ["launch", "--main_process_port", "0", "--config_file", str(config_file), "--num_processes", "2"]
-    assert main([*command, *flags, str(SCRIPT), "--out", str(out)]) == 0
-    runs = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+SEEDS = {
+    "recipe-zero2-fp16": (RECIPE_ZERO2, ["--mixed_precision", "fp16"], 2, 4, "torch.float16"),
+    "recipe-zero3-bf16": (RECIPE_ZERO3, ["--mixed_precision", "bf16"], 3, 1, "torch.bfloat16"),
+    "tutorial-zero2-bf16": (TUTORIAL_ZERO2, [], 2, 4, "torch.bfloat16"),
+    "tutorial-zero3-bf16": (TUTORIAL_ZERO3, [], 3, 1, "torch.bfloat16"),
+}
+
+
+@pytest.fixture(scope="module")
+def seed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each seed config's launch, planned by `accelerate-zero launch` and run on the pooled ranks
+    (tests/integration/planned_launch.py)."""
+    folders, runs = {}, []
+    for name, (config, flags, *_) in SEEDS.items():
+        folder = tmp_path_factory.mktemp(name)
+        (folder / "config.yaml").write_text(config)
+        launch = ["--config_file", str(folder / "config.yaml"), "--num_processes", "2", *flags]
+        runs.append((planned_environment(launch, SCRIPT), ["--out", str(folder / "out")]))
+        folders[name] = folder / "out"
+    run_as_planned(SCRIPT, runs)
+    return folders
+
+
+@pytest.mark.parametrize("name", list(SEEDS))
+def test_seed_config_trains_a_plain_loop_fed_float32(seed_runs: dict[str, Path], name: str) -> None:
+    _, _, stage, accumulation, dtype = SEEDS[name]
+    runs = [json.loads((seed_runs[name] / f"rank{rank}.json").read_text()) for rank in range(2)]
     for run in runs:
         assert (run["stage"], run["world_size"], run["gradient_accumulation_steps"]) == (stage, 2, accumulation)
         assert (run["input_dtype"], run["param_dtype"], run["output_dtype"]) == ("torch.float32", dtype, dtype)

@@ -150,10 +150,9 @@ distributed_type: DEEPSPEED
 num_processes: 8
 mixed_precision: bf16
 """
-TAKEOVER_RUNS = {  # script flags; the Trainer's arguments must agree with the accelerate config, as under DeepSpeed
-    "loop": [],
-    "trainer": ["--trainer", "--bf16", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"],
-}
+TAKEOVER_RUNS = ("loop", "trainer")
+TRAINER_FLAGS = ["--bf16", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"]
+"""The Trainer's arguments must agree with the accelerate config, as under DeepSpeed."""
 
 
 def _accelerate_launch() -> list[str]:
@@ -162,21 +161,29 @@ def _accelerate_launch() -> list[str]:
     return [str(script), "launch"] if script.exists() else [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-@pytest.mark.parametrize("run", TAKEOVER_RUNS)
-def test_literal_accelerate_launch_with_deepspeed_installed(tmp_path: Path, run: str) -> None:
-    """`accelerate launch` itself, deepspeed installed (the `test` extra installs it, ops off): a ZeroAccelerator loop
-    and the Trainer train with our engine at the settings accelerate exported, and no rank imports deepspeed."""
+@pytest.fixture(scope="module")
+def takeover(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `accelerate launch` whose ranks run the loop, then the Trainer (the script's `--then_trainer`)."""
     assert HAS_DEEPSPEED, (
         "deepspeed is not installed, and `accelerate launch` refuses a DEEPSPEED config without it: install the "
         "test extra (`DS_BUILD_OPS=0 pip install -e '.[test]'`; scripts/install.sh does)"
     )
-    config = tmp_path / "zero3.yaml"
+    out = tmp_path_factory.mktemp("takeover")
+    config = out / "zero3.yaml"
     config.write_text(TAKEOVER_CONFIG)
     command = [*_accelerate_launch(), "--config_file", str(config), "--num_processes", "2", "--main_process_port", "0"]
-    command += [str(SCRIPTS / "accelerate_launch_takeover.py"), "--out", str(tmp_path), *TAKEOVER_RUNS[run]]
+    command += [str(SCRIPTS / "accelerate_launch_takeover.py"), "--out", str(out), "--then_trainer", *TRAINER_FLAGS]
     done = subprocess.run(command, env=_launch_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "training with accelerate_zero's ZeRO engine (stage 3); deepspeed is not used" in done.stderr
+    return out
+
+
+@pytest.mark.parametrize("run", TAKEOVER_RUNS)
+def test_literal_accelerate_launch_with_deepspeed_installed(takeover: Path, run: str) -> None:
+    """`accelerate launch` itself, deepspeed installed (the `test` extra installs it, ops off): a ZeroAccelerator loop
+    and the Trainer train with our engine at the settings accelerate exported, and no rank imports deepspeed."""
+    tmp_path = takeover
     for rank in range(2):
         ran = json.loads((tmp_path / f"{run}_rank{rank}.json").read_text())
         assert ran["deepspeed_modules"] == [], f"rank {rank} imported deepspeed: {ran['deepspeed_modules']}"

@@ -8,7 +8,9 @@ Usage (what tests/integration/test_migration.py runs):
 
 Without `--trainer` it runs accelerate's documented loop with `ZeroAccelerator()` (nothing ZeRO-specific in the
 script: every setting comes from the launch); with it, accelerate_zero's `Trainer` (whose arguments must agree with
-the accelerate config, as under DeepSpeed). Each rank writes OUT_DIR/<loop|trainer>_rank<R>.json at the very end.
+the accelerate config, as under DeepSpeed); with `--then_trainer`, the loop and then the Trainer in the same
+processes (accelerate's process-wide state reset between them: one launch, and one import of torch per rank, for
+both). Each rank writes OUT_DIR/<loop|trainer>_rank<R>.json at the end of each.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trainer", action="store_true", help="train with the Trainer instead of a plain loop")
+    parser.add_argument("--then_trainer", action="store_true", help="the plain loop, then the Trainer")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
@@ -36,7 +39,20 @@ def main() -> None:
     torch.set_num_threads(1)
     exported = ("ACCELERATE_DEEPSPEED_", "ACCELERATE_GRADIENT_", "ACCELERATE_MIXED_PRECISION")
     launched = {name: value for name, value in os.environ.items() if name.startswith(exported)}
-    engine, accelerator, losses = _train_with_trainer(args) if args.trainer else _train_in_a_loop()
+    if args.then_trainer:
+        from accelerate.state import AcceleratorState, GradientState
+
+        _report(args.out, "loop", launched, *_train_in_a_loop())
+        AcceleratorState._reset_state()  # the Trainer's accelerator reads the launch's settings again
+        GradientState._reset_state()
+        _report(args.out, "trainer", launched, *_train_with_trainer(args))
+    elif args.trainer:
+        _report(args.out, "trainer", launched, *_train_with_trainer(args))
+    else:
+        _report(args.out, "loop", launched, *_train_in_a_loop())
+
+
+def _report(out: Path, name: str, launched: dict[str, str], engine: Any, accelerator: Any, losses: list) -> None:
     config = engine.config
     result: dict[str, Any] = {
         "launched_with": launched,  # what accelerate's DeepSpeed launcher exported to this rank
@@ -60,9 +76,8 @@ def main() -> None:
         "losses_finite": bool(losses) and all(math.isfinite(loss) for loss in losses),
         "deepspeed_modules": _deepspeed_modules(),  # last: nothing after this may import anything
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = "trainer" if args.trainer else "loop"
-    (args.out / f"{name}_rank{accelerator.process_index}.json").write_text(json.dumps(result))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}_rank{accelerator.process_index}.json").write_text(json.dumps(result))
 
 
 def _deepspeed_modules() -> list[str]:
