@@ -153,9 +153,9 @@ def held_expert_share(engine: Any) -> float:
     """The share of the model's expert elements this rank keeps between steps: its 1/ep whole, or at stage 3 with
     ep < W the shards of the experts' units cut over their peers ([Note: experts below 1/ep at stage 3] in
     engine/experts/gather_units.py), 1/W."""
-    layers = engine.experts.layers
-    split = {id(p) for layer in layers for p in layer.params()}
+    split = {id(p): p for layer in engine.experts.layers for p in layer.params()}
     whole = sum(math.prod(shape) for shape in engine.experts.shapes.values()) * engine.layout.expert.world_size
-    in_units = sum(f.plan.shard_numel for u in engine.units for f in u.flats if all(id(p) in split for p in f.params))
-    kept = sum(p.numel() for layer in layers for p in layer.params())  # 0 for a placeholder
-    return (in_units + kept) / whole
+    flats = [f for u in engine.units for f in u.flats if all(id(p) in split for p in f.params)]
+    in_units = {id(p) for f in flats for p in f.params}
+    kept = sum(p.numel() for key, p in split.items() if key not in in_units)  # held whole (else gathered, maybe)
+    return (sum(f.plan.shard_numel for f in flats) + kept) / whole
