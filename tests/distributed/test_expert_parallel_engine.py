@@ -32,10 +32,10 @@ OFFLOADED = [("qwen3_moe", 2, 3), ("mixtral", 4, 2)]
 """Cases also run with `offload_optimizer: cpu` (the experts' masters and states in host memory too)."""
 
 
-def _batches() -> torch.Tensor:
+def _batches(world: int = WORLD_SIZE) -> torch.Tensor:
     """[steps, accumulation, world, micro, length] token ids."""
     generator = torch.Generator().manual_seed(5)
-    return torch.randint(0, 64, (STEPS, ACCUM, WORLD_SIZE, MICRO, LENGTH), generator=generator)
+    return torch.randint(0, 64, (STEPS, ACCUM, world, MICRO, LENGTH), generator=generator)
 
 
 def _built(kind: str) -> torch.nn.Module:
@@ -45,11 +45,11 @@ def _built(kind: str) -> torch.nn.Module:
     return model
 
 
-def _reference(kind: str) -> dict[str, Any]:
+def _reference(kind: str, world: int = WORLD_SIZE) -> dict[str, Any]:
     model = _built(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
     losses, norms = [], []
-    for step in _batches():
+    for step in _batches(world):
         total = 0.0
         for micro in step:
             tokens = micro.reshape(-1, LENGTH)
@@ -64,7 +64,7 @@ def _reference(kind: str) -> dict[str, Any]:
 
 
 def _engine_run(
-    kind: str, ep: int, stage: int, rank: int, bf16: bool = False, offload: bool = False
+    kind: str, ep: int, stage: int, rank: int, bf16: bool = False, offload: bool = False, world: int = WORLD_SIZE
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -87,7 +87,7 @@ def _engine_run(
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": model.config.model_type}
     engine = accelerate_zero.initialize(model, optimizer, config=config)
     losses, norms = [], []
-    for step in _batches():
+    for step in _batches(world):
         total = torch.zeros(())
         for micro in step:
             tokens = micro[rank]
@@ -96,7 +96,7 @@ def _engine_run(
             engine.step()
             total += loss.detach().float() / ACCUM
         dist.all_reduce(total)
-        losses.append(total.item() / WORLD_SIZE)
+        losses.append(total.item() / world)
         norms.append(engine.get_global_grad_norm())
     params = {n: t.detach().float().clone() for n, t in engine.full_state_dict().items()} if stage == 3 else None
     streamed = {n: t.float() for n, t in engine.named_full_parameters(max_bytes=1)}  # one unit at a time
@@ -157,6 +157,35 @@ def _all(rank: int, world_size: int) -> dict[Any, Any]:
         "fp32_gap": max(abs(a - b) for a, b in zip(without["losses"], references["qwen3_moe"]["losses"], strict=True)),
     }
     return out
+
+
+def _odd_world(rank: int, world_size: int) -> dict[Any, Any]:
+    """3 ranks, ep 3 (six experts, two per rank; the dense shards padded to 3): stages 2 and 3 as above."""
+    reference = _reference("qwen3_moe_six", world_size)
+    out = {}
+    for stage in (2, 3):
+        got = _engine_run("qwen3_moe_six", 3, stage, rank, world=world_size)
+        out[stage] = {
+            "loss": max(abs(a - b) for a, b in zip(got["losses"], reference["losses"], strict=True)),
+            "norm": max(abs(a - b) for a, b in zip(got["norms"], reference["norms"], strict=True)),
+            "worst": max(_errors(got, reference).items(), key=lambda item: item[1]),
+            "held": got["held"],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def odd_world() -> list[dict[Any, Any]]:
+    from tests.helpers.dist import run_distributed
+
+    return run_distributed(_odd_world, 3)
+
+
+def test_expert_parallel_on_an_odd_world_equals_one_process(odd_world: list[dict[Any, Any]]) -> None:
+    for results in odd_world:
+        for stage, got in results.items():
+            assert got["loss"] < 1e-5 and got["norm"] < 1e-5 and got["worst"][1] < 1e-5, (stage, got)
+            assert got["held"] == pytest.approx(1 / 3), (stage, got)  # ep = W: each rank alone holds its two
 
 
 def _model_after_init(kind: str) -> dict[str, torch.Tensor]:
