@@ -372,8 +372,19 @@ def _refusals(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "meta_shape": list(meta),
         "generated": torch.equal(generated, expected) and generated.shape[1] == LENGTH + 2 + rank,
         "preset": error_of(lambda: initialized(_built("qwen3_moe"), preset_model="mixtral")),
+        "modifier": error_of(lambda: _write_experts_from_rank_0(initialized(_built("qwen3_moe")))),
         "dense": error_of(lambda: initialized(checks.tiny_llama())),
     }
+
+
+def _write_experts_from_rank_0(engine: Any) -> None:
+    import accelerate_zero
+
+    try:
+        with accelerate_zero.GatheredParameters(engine.module.model.layers[0].mlp.experts.down_proj, modifier_rank=0):
+            pass
+    finally:
+        engine.destroy()
 
 
 @pytest.fixture(scope="module")
@@ -388,6 +399,7 @@ def test_what_expert_parallelism_cannot_do_is_refused_by_name_and_generate_keeps
 ) -> None:
     for errors in refused:
         assert "preset_model='mixtral' but the model is a 'qwen3_moe'" in errors["preset"], errors
+        assert "modifier_rank=...) on model.layers.0.mlp.experts.down_proj" in errors["modifier"], errors
         assert "no fused experts module" in errors["dense"], errors
         assert errors["generated"] is True and errors["peft_generated"] is True, errors
         assert errors["meta_shape"] == [4, 48, 32], errors  # the whole layer's experts, as the main rank's state dict
