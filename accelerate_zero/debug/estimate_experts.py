@@ -295,8 +295,9 @@ def notes(model: ExpertShapes | None, setup: TrainingSetup | None = None, tokens
 #   reduce-scatters its gradient: X (c + g) (W - 1) / W;
 # - expert parallelism sends each (token, expert) row to its expert's rank and back, and both again in backward:
 #   4 L T k H c (ep - 1) / ep; over the peers it reduce-scatters the local experts' gradients, X / ep g (P - 1)/P,
-#   and all-gathers the updated experts after the step, X / ep c (P - 1) / P (counted here at accumulation 1: it
-#   runs once per optimizer step, so accumulation divides it).
+#   and all-gathers the local experts, X / ep c (P - 1) / P: after the step at stages 1-2 (accumulation divides it),
+#   in each micro-step's forward at stage 3 ([Note: experts below 1/ep at stage 3]; kept to backward at DeepSpeed's
+#   default reuse distance, as flat stage 3's). Counted here at accumulation 1, where the two are the same.
 # The all-to-alls grow with T and flat stage 3's bytes do not: expert parallelism moves fewer bytes below the token
 # count where the two meet, and more above it (it still gathers no expert: the peak holds no gathered expert). The
 # bench (bench/expert_parallel.py, bench/README.md) measured 42.01 MB against 75.50 (0.556) at ep 2, W 4 and 1,024
@@ -336,7 +337,8 @@ def traffic_note(model: ExpertShapes, setup: TrainingSetup, tokens: int) -> str:
     return (
         f"expert bytes per GPU and micro-step at {tokens} tokens per GPU (--micro_batch x --seq_len): expert "
         f"parallelism {model.ep} moves {ours / 2**20:.1f} MiB (token all-to-alls, the peers' gradient "
-        f"reduce-scatter and after-step gather at accumulation 1), {fewer} than flat stage 3's {flat / 2**20:.1f} MiB (expert gathers and gradient "
-        f"reduce-scatters), {ours / flat:.2f}x; they meet at about {crossover:.0f} tokens per GPU and micro-step "
-        f"(1/ep of flat stage 3's up to about {goal:.0f}): here {choice}."
+        f"reduce-scatter and experts' gather at accumulation 1), {fewer} than flat stage 3's "
+        f"{flat / 2**20:.1f} MiB (expert gathers and gradient reduce-scatters), {ours / flat:.2f}x; they meet at "
+        f"about {crossover:.0f} tokens per GPU and micro-step (1/ep of flat stage 3's up to about {goal:.0f}): "
+        f"here {choice}."
     )

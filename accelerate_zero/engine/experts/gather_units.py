@@ -29,7 +29,7 @@ Persistent experts (small ones) and every expert at ep = W (a single peer: nothi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +141,11 @@ def plan_expert_units(
 
 
 def expert_persistence(
-    model: nn.Module, experts: Sequence[nn.Parameter], threshold: int, budget: int, numel_of: object
+    model: nn.Module,
+    experts: Sequence[nn.Parameter],
+    threshold: int,
+    budget: int,
+    numel_of: Callable[[nn.Parameter], int],
 ) -> list[nn.Parameter]:
     """The split experts stage 3 keeps whole on their rank: `layout_units`' rule (the smallest first, each of at
     most `threshold` elements, in total within `budget`) applied to the experts alone. `numel_of`: a parameter's
