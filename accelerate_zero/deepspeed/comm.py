@@ -136,16 +136,18 @@ def has_coalescing_manager() -> bool:
 
 
 def configure(deepspeed_config: object = None, **kwargs: object) -> None:
-    """DeepSpeed's comms-logger settings: only the default (no logging) is available."""
+    """DeepSpeed's comms-logger settings: only the default (no logging) is available here; the config's
+    `comms_logger` block turns the engine's logger on."""
     if kwargs.get("enabled") or getattr(getattr(deepspeed_config, "comms_config", None), "comms_logger_enabled", 0):
-        raise DeepSpeedUnavailable(
-            "deepspeed.comm.configure(enabled=True): DeepSpeed's comms logger is not available; engine.comm_stats() "
-            "counts the engine's collectives"
-        )
+        raise DeepSpeedUnavailable(f"deepspeed.comm.configure(enabled=True): {_COMMS_LOGGER}")
 
 
 _INTERNALS = "DeepSpeed's comm internals (its backends, timers, logger) are not available: use torch.distributed"
-_COMMS_LOGGER = "DeepSpeed's comms logger is not available; engine.comm_stats() counts the engine's collectives"
+_COMMS_LOGGER = (
+    "DeepSpeed's module-level comms logger is not available: the config's comms_logger block times the engine's "
+    "collectives and prints DeepSpeed's summary every steps_per_print; engine.step_log.comms_log.log_summary() "
+    "prints it at once"
+)
 _CLUSTER_ENV = "cluster environment detection is not available; start with `accelerate-zero deepspeed` or torchrun"
 _HINTS = {
     "log_summary": _COMMS_LOGGER,

@@ -25,6 +25,7 @@ from accelerate_zero.deepspeed.unavailable import DeepSpeedUnavailable, engine_r
 from accelerate_zero.engine import collectives
 from accelerate_zero.engine.checkpoint_state import StepCounters
 from accelerate_zero.engine.engine import ZeroEngine
+from accelerate_zero.monitor.writers import ScriptMonitor, any_enabled
 
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ class DeepSpeedEngine(ZeroEngine):
         self.collate_fn = None
         self.global_samples = 0
         self._step_applied = False
+
+    @property
+    def monitor(self) -> ScriptMonitor:
+        """DeepSpeed's `engine.monitor`: `enabled`, and `write_events([(name, value, step), ...])` to the writers
+        the config's monitor blocks turn on."""
+        return ScriptMonitor(self.step_log.monitors, any_enabled(self.config))
 
     def __getattr__(self, name: str) -> Any:
         # DeepSpeed's engine passes unknown attributes through to the model (`engine.generate`, `engine.config`

@@ -48,8 +48,10 @@ _MODULE_HINTS = {
     "expert_parallel block",
     "sequence": "deepspeed.sequence (DistributedAttention) is not available: set sequence_parallel_size in the config "
     "(Ulysses through accelerate_zero.sequence)",
-    "profiling": "the flops profiler is not available here: use torch.profiler",
-    "monitor": "DeepSpeed's monitors are not available here: log from the script (engine.get_lr(), the loss)",
+    "profiling": "deepspeed.profiling (its FlopsProfiler class) is not available: the config's flops_profiler block "
+    "profiles step `profile_step` (torch.utils.flop_counter)",
+    "monitor": "deepspeed.monitor (its MonitorMaster class) is not available: the config's tensorboard, csv_monitor, "
+    "wandb and comet blocks write the engine's events, and engine.monitor.write_events writes your own",
     "compression": "DeepSpeed Compression is not available",
     "autotuning": "the autotuner is not available: `accelerate-zero estimate` sizes memory for a config",
     "elasticity": "elastic training is not available: checkpoints load at any world size instead",
@@ -66,9 +68,8 @@ _MODULE_HINTS = {
 }
 
 _ENGINE_HINTS = {
-    "compile": "DeepSpeed's engine.compile() is not available here: call torch.compile on the model before initialize",
-    "flops_profiler": "the flops profiler is not available: use torch.profiler",
-    "monitor": "DeepSpeed's monitors are not available: log from the script",
+    "flops_profiler": "the engine's FlopsProfiler object is not available: the config's flops_profiler block "
+    "profiles step `profile_step` and prints DeepSpeed's summary",
     "timers": "DeepSpeed's timers are not available: wall_clock_breakdown logs the phases (or use torch.profiler)",
     "tput_timer": "DeepSpeed's throughput timer is not available",
     "mpu": "model parallelism (mpu) is not available",

@@ -47,7 +47,7 @@ from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, regis
 from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
-from accelerate_zero.engine.step_layout import owned_step_for, choose_step_layout
+from accelerate_zero.engine.step_layout import choose_step_layout, owned_step_for
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.offload.host_threads import HostThreads, host_threads_for
@@ -127,9 +127,7 @@ class _Assembly:
         self.stage = config.zero_optimization.stage
         self.offload = offload_policy(config)
         self.host_copies = HostCopies(device)
-        self.scratch = ScratchBuffers(
-            device, reuse=False if __import__("os").environ.get("AZ_NOREUSE") else None
-        )  # [Note: temporaries reused in host memory]
+        self.scratch = ScratchBuffers(device)  # [Note: temporaries reused in host memory]
         # [Note: pinned memory at its size] in offload/host_memory.py
         self.host_memory = HostMemory(pin=self.offload.pin_memory and device.type == "cuda")
         self.shard_store: ShardStore = ShardsInMemory()

@@ -7,11 +7,16 @@ buffer sends N*(W-1)/W bytes from each rank, an all-reduce twice that, a broadca
 [Note: reduce-scatter on gloo]
 gloo has no reduce-scatter algorithm: torch implements it as an all-reduce of a copy of the input, then keeps one
 chunk (bench/gloo_collectives.py: twice the bytes of a ring reduce-scatter, and a full-size temporary). We run it
-as an all-to-all instead: every rank sends chunk j of its partial sums to rank j and receives the W partial sums
-of its own chunk, which `wait()` adds up in rank order. Each rank sends N*(W-1)/W bytes, as in a ring, and the
-all-to-all runs on gloo's own threads, so an asynchronous reduce-scatter lets backward go on while it moves
-(an earlier ring needed a Python step after each hop, which blocked backward). The received chunks are a
-full-size temporary that lives until `wait()`; the engine keeps at most two reductions in flight.
+as point-to-point messages instead: every rank sends chunk j of its partial sums to rank j and receives the W - 1
+other partial sums of its own chunk, which `wait()` adds to its own in rank order (r_0 + r_1 + ... + r_{W-1}, the
+order of the definition: the same values on every rank and at every W). Each rank sends N*(W-1)/W bytes, as in a
+ring, and the messages move on gloo's own threads, so an asynchronous reduce-scatter lets backward go on while the
+first round moves. gloo's all-to-all did the same exchange before (issue 51): per 132 MB bucket at W = 2 it cost
+140-150 ms of CPU time against 35-45 ms for the messages (its own chunk copied to itself, an extra copy of every
+chunk inside gloo, and a sum over the received rows twice as slow as an add), more than the all-reduce DDP runs on
+twice the data (45-60 ms). A bucket is reduced in rounds over column ranges of the W chunks, so the received
+temporary, (W - 1)/W of `GLOO_ROUND_NUMEL`, never grows with the bucket; the engine keeps at most two reductions in
+flight.
 
 [Note: all-gather on gloo]
 gloo's all-gather writes into a full-size temporary of its own and copies it into the output afterwards: a fresh
@@ -31,6 +36,9 @@ enters a node once and is shared inside it. For a group of g ranks with m_i of t
 - all-to-all of N per rank: each rank's N/g for every member on another node, sum_r N/g (g - m_node(r)).
 Each rank records 1/g of its collective's total, so summing `between_nodes_bytes` over the ranks gives the bytes
 that crossed nodes (bench/README.md and tests/distributed/test_layouts.py compare them with formulas).
+
+Every collective runs outside torch.compile's graphs ([Note: compiling around ZeRO's hooks] in
+engine/compile_boundary.py): one that a compiled forward reaches breaks the graph there and runs eagerly.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from accelerate_zero.engine.compile_boundary import outside_compile
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.scratch import ScratchBuffers
 
@@ -136,6 +145,7 @@ class Pending(NamedTuple):
     finish: Callable[[], None] | None = None
     """Local work that completes the output once the collective is done (holds its temporaries until then)."""
 
+    @outside_compile
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
@@ -169,6 +179,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+@outside_compile
 def all_reduce(
     tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False, kind: str = "all_reduce"
 ) -> Pending:
@@ -180,6 +191,7 @@ def all_reduce(
     return _timed(stats, Pending(dist.all_reduce(tensor, group=dp.group, async_op=async_op)), tensor)
 
 
+@outside_compile
 def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats) -> None:
     """Takes the element-wise maximum over the group, in place (synchronous)."""
     if dp.world_size == 1:
@@ -192,6 +204,7 @@ def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats
     _timed(stats, Pending(None), tensor)
 
 
+@outside_compile
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -214,7 +227,7 @@ def reduce_scatter(
     nbytes = _nbytes(input)
     stats.record("reduce_scatter", nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "gather", nbytes))
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
-        pending = _all_to_all_reduce_scatter(output, input, dp, scratch or ScratchBuffers(input.device, reuse=False))
+        pending = _p2p_reduce_scatter(output, input, dp, scratch or ScratchBuffers(input.device, reuse=False))
         return _timed(stats, _done_unless_async(pending, async_op), output)
     return _timed(stats, Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op)), output)
 
@@ -225,50 +238,69 @@ def reduce_scatter(
 # `wait()`), so a larger round overlaps more and holds more: at 16 MiB a decoder layer of 28 MB held 16.8 MB received
 # beside its own gradient and the next layer's, and the backward peaked above FSDP2's (issue 44, item 12).
 GLOO_ROUND_NUMEL = 1 << 20
+GLOO_MIN_ROUNDS = 4
+"""A bucket smaller than the rounds above is still reduced in this many: the received temporary of a stage-3 unit
+(a Linear(1024) of 4.2 MB at W = 4: 3.1 MB in one round) is then (W - 1)/4 of its chunk, beside the unit's gradient
+in backward (issue 51, item 5)."""
+GLOO_REDUCE_SCATTER_TAG = 5101
+"""The tag of the reduce-scatter's point-to-point messages: messages between two ranks with one tag are matched in
+the order they were issued, which is the same on every rank (as for every collective)."""
 
 
-def _all_to_all_reduce_scatter(
+def _p2p_reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, scratch: ScratchBuffers
 ) -> Pending:
-    """[Note: reduce-scatter on gloo]: asynchronous; `wait()` sums the received partial sums into `output`
-    (the first round is in flight on return, the others run in `wait()`)."""
-    world, shard = dp.world_size, output.numel()
-    if input.numel() <= GLOO_ROUND_NUMEL:
-        received = scratch.take(input.numel(), input.dtype)
-        work = dist.all_to_all_single(received, input, group=dp.group, async_op=True)
-
-        def finish() -> None:
-            torch.sum(received.view(world, -1), dim=0, out=output)
-            scratch.give(received)
-
-        return Pending(work, finish)
-    width = max(1, GLOO_ROUND_NUMEL // world)
-    received = scratch.take(width * world, input.dtype)
+    """[Note: reduce-scatter on gloo]: asynchronous; `output` is this rank's chunk of `input`; `wait()` adds the
+    received partial sums to it (the first round is in flight on return, the others run in `wait()`)."""
+    world, rank, shard = dp.world_size, dp.rank, output.numel()
+    if shard == 0:
+        return Pending(None)
+    peers = [r for r in range(world) if r != rank]
+    address = [r if dp.group is None else dist.get_global_rank(dp.group, r) for r in peers]
+    width = max(1, min(GLOO_ROUND_NUMEL // world, -(-shard // GLOO_MIN_ROUNDS)))
+    received = scratch.take(width * len(peers), input.dtype)
+    parts = received.view(len(peers), width)
     chunks = input.view(world, shard)
 
-    def start(lo: int) -> dist.Work:
+    def start(lo: int) -> list[dist.Work]:
         hi = min(lo + width, shard)
-        into = list(received[: (hi - lo) * world].view(world, hi - lo).unbind(0))
-        # Column range [lo, hi) of every rank's chunk; `output` is this rank's chunk, written only after its round.
-        return dist.all_to_all(into, list(chunks[:, lo:hi].unbind(0)), group=dp.group, async_op=True)
+        works = []
+        for index, (peer, peer_address) in enumerate(zip(peers, address, strict=True)):
+            works.append(dist.isend(chunks[peer, lo:hi], peer_address, dp.group, GLOO_REDUCE_SCATTER_TAG))
+            works.append(dist.irecv(parts[index, : hi - lo], peer_address, dp.group, GLOO_REDUCE_SCATTER_TAG))
+        return works
+
+    def add_round(lo: int, hi: int) -> None:
+        own, others = output[lo:hi], parts[:, : hi - lo]
+        # r_0 + ... + r_{W-1} in rank order; `own` (r_rank) is added to the sum of the ranks below it, which equals
+        # that sum plus `own` exactly (floating-point addition commutes).
+        if rank > 0:
+            below = others[0]
+            for index in range(1, rank):
+                below.add_(others[index])
+            own.add_(below)
+        for index in range(rank, len(peers)):
+            own.add_(others[index])
 
     first = start(0)
 
     def finish_rounds() -> None:
-        work, lo = first, 0
+        works, lo = first, 0
         while True:
-            work.wait()
+            for work in works:
+                work.wait()
             hi = min(lo + width, shard)
-            torch.sum(received[: (hi - lo) * world].view(world, hi - lo), dim=0, out=output[lo:hi])
+            add_round(lo, hi)
             lo = hi
             if lo >= shard:
                 break
-            work = start(lo)
+            works = start(lo)
         scratch.give(received)
 
     return Pending(None, finish_rounds)
 
 
+@outside_compile
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -310,6 +342,7 @@ def _broadcast_all_gather(output: torch.Tensor, input: torch.Tensor, dp: DataPar
     return Pending(None, finish)
 
 
+@outside_compile
 def all_to_all(
     output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, kind: str = "all_to_all"
 ) -> None:
@@ -324,6 +357,7 @@ def all_to_all(
     _timed(stats, Pending(None), output)
 
 
+@outside_compile
 def all_to_all_uneven(
     input: torch.Tensor,
     send_counts: list[int],
@@ -347,6 +381,7 @@ def all_to_all_uneven(
     return output
 
 
+@outside_compile
 def broadcast(
     tensor: torch.Tensor, src_rank: int, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
 ) -> Pending:
@@ -359,6 +394,7 @@ def broadcast(
     return _timed(stats, Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op)), tensor)
 
 
+@outside_compile
 def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataParallelGroup, stats: CommStats) -> None:
     """Rank 0's `inputs[r]` into `output` on each rank r (`inputs`: rank 0's list, None elsewhere; synchronous)."""
     if dp.world_size == 1:
@@ -373,12 +409,14 @@ def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataPar
     _timed(stats, Pending(None), output)
 
 
+@outside_compile
 def barrier(dp: DataParallelGroup) -> None:
     """Returns once every rank of the group has called it (checkpoint folders, shared disk-space tallies)."""
     if dp.world_size > 1:
         dist.barrier(group=dp.group)
 
 
+@outside_compile
 def all_gather_object(obj: object, dp: DataParallelGroup) -> list[object]:
     """Every rank's `obj` (picklable, small: tags, flags), in rank order. Pickles: never call it on loaded data."""
     if dp.world_size == 1:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from accelerate_zero.engine.norms import sum_of_squares
+from accelerate_zero.engine.scratch import device_empty
 
 
 def fold_into(destination: torch.Tensor, source: torch.Tensor, scale: float, fresh: bool) -> None:
@@ -129,7 +130,7 @@ class GradArena:
         assert 0 <= offset and offset + numel <= self.numel, "a slot outside the arena"
         if self._flat is None:
             assert self._holders == 0, "an arena without a buffer has no holders"
-            self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._flat = device_empty(self.numel, self.dtype, self.device)  # [Note: host temporaries in huge pages]
         self._holders += 1
         return self._flat[offset : offset + numel]
 
@@ -176,7 +177,7 @@ class DeviceShardGradient:
     def _allocate(self) -> torch.Tensor:
         if self._slot is not None:
             return self._slot.arena.take(self._slot.offset, self.numel)
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return device_empty(self.numel, self.dtype, self.device)
 
     def add(self, reduced: torch.Tensor, post: float, fresh: bool) -> None:
         if self.values is None:

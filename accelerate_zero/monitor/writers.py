@@ -121,6 +121,19 @@ class Monitors:
             writer.close()
 
 
+class ScriptMonitor:
+    """DeepSpeed's `engine.monitor` (its MonitorMaster) as scripts use it: `enabled` says whether the config turns a
+    monitor on, and `write_events` hands the script's own `(name, value, step)` events to the same writers as the
+    engine's (rank 0 writes; the other ranks' calls do nothing, as in DeepSpeed)."""
+
+    def __init__(self, monitors: Monitors | None, enabled: bool) -> None:
+        self.monitors, self.enabled = monitors, enabled
+
+    def write_events(self, events: Sequence[Event]) -> None:
+        if self.monitors is not None:
+            self.monitors.write_events(events)
+
+
 def build_monitors(config: Any, rank: int) -> Monitors | None:
     """The monitors `config` (a `ZeroConfig`) turns on, on rank 0; None on other ranks or when none is on."""
     if rank != 0:

@@ -89,6 +89,11 @@ def _surface(ds: Any, folder: str, rank: int) -> dict[str, Any]:
     out["applied"] = applied
     out["batch"] = (engine.train_batch_size(), engine.global_samples, engine.get_batch_info())
     out["16bit"] = engine.save_16bit_model(folder)
+    out["monitor_off"] = engine.monitor.enabled
+    csv_config = {**config, "csv_monitor": {"enabled": True, "output_path": f"{folder}/csv", "job_name": "job"}}
+    monitored, _, _, _ = ds.initialize(model=make_model(), optimizer=None, config=csv_config)
+    out["monitor_on"] = monitored.monitor.enabled
+    monitored.monitor.write_events([("Custom/rank_value", float(rank) + 0.5, 7)])  # rank 0's value is written
     model2 = make_model()
     groups = param_groups(model2, lr=0.1, decay=0.1)
     engine2, optimizer2, _, _ = ds.initialize(model=model2, model_parameters=groups, config=config)
@@ -128,9 +133,12 @@ def test_deepspeed_engine_signatures_and_refusals(tmp_path: Path) -> None:
         assert r["applied"] == [False, True]  # accumulation 2: the first step() is not a boundary
         assert r["batch"] == (8, 8, (8, 2, 2))
         assert r["16bit"] is True
+        assert (r["monitor_off"], r["monitor_on"]) == (False, True)
         assert r["block_over_groups"] == [(0.5, 0.1), (0.05, 0.0)]  # the SGD block's lr, the groups' own values
         assert "Mismatch in local rank" in r["local_rank"]
         assert "deepspeed_config" in r["no_config"] and "mpu" in r["mpu"]
         assert r["inference"][:2] == (None, False) and tuple(r["inference"][2]) == (1, 3)
+    rows = (tmp_path / "bits" / "csv" / "job" / "Custom_rank_value.csv").read_text().split()
+    assert rows == ["step,rank_value", "7,0.5"]  # DeepSpeed's csvMonitor header; rank 0 alone writes
     saved = torch.load(tmp_path / "bits" / "pytorch_model.bin", weights_only=True)  # DeepSpeed's file name and format
     assert sorted(saved) == sorted(name for name, _ in make_model().named_parameters())

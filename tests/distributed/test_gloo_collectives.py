@@ -55,7 +55,30 @@ def _checks(rank: int, world_size: int) -> dict[str, Any]:
     received = torch.full((SHARD,), float("nan"))
     collectives.scatter(received, everyone if rank == 0 else None, dp, CommStats())
     out["scatter"] = torch.equal(received, everyone[rank])
+    # The temporary a reduce-scatter receives into: the W - 1 other partial sums of one round, a round being at most
+    # a 1/GLOO_MIN_ROUNDS of the chunk ([Note: reduce-scatter on gloo]).
+    scratch = _RecordingScratch()
+    buffer = partial[rank].clone()
+    own = buffer[rank * SHARD : (rank + 1) * SHARD]
+    collectives.reduce_scatter(own, buffer, dp, CommStats(), scratch=scratch).wait()
+    out["temporaries"] = scratch.taken
     return out
+
+
+class _RecordingScratch:
+    """ScratchBuffers that records the sizes taken."""
+
+    def __init__(self) -> None:
+        from accelerate_zero.engine.scratch import ScratchBuffers
+
+        self.inner, self.taken = ScratchBuffers(torch.device("cpu")), []
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.taken.append(numel)
+        return self.inner.take(numel, dtype)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        self.inner.give(tensor)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -63,9 +86,12 @@ def test_gloo_all_gather_and_reduce_scatter_equal_their_definitions(world_size: 
     ring = (world_size - 1) / world_size
     for r in run_distributed(_checks, world_size):
         assert r.pop("scatter")  # rank 0's list, one tensor to each rank
+        # gloo's all-to-all received every rank's chunk, its own included, in one round: W x 37 elements here.
+        assert r.pop("temporaries") == [(world_size - 1) * -(-SHARD // 4)]
         for key, result in r.items():
             assert result["gathered"], key
-            assert result["reduced"] < 1e-6, (key, result["reduced"])
+            # In place it is ours, summed in rank order as `sum(partial)` is; otherwise torch's own (another order).
+            assert result["reduced"] <= (0.0 if key.endswith("in_place") else 1e-6), (key, result["reduced"])
             full_bytes = 4 * SHARD * world_size
             assert result["counts"]["all_gather"]["bytes_per_rank"] == pytest.approx(full_bytes * ring), key
             assert result["counts"]["reduce_scatter"]["bytes_per_rank"] == pytest.approx(2 * full_bytes * ring), key

@@ -240,11 +240,8 @@ def _packed_ranks(rank: int, world_size: int, cases: list[tuple]) -> list[dict[s
         loss = sequence_parallel_loss(model, piece, group, stats, tile_tokens=tile)
         engine.backward(loss)
         engine.step()
-        if ep > 1:  # split experts: gathered whole (on rank 0, which the assertions read)
-            params = {n: p.float() for n, p in engine.full_state_dict().items()}
-        else:
-            with accelerate_zero.GatheredParameters(list(model.parameters())):
-                params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        with accelerate_zero.GatheredParameters(list(model.parameters())):
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         out.append({"loss": loss.item(), "params": params, "sequences": piece.get("ulysses_sequences")})
     return out
 
