@@ -5,11 +5,12 @@ share of them, peak memory per rank per phase and step time (bench/README.md, "e
 - flat stage 3: the experts live in their decoder layer's gather unit. Each gather or reduce-scatter of a unit is
   counted as experts in the proportion of the unit's elements that are experts (at the default persistence
   threshold the attention and router weights are persistent, so a layer's unit is its experts alone).
-- with expert parallelism the experts never join a unit: what moves for them is the token all-to-alls
-  (kinds all_to_all_experts, all_to_all_expert_routes and the counts' all_to_all), and over the expert peers (the
-  W / ep ranks holding the same experts) the gradients' reduce-scatter and the updated experts' all-gather after
-  the step. The peers' collectives are told from the rest's by their group size: W / ep ranks (2 here at ep 2; at
-  ep 4 = W the peers are one rank and nothing moves), while the rest's run over all W.
+- with expert parallelism what moves for the experts is the token all-to-alls (kinds all_to_all_experts,
+  all_to_all_expert_routes and the counts' all_to_all), and over the expert peers (the W / ep ranks holding the
+  same experts) the gradients' reduce-scatter and the experts' all-gather: at stage 3 with ep < W each layer's
+  local experts are a gather unit over the peers, gathered in forward (and in backward when released between them),
+  at ep = W they stay whole and the peers are one rank. The peers' collectives are told from the rest's by their
+  group size: W / ep ranks (2 here at ep 2; at ep 4 = W nothing moves), while the rest's run over all W.
 """
 
 from __future__ import annotations
@@ -185,6 +186,26 @@ def _tables(results: dict[str, dict[str, Any]]) -> str:
     )
 
 
+HELD = ("parameters", "gradients", "master_weights", "optimizer_states")
+
+
+def held_rows(results: dict[str, dict[str, Any]], accums: list[int]) -> list[str]:
+    """Issue 52 item 3: at stage 3 the model state held per rank with expert parallelism is flat stage 3's ([Note:
+    experts below 1/ep at stage 3] in engine/experts/gather_units.py), read from `engine.memory_breakdown()`."""
+    out = []
+    for accum, name in itertools.product(accums, ("ep2_s3", "ep4_s3")):
+        flat, got = results.get(f"flat3 accum {accum}"), results.get(f"{name} accum {accum}")
+        if flat is None or got is None:
+            continue
+        mine, theirs = (sum(r["breakdown"].get(k, 0) for k in HELD) for r in (got, flat))
+        params = got["breakdown"]["parameters"], flat["breakdown"]["parameters"]
+        out.append(
+            f"held state: {name} accum {accum} {mine / MB:.2f} MB vs flat3's {theirs / MB:.2f} MB "
+            f"(ratio {mine / theirs:.4f}; parameters {params[0] / MB:.2f} vs {params[1] / MB:.2f} MB)"
+        )
+    return out
+
+
 def checks(results: dict[str, dict[str, Any]], accums: list[int]) -> list[str]:
     """The issue's goal: with expert parallelism at most 1/ep of flat stage 3's expert bytes per step."""
     out = []
@@ -225,7 +246,7 @@ def expert_parallel(
         raw[key] = launch.on_ranks(WORLD, train, kwargs, name=f"{name}_accum{accum}").results
         results[key] = summarize(raw[key])
     counts = next(iter(results.values()))["counts"]
-    found = checks(results, list(accums))
+    found = checks(results, list(accums)) + held_rows(results, list(accums))
     experts = counts["expert_parameters"]
     text = (f"Qwen3-MoE {counts['parameters'] / 1e6:.2f}M parameters, experts {experts / 1e6:.2f}M "
             f"({4 * experts / MB:.1f} MB fp32), W = {WORLD}, {MICRO} x {seq} tokens per rank and "

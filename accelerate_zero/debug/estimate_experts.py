@@ -7,16 +7,20 @@ expert, `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` in transformers 5):
 - the rest of the model (attention, routers, embeddings, shared experts, norms) is laid out over all W ranks at the
   configured stage exactly as without expert parallelism (`estimate_stage`), its stage 3 units built without the
   experts;
-- each rank keeps E / ep consecutive experts of every layer, whole, at every stage (1/ep of the experts' elements,
-  not 1/W: the price of gathering nothing for them in forward and backward), in the compute dtype;
-- those local experts are one flat group per optimizer param group, partitioned over their W / ep peers (the ranks
-  holding the same experts) with stage 1's rules at stage 1 and stage 2's at stages 2 and 3: fp32 masters (under
-  bf16/fp16) and optimizer states 1/(W/ep) of the local experts, so 1/W of all the experts as without expert
-  parallelism; gradients full at stage 1, 1/(W/ep) at stages 2-3.
-So per rank, against flat stage 3, only the parameters grow: the experts' share from X c / W to X c / ep (X the
-experts' elements, c the compute dtype's bytes); the gradients, masters and states are the same. Transient
-buffers: the experts' reduce buckets are added to the rest's (an upper bound), and stage 3 gathers only the rest's
-units. Offload with expert parallelism is not estimated (only "none").
+- each rank keeps E / ep consecutive experts of every layer (1/ep of the experts' elements), in the compute dtype;
+- at stages 1 and 2 (and at stage 3 when ep = W, a single peer) those local experts stay whole: one flat group per
+  optimizer param group, partitioned over their W / ep peers (the ranks holding the same experts) with stage 1's
+  rules at stage 1 and stage 2's otherwise: fp32 masters (under bf16/fp16) and optimizer states 1/(W/ep) of the
+  local experts, so 1/W of all the experts as without expert parallelism; gradients full at stage 1, 1/(W/ep) at
+  stages 2-3;
+- at stage 3 with ep < W they are laid out by stage 3's own rule over the peers ([Note: experts below 1/ep at
+  stage 3] in engine/experts/gather_units.py): one gather unit per layer cut over the peers, the experts under
+  `stage3_param_persistence_threshold` (their local size, within what the rest left of
+  `stage3_model_persistence_threshold`) kept whole as above. The parameters too are then 1/W of the experts.
+So per rank, against flat stage 3, only the parameters at stages 1-2 grow: the experts' share from X c / W to
+X c / ep (X the experts' elements, c the compute dtype's bytes); the gradients, masters and states are the same.
+Transient buffers: the experts' reduce buckets are added to the rest's (an upper bound), and so are the experts'
+gathered units at stage 3. Offload with expert parallelism is not estimated (only "none").
 `tests/distributed/test_estimate_experts_vs_engine.py` compares this with `engine.memory_breakdown()`.
 """
 
@@ -41,7 +45,8 @@ from accelerate_zero.debug.estimate import (
     estimate_stage,
 )
 from accelerate_zero.engine.experts.blocks import ExpertLayer, find_expert_layers
-from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
+from accelerate_zero.engine.experts.gather_units import expert_persistence
+from accelerate_zero.engine.stage3.build import plan_units
 
 
 EXPERT_STAGES = (1, 2, 3)
@@ -65,6 +70,10 @@ class ExpertShapes:
     """Experts each token is routed to (rows per token each all-to-all moves); 0: unknown."""
     hidden: int = 0
     """Width of a token's row in the all-to-alls (the model's hidden size); 0: unknown."""
+    local_units: tuple[tuple[Shape, ...], ...] = ()
+    """Stage 3 with ep < W: per split layer, its trainable local experts cut over the peers (a gather unit)."""
+    local_persistent: tuple[Shape, ...] = ()
+    """Stage 3 with ep < W: the trainable local experts kept whole (under the persistence thresholds)."""
 
     @property
     def local_numel(self) -> int:
@@ -104,15 +113,11 @@ def expert_shapes_from_module(
     experts = [param for layer in layers for param in layer.params()]
     split = {id(p) for p in experts}
     zero = zero if zero is not None else ZeroOptimizationConfig()
-    leaf = zero.leaf_module
-    extra = [*leaf.classes, *leaf.names] if leaf is not None else []
-    units = layout_units(
-        model,
-        find_unit_modules(model, None, extra_leaf=extra),
-        zero.stage3_param_persistence_threshold,
-        model_persistence_threshold=zero.stage3_model_persistence_threshold,
-        exclude=experts,
-    )
+    units = plan_units(model, zero, exclude=experts)
+    budget = zero.stage3_model_persistence_threshold - sum(p.numel() for p in units.persistent)
+    local_numel = lambda p: p.numel() // ep  # noqa: E731  (the model is not split)
+    kept = expert_persistence(model, experts, zero.stage3_param_persistence_threshold, budget, local_numel)
+    kept_ids = {id(p) for p in kept}
     trainable = [p for p in model.parameters() if p.requires_grad and id(p) not in split]
     persistent = set(units.persistent)
     rest = ModelShapes(
@@ -121,11 +126,17 @@ def expert_shapes_from_module(
         persistent=tuple(tuple(p.shape) for p in trainable if p in persistent),
         architecture=architecture,
     )
-    local = tuple((p.shape[0] // ep, *p.shape[1:]) for p in experts if p.requires_grad)
+
+    def local(params: list[nn.Parameter]) -> tuple[Shape, ...]:
+        return tuple((p.shape[0] // ep, *p.shape[1:]) for p in params if p.requires_grad)
+
+    cut = [local([p for p in layer.params() if id(p) not in kept_ids]) for layer in layers]
     return ExpertShapes(
         ep=ep,
         rest=rest,
-        local_experts=local,
+        local_experts=local(experts),
+        local_units=tuple(shapes for shapes in cut if shapes),
+        local_persistent=local(kept),
         expert_numel=sum(p.numel() for p in experts),
         layers=tuple((layer.name, layer.num_experts) for layer in layers),
         top_k=_routed_per_token(model, layers[0]),
@@ -170,9 +181,15 @@ def estimate_expert_parallel(
     if not model.local_experts:  # every expert frozen: not counted, as `estimate_stage` counts no frozen parameter
         return rest
     peers = dataclasses.replace(setup, world_size=world // ep)
-    local = ModelShapes(shapes=model.local_experts, units=(), persistent=())
-    experts = estimate_stage(local, peers, min(stage, 2), rank=rank // ep)  # the peers: rank // ep in its group
-    return _with(rest, {kind: experts.device[kind] for kind in (*MODEL_STATE_KINDS, "communication_buffers")})
+    kinds: tuple[str, ...] = (*MODEL_STATE_KINDS, "communication_buffers")
+    if stage == 3 and world > ep:  # [Note: experts below 1/ep at stage 3]; the root unit last, empty
+        expert_stage, kinds = 3, (*kinds, "gathered_parameters")
+        local = ModelShapes(model.local_experts, units=(*model.local_units, ()), persistent=model.local_persistent)
+    else:
+        expert_stage = min(stage, 2)
+        local = ModelShapes(shapes=model.local_experts, units=(), persistent=())
+    experts = estimate_stage(local, peers, expert_stage, rank=rank // ep)  # the peers: rank // ep in its group
+    return _with(rest, {kind: experts.device[kind] for kind in kinds})
 
 
 def _with(base: MemoryEstimate, extra: dict[str, int]) -> MemoryEstimate:
@@ -261,8 +278,9 @@ def notes(model: ExpertShapes | None, setup: TrainingSetup | None = None, tokens
     experts, layers = model.layers[0][1], len(model.layers)
     out = [
         f"expert parallelism {model.ep}: each GPU holds {experts // model.ep} of the {experts} experts of each of "
-        f"{layers} MoE layers, whole (1/ep of the experts, not 1/W); their gradients, master weights and optimizer "
-        "states are partitioned over the GPUs holding the same experts. Stages 1-3 without offload only."
+        f"{layers} MoE layers, whole at stages 1-2 (1/ep of the experts, not 1/W) and at stage 3 partitioned over "
+        "the GPUs holding the same experts (1/W, as flat stage 3); their gradients, master weights and optimizer "
+        "states are partitioned over those GPUs at every stage. Stages 1-3 without offload only."
     ]
     if setup is not None and tokens is not None and model.top_k and model.hidden:
         out.append(traffic_note(model, setup, tokens))
@@ -277,8 +295,9 @@ def notes(model: ExpertShapes | None, setup: TrainingSetup | None = None, tokens
 #   reduce-scatters its gradient: X (c + g) (W - 1) / W;
 # - expert parallelism sends each (token, expert) row to its expert's rank and back, and both again in backward:
 #   4 L T k H c (ep - 1) / ep; over the peers it reduce-scatters the local experts' gradients, X / ep g (P - 1)/P,
-#   and all-gathers the updated experts after the step, X / ep c (P - 1) / P (counted here at accumulation 1: it
-#   runs once per optimizer step, so accumulation divides it).
+#   and all-gathers the local experts, X / ep c (P - 1) / P: after the step at stages 1-2 (accumulation divides it),
+#   in each micro-step's forward at stage 3 ([Note: experts below 1/ep at stage 3]; kept to backward at DeepSpeed's
+#   default reuse distance, as flat stage 3's). Counted here at accumulation 1, where the two are the same.
 # The all-to-alls grow with T and flat stage 3's bytes do not: expert parallelism moves fewer bytes below the token
 # count where the two meet, and more above it (it still gathers no expert: the peak holds no gathered expert). The
 # bench (bench/expert_parallel.py, bench/README.md) measured 42.01 MB against 75.50 (0.556) at ep 2, W 4 and 1,024
@@ -318,7 +337,8 @@ def traffic_note(model: ExpertShapes, setup: TrainingSetup, tokens: int) -> str:
     return (
         f"expert bytes per GPU and micro-step at {tokens} tokens per GPU (--micro_batch x --seq_len): expert "
         f"parallelism {model.ep} moves {ours / 2**20:.1f} MiB (token all-to-alls, the peers' gradient "
-        f"reduce-scatter and after-step gather at accumulation 1), {fewer} than flat stage 3's {flat / 2**20:.1f} MiB (expert gathers and gradient "
-        f"reduce-scatters), {ours / flat:.2f}x; they meet at about {crossover:.0f} tokens per GPU and micro-step "
-        f"(1/ep of flat stage 3's up to about {goal:.0f}): here {choice}."
+        f"reduce-scatter and experts' gather at accumulation 1), {fewer} than flat stage 3's "
+        f"{flat / 2**20:.1f} MiB (expert gathers and gradient reduce-scatters), {ours / flat:.2f}x; they meet at "
+        f"about {crossover:.0f} tokens per GPU and micro-step (1/ep of flat stage 3's up to about {goal:.0f}): "
+        f"here {choice}."
     )

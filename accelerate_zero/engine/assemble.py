@@ -26,7 +26,7 @@ from accelerate_zero.engine import collectives, quantized_comm, setup
 from accelerate_zero.engine.activation_offload import ActivationsToHost
 from accelerate_zero.engine.buckets import GradBucket, GradScaling, ReduceMode
 from accelerate_zero.engine.collectives import CommStats
-from accelerate_zero.engine.experts import partition
+from accelerate_zero.engine.experts import gather_units, partition
 from accelerate_zero.engine.experts.parallel import ExpertPlacement
 from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
 from accelerate_zero.engine.grad_reduce import GradReducer
@@ -41,13 +41,12 @@ from accelerate_zero.engine.setup import build_optimizer_for, dtype_from_name, t
 from accelerate_zero.engine.shard_plan import BucketPlan, plan_group
 from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.sharded_optimizer import ShardedOptimizer
-from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3
+from accelerate_zero.engine.stage3.build import DtypePlan, build_stage3, plan_units
 from accelerate_zero.engine.stage3.external import attach_registered
 from accelerate_zero.engine.stage3.hooks import PlaceholderStateDictGuard, register_entry_hooks, register_unit_hooks
 from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
-from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
 from accelerate_zero.engine.step_layout import choose_step_layout, owned_step_for
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 from accelerate_zero.offload.host_memory import HostMemory
@@ -173,10 +172,10 @@ class _Assembly:
             zero = dataclasses.replace(zero, contiguous_gradients=False)
         mode = _MODE_BY_STAGE[min(self.stage, 2)]
         make = lambda *cut: self._group_shard(*cut, dtypes, zero)  # noqa: E731
-        self.expert_groups = partition.build_expert_groups(experts, self.layout, mode, make)
-        if self.stage == 3:
-            buckets, locations, slices, on_complete = self._build_stage3(trainable, dtypes, zero)
+        if self.stage == 3:  # the split experts: in units over their peers, or as at stage 2 (planned there)
+            buckets, locations, slices, on_complete = self._build_stage3(trainable, experts, dtypes, zero, make)
         else:
+            self.expert_groups = partition.build_expert_groups(experts, self.layout, mode, make)
             buckets, locations, slices, on_complete = self._build_flat_groups(trainable, dtypes, zero)
             self._place_rest()
         if self.expert_groups:
@@ -287,17 +286,15 @@ class _Assembly:
         )
 
     # ---------------------------------------------------------------- stage 3
-    def _build_stage3(self, trainable: list[list[nn.Parameter]], dtypes: DtypePlan, zero: Any) -> tuple:
-        leaf = zero.leaf_module
-        extra = [*leaf.classes, *leaf.names] if leaf is not None else []
-        layout = layout_units(
-            self.module,
-            find_unit_modules(self.module, self.unit_classes, extra_leaf=extra),
-            zero.stage3_param_persistence_threshold,
-            model_persistence_threshold=zero.stage3_model_persistence_threshold,
-            numel_of=preloaded_numel(self.module),
-            exclude=self.experts.expert_parameters() if self.experts is not None else (),
-        )
+    def _build_stage3(self, trainable: list, experts: list, dtypes: DtypePlan, zero: Any, make: Callable) -> tuple:
+        split = self.experts.expert_parameters() if self.experts is not None else ()
+        layout = plan_units(self.module, zero, self.unit_classes, preloaded_numel(self.module), exclude=split)
+        own_units, trainable, experts = gather_units.for_stage3(
+            self.module, self.experts, self.layout.expert_peers, layout, trainable, experts, zero, dtypes,
+            self.device, store=self.shard_store, to_host=self.offload.params, kept_for=self._kept_for,
+            scratch=self.scratch,
+        )  # fmt: skip
+        self.expert_groups = partition.build_expert_groups(experts, self.layout, ReduceMode.SCATTER_TO_SHARD, make)
 
         world, shard_of = self.world, self.layout.shard_index_of
 
@@ -327,6 +324,7 @@ class _Assembly:
             kept_for=self._kept_for,
             scratch=self.scratch,
             fp32_masters=not self.offload.optimizer,  # [Note: no device masters under optimizer offload]
+            own_group_units=own_units,
         )
         self.groups, self.units = parts.persistent_groups, parts.units
         slices = parts.slices_by_group

@@ -151,7 +151,10 @@ class CheckpointState:
     # ------------------------------------------------------------------ frozen
     def frozen_shards(self) -> list[FrozenShard]:
         flats = [flat for unit in self._units for flat in unit.flats if flat is not unit.trainable]
-        return [FrozenShard(ShardRange(f.plan, f.params, *f.plan.shard_range(f.rank)), f) for f in flats]
+        # a split layer's frozen experts in a unit of their own ([Note: experts below 1/ep at stage 3]): offsets
+        return [
+            FrozenShard(ShardRange(f.plan, f.params, *f.plan.shard_range(f.rank), self._offsets), f) for f in flats
+        ]
 
     def read_frozen(self, shard: FrozenShard) -> torch.Tensor:
         """The shard's values (a copy when it lives in a file: write changes back with `write_frozen`)."""

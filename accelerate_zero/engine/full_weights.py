@@ -73,24 +73,26 @@ def _stream(
         names.setdefault(id(param), name)
     emit = not rank0_only or engine.layout.world.rank == 0
     done: set[int] = set()
+    whole = whole_experts(engine.experts, engine.comm_stats_counter)
+
+    def named(name: str, param: nn.Parameter) -> Iterator[tuple[str, torch.Tensor]]:
+        value = whole(param)  # a split layer's experts: gathered whole on every rank of its group
+        # Their LoRA adapters (whole, partitioned like any parameter at stage 3) merged into them whole.
+        adapters = engine.experts.adapter_parameters(param) if value is not None and merges else []
+        with GatheredParameters(adapters):
+            if emit:
+                yield from _named(name, param, merges, merge_lora, dtype, value)
+
     for batch in _unit_batches(engine, max_bytes):
         with torch.no_grad(), GatheredParameters(batch):
             for param in batch:
                 if id(param) in names and id(param) not in done:
                     done.add(id(param))
-                    if emit:
-                        yield from _named(names[id(param)], param, merges, merge_lora, dtype)
-    whole = whole_experts(engine.experts, engine.comm_stats_counter)
+                    yield from named(names[id(param)], param)
     with torch.no_grad():  # not partitioned: persistent parameters, stages 0-2, non-floating-point ones
         for name, param in module.named_parameters():
-            if id(param) in done:
-                continue
-            value = whole(param)  # a split layer's experts: gathered whole on every rank of its group
-            # Their LoRA adapters (whole, partitioned like any parameter at stage 3) merged into them whole.
-            adapters = engine.experts.adapter_parameters(param) if value is not None and merges else []
-            with GatheredParameters(adapters):
-                if emit:
-                    yield from _named(name, param, merges, merge_lora, dtype, value)
+            if id(param) not in done:
+                yield from named(name, param)
 
 
 def _unit_batches(engine: StreamedEngine, max_bytes: int | None) -> Iterator[list[nn.Parameter]]:
@@ -153,6 +155,8 @@ def full_state_dict(
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     wanted = set(only) if only is not None else None
+    whole = whole_experts(engine.experts, engine.comm_stats_counter)
+    in_units = {id(p) for unit in engine.units for flat in unit.flats for p in flat.params}
     for unit in engine.units:
         params = [p for flat in unit.flats for p in flat.params]
         if wanted is not None:
@@ -160,11 +164,12 @@ def full_state_dict(
             if not params:
                 continue
         with GatheredParameters(params):
-            if main:
-                gathered.update({name: to_cpu(p) for p in params for name in names[id(p)]})
-    whole = whole_experts(engine.experts, engine.comm_stats_counter)
+            for param in params:
+                value = whole(param)  # a split expert in a unit: the expert group's ranges too, every rank
+                if main:
+                    gathered.update({name: to_cpu(param if value is None else value) for name in names[id(param)]})
     for param in engine.experts.expert_parameters() if engine.experts is not None else ():
-        if wanted is None or wanted.intersection(names[id(param)]):
+        if id(param) not in in_units and (wanted is None or wanted.intersection(names[id(param)])):
             value = whole(param)  # every rank of the expert group takes part
             if main and value is not None:
                 gathered.update({name: to_cpu(value) for name in names[id(param)]})

@@ -37,6 +37,8 @@ class ZeroEngine(Protocol):
     comm_stats_counter: collectives.CommStats
     host_copies: HostCopies
     sharded_optimizer: Any
+    experts: Any
+    """The split MoE layers (engine/experts/parallel.py `ExpertPlacement`), or None."""
 
 
 def units_of(engine: ZeroEngine, params: list[nn.Parameter]) -> list[ParamUnit]:
@@ -91,6 +93,8 @@ class GatheredParameters:
             return
         self._constructed = _gather_constructed(self.params)
         for engine, params in _by_engine(self.params):
+            if self.modifier_rank is not None:
+                _refuse_split_experts(engine, params)
             units = units_of(engine, params)
             was_gathered = [unit.state is UnitState.GATHERED for unit in units]
             for unit in units:
@@ -111,6 +115,20 @@ class GatheredParameters:
                 unit.holds -= 1
                 if not kept and unit.holds == 0:
                     unit.reshard()
+
+
+def _refuse_split_experts(engine: ZeroEngine, params: list[nn.Parameter]) -> None:
+    """Writes from one rank cannot reach split experts: every expert group holds other experts, so the modifier's
+    values would overwrite the other groups' (on every rank alike: each enters with the same parameters)."""
+    split = {id(p) for p in engine.experts.expert_parameters()} if engine.experts is not None else set()
+    names = [name for name, p in engine.module.named_parameters() if id(p) in split and any(p is q for q in params)]
+    if names:
+        raise NotImplementedError(
+            f"GatheredParameters(modifier_rank=...) on {names[0]}"
+            + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+            + ": a split layer's experts (expert_parallel), of which each expert group holds other ones, so one "
+            "rank's writes cannot become every rank's. Write them before initialize, or load them with load_checkpoint"
+        )
 
 
 def _gather_constructed(params: list[nn.Parameter]) -> list[nn.Parameter]:

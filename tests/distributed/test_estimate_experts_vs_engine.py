@@ -6,7 +6,8 @@ sizes 2 (the experts' states partitioned over 2 peers) and 4 (one peer: nothing 
 the default bucket size and with a small one (several buckets, each padded to the peers), takes one optimizer step
 and one more backward, and returns `engine.memory_breakdown()` (the whole state held: the gradient shards live
 until the step) beside `estimate_expert_parallel(...)` for the same rank ([Note: what expert parallelism holds, per
-rank] in debug/estimate_experts.py). The model states must be equal byte for byte, kind by kind.
+rank] in debug/estimate_experts.py). The model states must be equal byte for byte, kind by kind. At ep 2, stage 3
+(the experts cut over their peers) the engine also holds what flat stage 3 holds for the same model.
 """
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ def _zero(stage: int, zero: str) -> dict[str, Any]:
     return out
 
 
+def _flat_stage_3(rank: int) -> dict[str, int]:
+    """What the same Qwen3-MoE holds at stage 3 without expert parallelism (every parameter partitioned)."""
+    import accelerate_zero
+
+    model = _model("qwen3_moe")
+    config = {"zero_optimization": _zero(3, "default")}
+    engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        tokens = torch.randint(0, 64, (2, 9), generator=generator)
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        if step == 0:
+            engine.step()
+    measured = engine.memory_breakdown()
+    engine.destroy()
+    return measured
+
+
 def _one(case: tuple, rank: int) -> dict[str, Any]:
     import accelerate_zero
     from accelerate_zero.config import ZeroConfig
@@ -74,7 +93,7 @@ def _one(case: tuple, rank: int) -> dict[str, Any]:
 
 
 def _all(rank: int, world_size: int) -> dict[Any, Any]:
-    return {case: _one(case, rank) for case in CASES}
+    return {**{case: _one(case, rank) for case in CASES}, "flat stage 3": _flat_stage_3(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +116,14 @@ def test_reduce_buffers_bound_what_the_engine_used(by_rank: list[dict[Any, Any]]
     for results in by_rank:
         got = results[case]
         assert got["estimated"]["communication_buffers"] >= got["measured"]["communication_buffers_peak"], got
+
+
+def test_experts_below_one_ep_th_hold_what_flat_stage_3_holds(by_rank: list[dict[Any, Any]]) -> None:
+    """At ep 2 on 4 ranks, stage 3 cuts each rank's experts over their 2 peers ([Note: experts below 1/ep at stage
+    3] in engine/experts/gather_units.py): the parameters and gradients held are flat stage 3's, byte for byte (no
+    padding in this model); the optimizer states differ by AdamW's `step` scalar of each extra unit only."""
+    for results in by_rank:
+        split, flat = results[("qwen3_moe", 2, 3, "no", "default")]["measured"], results["flat stage 3"]
+        for kind in ("parameters", "gradients", "master_weights"):
+            assert split[kind] == flat[kind], (kind, split, flat)
+        assert 0 <= split["optimizer_states"] - flat["optimizer_states"] <= 2 * 4, (split, flat)

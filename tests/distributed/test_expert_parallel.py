@@ -42,9 +42,10 @@ def _model(kind: str) -> torch.nn.Module:
 
         return tiny_moe(kind).train()
     torch.manual_seed(0)
-    if kind == "qwen3_moe":
-        config = Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                                num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    if kind in ("qwen3_moe", "qwen3_moe_six"):  # six experts: split over 3 ranks (an odd world)
+        config = Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
+                                num_experts=6 if kind == "qwen3_moe_six" else 4, num_experts_per_tok=2,
+                                norm_topk_prob=True)  # fmt: skip
         model = Qwen3MoeForCausalLM(config)
     else:
         top_k = 1 if kind.startswith("mixtral_top1") else 2

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.distributed.test_expert_parallel import _force_expert_zero, _model
+from tests.helpers.moe_models import held_expert_share
 
 
 WORLD_SIZE, MICRO, LENGTH, ACCUM, STEPS = 4, 1, 7, 2, 2
@@ -31,10 +32,10 @@ OFFLOADED = [("qwen3_moe", 2, 3), ("mixtral", 4, 2)]
 """Cases also run with `offload_optimizer: cpu` (the experts' masters and states in host memory too)."""
 
 
-def _batches() -> torch.Tensor:
+def _batches(world: int = WORLD_SIZE) -> torch.Tensor:
     """[steps, accumulation, world, micro, length] token ids."""
     generator = torch.Generator().manual_seed(5)
-    return torch.randint(0, 64, (STEPS, ACCUM, WORLD_SIZE, MICRO, LENGTH), generator=generator)
+    return torch.randint(0, 64, (STEPS, ACCUM, world, MICRO, LENGTH), generator=generator)
 
 
 def _built(kind: str) -> torch.nn.Module:
@@ -44,11 +45,11 @@ def _built(kind: str) -> torch.nn.Module:
     return model
 
 
-def _reference(kind: str) -> dict[str, Any]:
+def _reference(kind: str, world: int = WORLD_SIZE) -> dict[str, Any]:
     model = _built(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
     losses, norms = [], []
-    for step in _batches():
+    for step in _batches(world):
         total = 0.0
         for micro in step:
             tokens = micro.reshape(-1, LENGTH)
@@ -63,7 +64,7 @@ def _reference(kind: str) -> dict[str, Any]:
 
 
 def _engine_run(
-    kind: str, ep: int, stage: int, rank: int, bf16: bool = False, offload: bool = False
+    kind: str, ep: int, stage: int, rank: int, bf16: bool = False, offload: bool = False, world: int = WORLD_SIZE
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -86,7 +87,7 @@ def _engine_run(
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": model.config.model_type}
     engine = accelerate_zero.initialize(model, optimizer, config=config)
     losses, norms = [], []
-    for step in _batches():
+    for step in _batches(world):
         total = torch.zeros(())
         for micro in step:
             tokens = micro[rank]
@@ -95,7 +96,7 @@ def _engine_run(
             engine.step()
             total += loss.detach().float() / ACCUM
         dist.all_reduce(total)
-        losses.append(total.item() / WORLD_SIZE)
+        losses.append(total.item() / world)
         norms.append(engine.get_global_grad_norm())
     params = {n: t.detach().float().clone() for n, t in engine.full_state_dict().items()} if stage == 3 else None
     streamed = {n: t.float() for n, t in engine.named_full_parameters(max_bytes=1)}  # one unit at a time
@@ -105,9 +106,10 @@ def _engine_run(
         assert set(streamed) == {n for n, _ in model.named_parameters()}, sorted(set(streamed) ^ set(params))
     local = {n: p.detach().float().clone() for n, p in model.named_parameters()} if stage < 3 else None
     ranges = engine.experts.ranges if engine.experts is not None else {}
+    held = held_expert_share(engine) if engine.experts is not None else None
     engine.destroy()
     return {"losses": losses, "norms": norms, "params": params, "local": local, "ranges": ranges, "stream": stream_error,
-            "bytes": engine.comm_stats_counter.as_dict()}  # fmt: skip
+            "bytes": engine.comm_stats_counter.as_dict(), "held": held}  # fmt: skip
 
 
 def _errors(got: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
@@ -140,6 +142,7 @@ def _all(rank: int, world_size: int) -> dict[Any, Any]:
             "clipped": min(reference["norms"]) > MAX_NORM,
             "errors": _errors(got, reference),
             "stream": got["stream"],
+            "held": got["held"],
             "moved": max(abs(v - reference["params"][n]).max().item() for n, v in _model_after_init(kind).items()),
         }
     with_experts, without = (
@@ -154,6 +157,35 @@ def _all(rank: int, world_size: int) -> dict[Any, Any]:
         "fp32_gap": max(abs(a - b) for a, b in zip(without["losses"], references["qwen3_moe"]["losses"], strict=True)),
     }
     return out
+
+
+def _odd_world(rank: int, world_size: int) -> dict[Any, Any]:
+    """3 ranks, ep 3 (six experts, two per rank; the dense shards padded to 3): stages 2 and 3 as above."""
+    reference = _reference("qwen3_moe_six", world_size)
+    out = {}
+    for stage in (2, 3):
+        got = _engine_run("qwen3_moe_six", 3, stage, rank, world=world_size)
+        out[stage] = {
+            "loss": max(abs(a - b) for a, b in zip(got["losses"], reference["losses"], strict=True)),
+            "norm": max(abs(a - b) for a, b in zip(got["norms"], reference["norms"], strict=True)),
+            "worst": max(_errors(got, reference).items(), key=lambda item: item[1]),
+            "held": got["held"],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def odd_world() -> list[dict[Any, Any]]:
+    from tests.helpers.dist import run_distributed
+
+    return run_distributed(_odd_world, 3)
+
+
+def test_expert_parallel_on_an_odd_world_equals_one_process(odd_world: list[dict[Any, Any]]) -> None:
+    for results in odd_world:
+        for stage, got in results.items():
+            assert got["loss"] < 1e-5 and got["norm"] < 1e-5 and got["worst"][1] < 1e-5, (stage, got)
+            assert got["held"] == pytest.approx(1 / 3), (stage, got)  # ep = W: each rank alone holds its two
 
 
 def _model_after_init(kind: str) -> dict[str, torch.Tensor]:
@@ -181,6 +213,7 @@ def test_expert_parallel_engine_equals_one_process(
         worst = max(got["errors"].items(), key=lambda item: item[1])
         assert worst[1] < 1e-5, (rank, worst)
         assert got["stream"] == 0.0, got["stream"]  # the weight stream hands over whole experts
+        assert got["held"] == pytest.approx(1 / WORLD_SIZE if stage == 3 else 1 / ep), got  # stage 3: 1/W, as flat
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
@@ -201,6 +234,8 @@ def _config(ep: int, stage: int) -> dict[str, Any]:
         "gradient_clipping": MAX_NORM,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
     }
+    if stage == 3:  # else the tiny experts are persistent ([Note: experts below 1/ep at stage 3])
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if ep > 1:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
     return config
@@ -291,69 +326,6 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
     assert resumed[0][("consolidated", ep, stage)] < 1e-6
 
 
-# ----------------------------------------------------------------------------------------------------- the Trainer
-# `TrainingArguments(zero_config=...)` with the expert_parallel block, the way Trainer users reach it: 4 ranks, ep 2,
-# stage 3 (every other value "auto", filled by the Trainer), against transformers' own Trainer in one process on the
-# full batch: the logged losses and the trained weights (SGD, clipping at 1.0, accumulation 2, fp32).
-def _trainer_data(world_size: int) -> list[dict[str, torch.Tensor]]:
-    from tests.integration import trainer_checks as checks
-
-    rows = torch.randint(0, 64, (checks.STEPS * checks.GRAD_ACCUM * world_size, LENGTH),
-                         generator=torch.Generator().manual_seed(9))  # fmt: skip
-    return [{"input_ids": row, "labels": row} for row in rows]
-
-
-def _trainer_reference(folder: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """transformers' Trainer in this (the test's, not distributed) process on the full batch."""
-    from transformers import Trainer, TrainingArguments
-
-    from tests.integration import trainer_checks as checks
-
-    args = TrainingArguments(**checks.args_kwargs(folder, MICRO * WORLD_SIZE))
-    reference = Trainer(model=_built("qwen3_moe"), args=args, train_dataset=_trainer_data(WORLD_SIZE))
-    reference.train()
-    return checks.losses(reference), {n: p.detach().clone() for n, p in reference.model.named_parameters()}
-
-
-def _trainer(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    from accelerate_zero import Trainer, TrainingArguments
-    from tests.helpers.dist import plain_torchrun_environment
-    from tests.integration import trainer_checks as checks
-
-    plain_torchrun_environment()
-    expert = {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}
-    args = TrainingArguments(
-        **checks.args_kwargs(folder, MICRO), zero_config={**checks.zero_config(3), "expert_parallel": expert}
-    )
-    ours = Trainer(model=_built("qwen3_moe"), args=args, train_dataset=_trainer_data(world_size))
-    ours.train()
-    engine = ours.zero_engine
-    return {
-        "ours": (checks.losses(ours), engine.full_state_dict()),
-        "split": engine.experts is not None and engine.layout.expert.world_size == 2,
-    }
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Any]:
-    from tests.helpers.dist import run_distributed
-
-    folder = tmp_path_factory.mktemp("ep_trainer")
-    by_rank = run_distributed(_trainer, WORLD_SIZE, str(folder / "ours"), timeout=600)
-    return by_rank, _trainer_reference(str(folder / "reference"))
-
-
-def test_trainer_with_expert_parallel_equals_transformers_trainer(trained: tuple[list[dict[str, Any]], Any]) -> None:
-    by_rank, (reference_losses, reference_weights) = trained
-    assert all(results["split"] for results in by_rank)
-    losses, weights = by_rank[0]["ours"]
-    assert len(losses) == len(reference_losses) > 0
-    assert max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)) < 1e-5, (losses, reference_losses)
-    worst = max(((n, (weights[n].float() - w).abs().max().item()) for n, w in reference_weights.items()),
-                key=lambda item: item[1])  # fmt: skip
-    assert worst[1] < 1e-5, worst
-
-
 # ------------------------------------------------------------------------------------------------------ refusals
 def _refusals(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     import accelerate_zero
@@ -400,8 +372,19 @@ def _refusals(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "meta_shape": list(meta),
         "generated": torch.equal(generated, expected) and generated.shape[1] == LENGTH + 2 + rank,
         "preset": error_of(lambda: initialized(_built("qwen3_moe"), preset_model="mixtral")),
+        "modifier": error_of(lambda: _write_experts_from_rank_0(initialized(_built("qwen3_moe")))),
         "dense": error_of(lambda: initialized(checks.tiny_llama())),
     }
+
+
+def _write_experts_from_rank_0(engine: Any) -> None:
+    import accelerate_zero
+
+    try:
+        with accelerate_zero.GatheredParameters(engine.module.model.layers[0].mlp.experts.down_proj, modifier_rank=0):
+            pass
+    finally:
+        engine.destroy()
 
 
 @pytest.fixture(scope="module")
@@ -416,6 +399,7 @@ def test_what_expert_parallelism_cannot_do_is_refused_by_name_and_generate_keeps
 ) -> None:
     for errors in refused:
         assert "preset_model='mixtral' but the model is a 'qwen3_moe'" in errors["preset"], errors
+        assert "modifier_rank=...) on model.layers.0.mlp.experts.down_proj" in errors["modifier"], errors
         assert "no fused experts module" in errors["dense"], errors
         assert errors["generated"] is True and errors["peft_generated"] is True, errors
         assert errors["meta_shape"] == [4, 48, 32], errors  # the whole layer's experts, as the main rank's state dict

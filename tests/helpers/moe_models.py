@@ -11,6 +11,7 @@ exactly, or it is refused by name. `tiny_moe(model_type)` builds the text model 
 from __future__ import annotations
 
 import importlib
+import math
 import pathlib
 from typing import Any
 
@@ -146,3 +147,15 @@ def _model_class(config: Any) -> type[nn.Module]:
         causal = [c for c in candidates if c.__name__.endswith("ForCausalLM")]
         return (causal or sorted(candidates, key=lambda c: c.__name__))[0]
     return getattr(module, name) if hasattr(module, name) else getattr(importlib.import_module("transformers"), name)
+
+
+def held_expert_share(engine: Any) -> float:
+    """The share of the model's expert elements this rank keeps between steps: its 1/ep whole, or at stage 3 with
+    ep < W the shards of the experts' units cut over their peers ([Note: experts below 1/ep at stage 3] in
+    engine/experts/gather_units.py), 1/W."""
+    split = {id(p): p for layer in engine.experts.layers for p in layer.params()}
+    whole = sum(math.prod(shape) for shape in engine.experts.shapes.values()) * engine.layout.expert.world_size
+    flats = [f for u in engine.units for f in u.flats if all(id(p) in split for p in f.params)]
+    in_units = {id(p) for f in flats for p in f.params}
+    kept = sum(p.numel() for key, p in split.items() if key not in in_units)  # held whole (else gathered, maybe)
+    return (sum(f.plan.shard_numel for f in flats) + kept) / whole

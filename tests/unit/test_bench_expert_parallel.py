@@ -55,3 +55,14 @@ def test_the_goal_check_passes_at_one_ep_th_and_fails_above(bench: ModuleType) -
     results = {"flat3 accum 1": run(100.0), "ep2_s3 accum 1": run(50.0), "ep4_s3 accum 1": run(25.1)}
     lines = bench.checks(results, [1])
     assert lines[0].startswith("PASS: ep2_s3") and lines[1].startswith("FAIL: ep4_s3"), lines
+
+
+def test_the_held_state_row_compares_each_expert_parallel_run_with_flat_stage_3(bench: ModuleType) -> None:
+    def run(parameters: int) -> dict:
+        return {"breakdown": {"parameters": parameters, "gradients": 4e6, "master_weights": 0, "optimizer_states": 8e6}}
+
+    results = {"flat3 accum 1": run(4e6), "ep2_s3 accum 1": run(4e6), "ep4_s3 accum 2": run(5e6)}
+    rows = bench.held_rows(results, [1, 2])
+    assert rows == [
+        "held state: ep2_s3 accum 1 16.00 MB vs flat3's 16.00 MB (ratio 1.0000; parameters 4.00 vs 4.00 MB)"
+    ]  # no flat3 run at accumulation 2: nothing to compare ep4_s3 with

@@ -65,18 +65,30 @@ def test_experts_are_held_one_ep_th_and_their_states_one_wth(ep: int, stage: int
         assert got["flat_stage3_parameters"] == EXPERTS * c // world
 
 
-def test_ep_equal_to_world_holds_what_flat_stage_3_holds_but_the_parameters() -> None:
-    """At ep = W the experts' share of every kind is 1/W, as flat stage 3's, so the totals differ by the padding of
-    flat stage 3's units only (the experts join no unit). Every tensor partitioned: at the default threshold flat
-    stage 3 would keep these tiny experts whole (persistent)."""
+def test_stage_3_holds_what_flat_stage_3_holds_at_every_ep() -> None:
+    """At stage 3 the experts' share of every kind is 1/W, as flat stage 3's: at ep = W (each rank alone holds
+    its experts) and at ep < W (the local experts cut over their peers, [Note: experts below 1/ep at stage 3]), so
+    the totals differ by the padding of flat stage 3's units only. Every tensor partitioned: at the default threshold
+    flat stage 3 would keep these tiny experts whole (persistent), and so would expert parallelism (their local
+    size). Stage 2 keeps the local experts' parameters whole: 1/ep instead of 1/W."""
     zero = ZeroConfig.from_any({"zero_optimization": {"stage3_param_persistence_threshold": 0}}).zero_optimization
     model, setup = _meta_model(), est.TrainingSetup(8, "bf16", "adamw", zero=zero)
     flat = est.estimate_stage(est.shapes_from_module(model, zero), setup, 3).device
     split = ee.estimate_expert_parallel(ee.expert_shapes_from_module(model, 8, zero), setup, 3).device
     for kind in est.MODEL_STATE_KINDS:
         assert split[kind] == pytest.approx(flat[kind], rel=0.02), kind
-    at_two = ee.estimate_expert_parallel(ee.expert_shapes_from_module(model, 2, zero), setup, 3).device
-    assert at_two["parameters"] - split["parameters"] == EXPERTS * 2 * (1 / 2 - 1 / 8)  # 1/ep instead of 1/W
+    for ep in (2, 4):
+        shapes = ee.expert_shapes_from_module(model, ep, zero)
+        assert len(shapes.local_units) == 4 and not shapes.local_persistent  # one unit per layer
+        below = ee.estimate_expert_parallel(shapes, setup, 3).device
+        for kind in ("parameters", "gradients", "master_weights"):  # no padding: 1/W of the experts each
+            assert below[kind] == split[kind], (ep, kind)
+        assert abs(below["optimizer_states"] - split["optimizer_states"]) <= 4 * 4  # AdamW's `step` per unit
+        stage_2_rule = ee.estimate_expert_parallel(shapes, setup, 2).device
+        rest = est.estimate_stage(shapes.rest, setup, 2).device
+        assert stage_2_rule["parameters"] - rest["parameters"] == EXPERTS * 2 // ep  # 1/ep instead of 1/W
+    persistent = ee.expert_shapes_from_module(model, 2, ZeroConfig.from_any({}).zero_optimization)
+    assert not persistent.local_units and len(persistent.local_persistent) == 8  # under the default threshold
 
 
 def test_the_cli_reports_stages_1_to_3_and_the_autoep_block(

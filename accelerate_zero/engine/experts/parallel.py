@@ -56,6 +56,8 @@ class ExpertPlacement:
     layers: list[ExpertLayer]
     ranges: dict[str, tuple[int, int]]
     """Layer name -> the global experts [start, stop) this rank holds."""
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """id(split parameter) -> its shape on this rank (stage 3 may leave the parameter an empty placeholder)."""
     handles: list[RemovableHandle] = field(default_factory=list)
     adapters: list[nn.Module] = field(default_factory=list)
     """peft LoRA wrappers of the split parameters, whole on every rank ([Note: LoRA on split experts] in
@@ -118,6 +120,7 @@ def split_experts(
                 )
             rows = param.shape[0] // layer.num_experts  # 1, or DBRX's F rows per expert
             param.data = param.data[start * rows : (start + per_rank) * rows].clone()
+            placement.shapes[id(param)] = tuple(param.shape)
         layer.module.num_experts = per_rank  # what the experts' own forward reads (one-hot width, group bins)
         # [Note: LoRA on split experts] in engine/experts/adapters.py
         placement.adapters += localize_adapters(model, layer.module, layer.name, start, start + per_rank)

@@ -10,10 +10,13 @@ model, which assumes every rank holds the same parameters:
 - Each rank's experts form, per optimizer param group, one flat group of their own, partitioned over their peers
   (the W / ep ranks holding the same experts, `layout.expert_peers`): at stage 1 their optimizer states and fp32
   masters, at stages 2 and 3 their gradients too, reduce-scattered over the peers during backward and divided by W
-  ([Note: gradients of split experts]). After the step the peers all-gather the updated experts. At stage 3 too the
-  experts stay whole on their rank between steps, 1/ep of each layer, with no gather in forward or backward: a
-  token's expert computes where it lives, so the bytes that flat stage 3 gathers for every expert of every layer
-  twice per step become one all-gather of 1/ep of them among the peers after the step.
+  ([Note: gradients of split experts]). After the step the peers all-gather the updated experts, which stay whole
+  on their rank between steps, 1/ep of each layer: a token's expert computes where it lives, so the bytes that
+  flat stage 3 gathers for every expert of every layer become one all-gather of 1/ep of them among the peers.
+- At stage 3 with more than one peer (ep < W) the local experts are cut once more, over the peers, into one gather
+  unit per layer, gathered among the peers around the experts' forward and backward as stage 3 gathers the rest
+  over the world ([Note: experts below 1/ep at stage 3] in engine/experts/gather_units.py): each rank then holds
+  1/W of the experts, as flat stage 3 does. Small (persistent) experts, and all of them at ep = W, stay whole.
 - Each element of every expert is held by exactly one rank of the world in the optimizer's shards (one peer of one
   expert group), as each element of the rest is, so the gradient norm and the overflow check summed over all W
   ranks count everything once: clipping is the one-process clipping.
@@ -25,6 +28,7 @@ model, which assumes every rank holds the same parameters:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -183,9 +187,10 @@ def expert_element_offsets(placement: ExpertPlacement | None) -> dict[int, tuple
     for layer in placement.layers:
         start, stop = placement.ranges[layer.name]
         for param in layer.params():
-            per_expert = param.numel() // (stop - start)  # elements of one expert ([E, ...] or DBRX's [E * F, H])
-            whole_rows = param.shape[0] // (stop - start) * layer.num_experts
-            out[id(param)] = (start * per_expert, [whole_rows, *param.shape[1:]])
+            shape = placement.shapes[id(param)]  # not `param.shape`: a placeholder inside a stage-3 unit
+            per_expert = math.prod(shape) // (stop - start)  # elements of one expert ([E, ...] or DBRX's [E * F, H])
+            whole_rows = shape[0] // (stop - start) * layer.num_experts
+            out[id(param)] = (start * per_expert, [whole_rows, *shape[1:]])
     return out
 
 

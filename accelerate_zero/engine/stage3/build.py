@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,11 +19,12 @@ from accelerate_zero.engine.shard_slice import ShardSlice
 from accelerate_zero.engine.stage3.flat_unit import FlatUnitBuffer, Scatter, build_flat, set_data
 from accelerate_zero.engine.stage3.loading import PRELOADED_ATTR, adopt
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, unit_slices
-from accelerate_zero.engine.stage3.units import UnitLayout
+from accelerate_zero.engine.stage3.units import UnitLayout, find_unit_modules, layout_units
 from accelerate_zero.engine.stores import ShardStore
 
 
 if TYPE_CHECKING:
+    from accelerate_zero.config.schema import ZeroOptimizationConfig
     from accelerate_zero.offload.host_memory import HostMemory
 
 
@@ -44,6 +45,27 @@ class Stage3Parts:
     locations: dict[nn.Parameter, tuple[int, ParamSlot]]
     unit_of_bucket: dict[int, ParamUnit]
     slices_by_group: list[list[ShardSlice]]
+
+
+def plan_units(
+    module: nn.Module,
+    zero: ZeroOptimizationConfig,
+    unit_classes: list[type[nn.Module] | str] | None = None,
+    numel_of: Callable[[nn.Parameter], int] = torch.numel,
+    exclude: Sequence[nn.Parameter] = (),
+) -> UnitLayout:
+    """`layout_units` with the unit modules and persistence thresholds of a `zero_optimization` config (its
+    `leaf_module` classes and names are units too); what the engine builds and the estimates count."""
+    leaf = zero.leaf_module
+    extra = [*leaf.classes, *leaf.names] if leaf is not None else []
+    return layout_units(
+        module,
+        find_unit_modules(module, unit_classes, extra_leaf=extra),
+        zero.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold,
+        numel_of=numel_of,
+        exclude=exclude,
+    )
 
 
 # [Note: stage 3 initialisation, unit by unit]
@@ -76,12 +98,15 @@ def build_stage3(
     kept_for: KeptFor | None = None,
     scratch: ScratchBuffers | None = None,
     fp32_masters: bool = True,
+    own_group_units: Sequence[ParamUnit] = (),
 ) -> Stage3Parts:
     """Places the model on the device unit by unit ([Note: stage 3 initialisation, unit by unit]), flattens and
     shards every unit, and plans the persistent parameters per optimizer param group. Every gradient bucket takes
     its temporaries from `scratch`. `fp32_masters` False: no fp32 masters on the device (optimizer offload).
     `rank`/`world_size`: this rank's shard and the number of shards; `cuts`: this rank is the one whose weights
-    every rank starts from (rank 0 of the world: with replicas, not every shard group's first rank)."""
+    every rank starts from (rank 0 of the world: with replicas, not every shard group's first rank).
+    `own_group_units`: units built already, cut over a group of their own (split experts, [Note: experts below 1/ep
+    at stage 3] in engine/experts/gather_units.py); their parameters are in `trainable_groups`, not in `layout`."""
     group_of = {param: index for index, params in enumerate(trainable_groups) for param in params}
     _refuse_meta_on_rank_0(module, cuts, device, broadcast)
     for param in layout.persistent:
@@ -102,6 +127,7 @@ def build_stage3(
         kept_for,
         scratch,
     )
+    units = _after_their_owners(units, own_group_units)
     _place_rest(module, layout, units, device, broadcast)
     root = units[-1]
     persistent = set(layout.persistent)
@@ -148,9 +174,22 @@ def build_stage3(
     _settle_shards(units, shard_store, spilled, host_memory)
     slices = [group_slices(shard) for shard in persistent_groups]
     for unit in units:
-        for index, unit_group in enumerate(unit_slices(unit, group_of, rank, len(trainable_groups), fp32_masters)):
+        shard_rank = unit.trainable.rank if unit.trainable is not None else rank  # a unit of its own group: its rank
+        for index, unit_group in enumerate(
+            unit_slices(unit, group_of, shard_rank, len(trainable_groups), fp32_masters)
+        ):
             slices[index] += unit_group
     return Stage3Parts(units, root, persistent_groups, buckets, locations, unit_of_bucket, slices)
+
+
+def _after_their_owners(units: list[ParamUnit], extra: Sequence[ParamUnit]) -> list[ParamUnit]:
+    """`units` (the root unit last) with each of `extra` right after the last unit whose module contains its module
+    (before the root when none does): its bucket completes before that unit's in backward."""
+    out = list(units)
+    for unit in extra:
+        inside = [i for i, u in enumerate(out[:-1]) if any(m is unit.module for m in u.module.modules())]
+        out.insert(inside[-1] + 1 if inside else len(out) - 1, unit)
+    return out
 
 
 # [Note: where an offloaded shard settles]

@@ -28,7 +28,7 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTr
 from trl.distributed import DistributedBackend
 from trl.generation.vllm_generation import VLLMGeneration
 
-from accelerate_zero.engine.gathered import GatheredParameters
+from accelerate_zero.engine.gathered import GatheredParameters, register_external_parameter
 from accelerate_zero.integrations.accelerate.parallelism import parallelism_from_launch
 from accelerate_zero.integrations.transformers.trainer import ZeroTrainerMixin
 from accelerate_zero.integrations.transformers.training_args import ZeroArgumentsMixin
@@ -74,13 +74,36 @@ def use_zero_weight_sync(generation: VLLMGeneration, accelerator: Any, engine_of
     generation.engine_of = engine_of
 
 
+# [Note: TRL's fused LM head at stage 3]
+# TRL's SFT, DPO and GRPO trainers replace their models' forward on the instance (`add_fused_lm_head`): the backbone
+# runs, then `lm_head.weight` goes straight into a chunked log-softmax kernel, and `lm_head` itself is never called.
+# TRL gathers that weight for DeepSpeed only (`maybe_gather_lm_head_ctx`). Under stage 3 an untied head is a unit of
+# its own, gathered by its module's hooks, so the kernel would read its empty placeholder (found automatically only
+# when the first forward is a training one; GRPO's first is generation, inside a gather of the whole policy). A tied
+# head lives in the root unit and is gathered for the whole forward anyway. So the head's parameters are declared
+# used by the model's own forward (DeepSpeed's `register_external_parameter`): its unit is gathered with the root
+# unit, before every forward and its backward.
+def gather_fused_lm_head(model: torch.nn.Module | None) -> None:
+    """Declares a TRL fused head's parameters used by its model's forward ([Note: TRL's fused LM head at stage 3]);
+    nothing for a model whose forward is its class's."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None or "forward" not in vars(base):
+        return
+    for param in head.parameters():
+        register_external_parameter(base, param)
+
+
 class ZeroTRLMixin(ZeroTrainerMixin):
-    """`ZeroTrainerMixin` for TRL trainers: TRL's distributed backend gets our gather (`ZeroDistributedBackend`)."""
+    """`ZeroTrainerMixin` for TRL trainers: TRL's distributed backend gets our gather (`ZeroDistributedBackend`), and
+    a fused LM head is gathered with its model ([Note: TRL's fused LM head at stage 3])."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if hasattr(self, "_dist"):
             self._dist = ZeroDistributedBackend(self.accelerator)
+        for model in (self.model, getattr(self, "ref_model", None)):
+            gather_fused_lm_head(model)
 
     @contextlib.contextmanager
     def gathered_for_generation(self) -> Iterator[None]:
