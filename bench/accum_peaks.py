@@ -4,10 +4,10 @@ Usage:
     PYTHONPATH=$PWD .venv/bin/python bench/accum_peaks.py                  # W = 4, fsdp2 and az3, accumulation 1 and 4
     PYTHONPATH=$PWD .venv/bin/python bench/accum_peaks.py --accumulations 4 --systems az3 --json out.json
 
-The workload of stage3_bench.py's accumulation table (bench_common / bench_worker): 16 x Linear(1024, 1024), 8 rows
+The workload of stage3_bench.py's accumulation table (harness/models.py): 16 x Linear(1024, 1024), 8 rows
 per rank, fp32 AdamW, gloo, one thread per rank, `MALLOC_MMAP_THRESHOLD_=131072`; FSDP2 is `fully_shard` on each
 Linear then the root (reshard after forward), accumulating on its default path (a reduce-scatter every micro-step);
-az3 is `accelerate_zero.initialize` with bench_worker.STAGE3_KEYS (each Linear a unit, released after its forward).
+az3 is `accelerate_zero.initialize` with models.STAGE3_KEYS (each Linear a unit, released after its forward).
 Each (system, accumulation) runs in its own torchrun group. Every phase (the forward and the backward of each
 micro-step, the optimizer step) starts by resetting the process's peak RSS (`/proc/self/clear_refs`) and ends by
 reading it (`VmHWM`): the exact peak of that phase, not a sampled one. Reported: per phase, the peak minus the
@@ -61,8 +61,7 @@ class PhasePeaks:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from bench_common import LR, build_model, make_batch
-    from bench_worker import engine_config
+    from harness.models import LR, build_model, engine_config, make_batch
     from torch import nn
 
     torch.set_num_threads(1)
@@ -165,7 +164,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--zero", default="{}", help="az3: zero_optimization keys over bench_worker.STAGE3_KEYS (JSON)")
+    parser.add_argument("--zero", default="{}", help="az3: zero_optimization keys over models.STAGE3_KEYS (JSON)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
