@@ -64,6 +64,7 @@ def _reference(world_size: int, accum: int) -> list[torch.Tensor]:
 
 def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
     import accelerate_zero
+    from accelerate_zero.engine.buckets import BucketState
     from accelerate_zero.engine.stage3.param_unit import UnitState
 
     out = {}
@@ -78,10 +79,13 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
         batches = _batches(world_size, STEPS * accum)
         grads_between, comm_per_micro, gathered_between = [], [], []
         allocations, cached_after, buffers_between, cached_at_unit = [], [], [], []
-        # Runs after the engine's own hook of the same moment (registered when it was built).
-        engine.scheduler.register_before_unit_backward(
-            lambda unit: cached_at_unit.append(len(engine.reducer.cached_tensors()))
-        )
+        alive_at_unit: list[int] = []
+
+        def at_unit_backward(unit: Any) -> None:  # after the engine's own hook of this moment (registered first)
+            cached_at_unit.append(len(engine.reducer.cached_tensors()))
+            alive_at_unit.append(sum(b.filling or b.state is BucketState.REDUCING for b in engine.reducer.buckets))
+
+        engine.scheduler.register_before_unit_backward(at_unit_backward)
         for x in batches:
             engine.reset_comm_stats()
             allocated_before = engine.reducer.scratch.allocations
@@ -114,6 +118,7 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
             "buckets": len(engine.reducer.buckets),
             "cached_after": cached_after,
             "cached_at_unit": cached_at_unit,
+            "alive_at_unit": alive_at_unit,
             "buffers_between": buffers_between,
             "params": list(full.values()),
         }
@@ -172,6 +177,18 @@ def test_peak_gathered_and_transient_bytes_do_not_grow_with_accumulation(measure
         assert four["peak_live_numel"] <= 3 * four["unit_numel"] < four["model_numel"], (rank, four)
         assert four["peak_transient_bytes"] == one["peak_transient_bytes"], rank
         assert four["peak_transient_bytes"] < four["full_grad_bytes"], rank
+
+
+def test_no_gradient_is_alive_when_a_units_backward_begins(measured: tuple) -> None:
+    """[Note: reductions in flight on gloo] and `gradients_coming` (engine/grad_reduce.py): on gloo the previous
+    unit's reduction is finished, and its gradient given back, before autograd computes the next unit's gradients,
+    so the backward's peak holds one unit's gradient beside the gathered units, as FSDP2's does on the CPU (issue
+    51, item 5)."""
+    _, results = measured
+    for rank, by_accum in enumerate(results):
+        for accum in (1, 4):
+            alive = by_accum[accum]["alive_at_unit"]
+            assert alive and set(alive) == {0}, (rank, accum, alive)
 
 
 def test_between_micro_steps_only_the_gradient_shard_is_kept(measured: tuple) -> None:
