@@ -392,6 +392,7 @@ class GradBucket:
             collectives.all_reduce(owned, self._replicate, self._stats, kind="all_reduce_replicas")
         self.kept.add(owned, post, fresh=not self._has_reduced)
         self._has_reduced = True
+        self.kept.settle()  # `owned` may be autograd's gradient, dropped below (a copy from it may be in flight)
         self._give_back(owned if copied else None)
         self.state = BucketState.EMPTY
 
