@@ -4,12 +4,12 @@ Usage:
     PYTHONPATH=$PWD .venv/bin/python bench/accum_peaks.py                  # W = 4, fsdp2 and az3, accumulation 1 and 4
     PYTHONPATH=$PWD .venv/bin/python bench/accum_peaks.py --accumulations 4 --systems az3 --json out.json
 
-The workload of stage3_bench.py's accumulation table (harness/models.py): 16 x Linear(1024, 1024), 8 rows
-per rank, fp32 AdamW, gloo, one thread per rank, `MALLOC_MMAP_THRESHOLD_=131072`; FSDP2 is `fully_shard` on each
-Linear then the root (reshard after forward), accumulating on its default path (a reduce-scatter every micro-step);
-az3 is `accelerate_zero.initialize` with models.STAGE3_KEYS (each Linear a unit, released after its forward).
-Each (system, accumulation) runs in its own torchrun group. Every phase (the forward and the backward of each
-micro-step, the optimizer step) starts by resetting the process's peak RSS (`/proc/self/clear_refs`) and ends by
+The workload of stage3_bench.py's accumulation table (harness/models.py): 16 x Linear(1024, 1024), 8 rows per rank,
+fp32 AdamW, gloo, one thread per rank, `MALLOC_MMAP_THRESHOLD_=131072`; FSDP2 is `fully_shard` on each Linear then
+the root (reshard after forward), accumulating on its default path (a reduce-scatter every micro-step); az3 is
+`accelerate_zero.initialize` with `models.STAGE3_KEYS` (each Linear a unit, released after its forward). Each
+(system, accumulation) runs on its own fresh ranks (harness/launch.py). Every phase (the forward and the backward of
+each micro-step, the optimizer step) starts by resetting the process's peak RSS (`/proc/self/clear_refs`) and ends by
 reading it (`VmHWM`): the exact peak of that phase, not a sampled one. Reported: per phase, the peak minus the
 baseline (after imports and the process group, before the model), max over ranks and over the timed steps.
 """
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import launch, report
 
-BENCH_DIR = Path(__file__).resolve().parent
+
 MB = 1e6
 
 
@@ -58,18 +56,18 @@ class PhasePeaks:
             self._name = None
 
 
-def worker(args: argparse.Namespace) -> None:
+def train(system: str, accumulation: int, steps: int, warmup: int, zero: str) -> dict[str, Any]:
+    """Rank function: `system` trains the stack; the peak of every phase of the timed steps, above the baseline."""
     import torch
     import torch.distributed as dist
     from harness.models import LR, build_model, engine_config, make_batch
     from torch import nn
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, accumulation = dist.get_rank(), args.accumulation
-    import accelerate_zero  # noqa: F401  (imported before the baseline, as every library)
+    rank = dist.get_rank()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    import accelerate_zero  # noqa: F401  (imported before the baseline, as every library)
 
     _reset_peak()
     baseline = _peak_since_reset()
@@ -77,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
     model = build_model()
     x, y = make_batch(rank)
     micro_step: Callable[[int], None]
-    if args.system == "fsdp2":
+    if system == "fsdp2":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -97,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         config = engine_config(3, None, accumulation)
-        config["zero_optimization"].update(json.loads(args.zero))
+        config["zero_optimization"].update(json.loads(zero))
         engine = accelerate_zero.initialize(model, optimizer, config=config)
 
         def micro_step(micro: int) -> None:
@@ -111,44 +109,26 @@ def worker(args: argparse.Namespace) -> None:
 
     phases.stop()
     init = _peak_since_reset() - baseline
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
+    for step in range(warmup + steps):
+        if step == warmup:
             phases.peaks.clear()  # the timed steps only (the first step allocates the optimizer state)
         for micro in range(accumulation):
             micro_step(micro)
         phases.stop()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"rank": rank, "init": init, "peaks": phases.peaks})
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def launch(system: str, accumulation: int, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}"]
-    command += [__file__, f"--worker={system}", f"--accumulation={accumulation}", f"--out={out}"]
-    command += [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--zero={args.zero}"]
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    return {"rank": rank, "init": init, "peaks": phases.peaks}
 
 
 def table(results: dict[tuple[str, int], list[dict[str, Any]]]) -> str:
     columns = sorted({name for ranks in results.values() for r in ranks for name in r["peaks"]}, key=_phase_order)
-    lines = [
-        "| system | accumulation | " + " | ".join(columns) + " | step peak | / FSDP2 at the same accumulation |",
-        "|---|--:|" + "--:|" * (len(columns) + 2),
-    ]
     step_peaks = {key: max(max(r["peaks"].values()) for r in ranks) for key, ranks in results.items()}
+    rows = []
     for (system, accumulation), ranks in results.items():
         cells = [max((r["peaks"].get(c, 0) for r in ranks), default=0) for c in columns]
         fsdp2 = step_peaks.get(("fsdp2", accumulation))
         ratio = "" if fsdp2 is None else f"{step_peaks[(system, accumulation)] / fsdp2:.3f}"
-        text = " | ".join(f"{c / MB:.1f}" if c else "" for c in cells)
-        lines.append(f"| {system} | {accumulation} | {text} | {step_peaks[(system, accumulation)] / MB:.1f} | {ratio} |")
-    return "\n".join(lines)
+        peak = f"{step_peaks[(system, accumulation)] / MB:.1f}"
+        rows.append((system, accumulation, *(f"{c / MB:.1f}" if c else "" for c in cells), peak, ratio))
+    return report.table(["system", "accumulation", *columns, "step peak", "/ FSDP2 at the same accumulation"], rows)
 
 
 def _phase_order(name: str) -> tuple[int, int]:
@@ -165,25 +145,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--zero", default="{}", help="az3: zero_optimization keys over models.STAGE3_KEYS (JSON)")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        args.system = args.worker
-        worker(args)
-        return
-    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"accum_peaks_{os.getpid()}"
-    folder.mkdir(exist_ok=True)
-    results = {}
+    facts, results = report.machine_facts(), {}
     for accumulation in args.accumulations:
         for system in args.systems:
-            results[(system, accumulation)] = launch(system, accumulation, args, folder / f"{system}_{accumulation}.json")
-            print(f"{system} accumulation {accumulation}: done (load {os.getloadavg()[0]:.1f})", flush=True)
-    print(f"W = {args.world_size}, peak RSS above the baseline per phase (MB, max over ranks and timed steps)\n")
-    print(table(results))
+            kwargs = dict(
+                system=system, accumulation=accumulation, steps=args.steps, warmup=args.warmup, zero=args.zero
+            )
+            ranks = launch.on_ranks(args.world_size, train, kwargs, name=f"{system}_{accumulation}")
+            results[(system, accumulation)] = ranks.results
+    title = (
+        f"accum_peaks: W = {args.world_size}, peak RSS above the baseline per phase (MB, max over ranks, timed steps)"
+    )
+    print(report.header(facts, title) + "\n\n" + table(results))
     if args.json is not None:
-        args.json.write_text(json.dumps({f"{s}@{a}": r for (s, a), r in results.items()}, indent=1))
+        report.save_json(args.json, {f"{s}@{a}": r for (s, a), r in results.items()}, facts)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,8 @@ Usage:
     .venv/bin/python bench/checkpoint_verify.py --file_mib 2048 --files 2 --dir /path/on/the/checkpoint/disk
 
 Writes `--files` sparse files of `--file_mib` MiB (reading a sparse file costs no disk I/O, so this measures the
-hashing alone; a real checkpoint adds its disk's read time), reads them once (the page cache), then hashes them with
-the engine's own `file_digest` one after the other and with `verify_digests` in parallel threads, best of two each,
-and prints the throughput. Then a
-70B-parameter model's checkpoint (fp32 masters + Adam's two moments: 12 bytes per parameter, split into one file per
-rank of the saving job): the seconds of hashing per loading rank when every rank hashes every file (before) and when
-it hashes the files it reads (after: its own, plus rank 0's for the whole tensors), from the measured slope.
+hashing alone), hashes them with the engine's `file_digest` one after the other and with `verify_digests` in
+threads, best of two each; then, from that rate, a 70B model's checkpoint (bench/README.md, "checkpoint_verify.py").
 """
 
 from __future__ import annotations
@@ -21,6 +17,8 @@ import os
 import tempfile
 import time
 from pathlib import Path
+
+from harness import report
 
 from accelerate_zero.checkpoint.meta import file_digest, verify_digests
 
@@ -53,15 +51,15 @@ def main() -> None:
         path.unlink()
     folder.rmdir()
     rate = size / serial / 1e9  # GB/s on one core
-    print(f"{args.files} x {args.file_mib} MiB: one thread {serial:.2f} s ({rate:.2f} GB/s), ", end="")
-    print(f"{args.files} threads {threaded:.2f} s ({size / threaded / 1e9:.2f} GB/s; {os.cpu_count()} cores)")
+    print(report.header(report.machine_facts(), "checkpoint_verify: hashing a checkpoint on each loading rank"))
+    print(f"{args.files} x {args.file_mib} MiB: one thread {serial:.2f} s ({rate:.2f} GB/s), {args.files} threads "
+          f"{threaded:.2f} s ({size / threaded / 1e9:.2f} GB/s; {os.cpu_count()} cores)")  # fmt: skip
     total = 70e9 * 12  # bytes: fp32 masters, exp_avg, exp_avg_sq
-    print("70B checkpoint (840 GB), seconds of hashing per loading rank at the saved world size W:")
-    print("| W | before: every file | after: own file + rank 0's, one thread | the same, 2 threads |")
-    print("| ---: | ---: | ---: | ---: |")
-    for world in (8, 64, 512):
-        own = total / world / 1e9 / rate
-        print(f"| {world} | {total / 1e9 / rate:,.0f} | {2 * own:,.1f} | {own:,.1f} |")
+    print("70B checkpoint (840 GB), seconds of hashing per loading rank at the saved world size W:\n")
+    seconds = total / 1e9 / rate
+    rows = [(w, f"{seconds:,.0f}", f"{2 * seconds / w:,.1f}", f"{seconds / w:,.1f}") for w in (8, 64, 512)]
+    columns = ["W", "before: every file", "after: own file + rank 0's, one thread", "the same, 2 threads"]
+    print(report.table(columns, rows, "rrrr"))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,20 @@
-"""What `activation_checkpointing.cpu_checkpointing` takes off the device, measured on the CPU (issue 40, item 5).
+"""What `activation_checkpointing.cpu_checkpointing` takes off the device, measured on the CPU (issue 40, item 5;
+bench/README.md, "cpu_checkpointing.py").
 
 Usage:
     python bench/cpu_checkpointing.py [--layers 4] [--hidden 256] [--seq 512] [--batch 2]
 
 On the CPU torch.cuda's memory figures do not exist, so the saving is measured where it is made: the bytes autograd
-saves for backward during one forward of a Llama (bf16, one rank, stage 3), counted by saved-tensor hooks opened
-around the call. Without `cpu_checkpointing` they stay with autograd on the compute device; with it the engine's
-hooks, inside, copy them to host memory (`ActivationsToHost.stats`) and the outer hooks see nothing left. The
-parameters autograd saves (their views) stay where the engine keeps them, with it or not.
+saves for backward during one forward of a Llama (bf16, one rank, stage 3), counted by saved-tensor hooks around the
+call. With `cpu_checkpointing` the engine's hooks, inside, copy them to host memory (`ActivationsToHost.stats`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
-
-import accelerate_zero
+from harness import launch, models, report
 
 
 def _saved_outside(model: torch.nn.Module) -> tuple[list[int], torch.autograd.graph.saved_tensors_hooks]:
@@ -33,28 +30,15 @@ def _saved_outside(model: torch.nn.Module) -> tuple[list[int], torch.autograd.gr
 
 
 def measure(args: argparse.Namespace, checkpointing: bool, cpu: bool) -> dict[str, int]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import accelerate_zero
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=args.seq,
-    )
-    model = LlamaForCausalLM(config)
+    model = models.llama(models.llama_config(args.hidden, args.layers, vocab=1024, heads=8, kv_heads=4, seq=args.seq))
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     ds = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "activation_checkpointing": {"cpu_checkpointing": cpu},
-    }
+        "train_micro_batch_size_per_gpu": args.batch, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "activation_checkpointing": {"cpu_checkpointing": cpu},
+    }  # fmt: skip
     engine = accelerate_zero.initialize(model, config=ds, device="cpu")
     tokens = torch.randint(0, 1024, (args.batch, args.seq))
     counts, hooks = _saved_outside(engine.module)
@@ -76,21 +60,20 @@ def main() -> None:
     for name, default in (("layers", 4), ("hidden", 256), ("seq", 512), ("batch", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29631", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    print(f"Llama, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, bf16, stage 3")
-    print(
-        "| gradient checkpointing | cpu_checkpointing | autograd's activations on the device | in host memory "
-        "| parameters' views saved (in place) | host after backward |"
-    )
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    launch.single_process_env()
+    title = (f"cpu_checkpointing: Llama, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} "
+             "tokens, bf16, stage 3")  # fmt: skip
+    print(report.header(report.machine_facts(), title) + "\n")
+    rows = []
     for checkpointing in (False, True):
         for cpu in (False, True):
             m = measure(args, checkpointing, cpu)
             params = m["kept_parameters"] if cpu else m["device_parameters"]
-            print(
-                f"| {'on' if checkpointing else 'off'} | {'on' if cpu else 'off'} | {m['device_activations']:,} "
-                f"| {m['host_activations']:,} | {params:,} | {m['host_after_backward']:,} |"
-            )
+            rows.append(("on" if checkpointing else "off", "on" if cpu else "off", f"{m['device_activations']:,}",
+                         f"{m['host_activations']:,}", f"{params:,}", f"{m['host_after_backward']:,}"))  # fmt: skip
+    columns = ["gradient checkpointing", "cpu_checkpointing", "autograd's activations on the device", "in host memory",
+               "parameters' views saved (in place)", "host after backward"]  # fmt: skip
+    print(report.table(columns, rows, "llrrrr"))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,8 @@ Usage:
     .venv/bin/python bench/engine_bench.py --world_size 2 --steps 30 --json bench/out/w2.json
     .venv/bin/python bench/engine_bench.py --systems ddp az2     # a subset
 
-Each system runs alone, in its own fresh group (harness/launch.py), on the Linear stack of harness/models.py
-(16 x Linear(1024, 1024), 16.8M fp32 parameters) trained with AdamW on a fixed random 8x1024 batch per rank and an
-MSE loss (harness/steps.py `train`). DeepSpeed runs only from its own virtualenv (`--ds_venv`), skipped when that
-does not exist. How each number is measured: [Note: how the benchmark measures] in harness/readings.py. Compare
-ratios within one run: the machine is shared.
+Each system trains the Linear stack in its own fresh group (`steps.train`); DeepSpeed only from its own virtualenv.
+bench/README.md, "engine_bench.py", and [Note: how the benchmark measures] (harness/readings.py) say how.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Expert parallelism against flat stage 3 on one MoE model: bytes moved per step per collective kind, the experts'
-share of them, peak memory per rank per phase and step time (issue 41, item 5).
+share of them, peak memory per rank per phase and step time (issue 41, item 5; bench/README.md, "expert_parallel.py").
 
 Usage:
     .venv/bin/python bench/expert_parallel.py                                   # ~3 min on 2 busy cores
     .venv/bin/python bench/expert_parallel.py --runs flat3 ep2_s3 ep4_s3 --accums 1 --json bench/out/ep.json
-
-Every run is a fresh group of W = 4 gloo processes (torch.multiprocessing, one thread each) training a
-Qwen3MoeForCausalLM built from a config (`MODEL`: 4 layers, hidden 256, 16 experts of moe_intermediate 256, top-2,
-vocabulary 2000, untied; the experts are ~86% of the parameters) in fp32 with AdamW, each rank a micro-batch of 2
-sequences of 64 tokens, under the default stage 3 thresholds. One optimizer step (the warm-up: it records the
-unit order and makes the optimizer states) then `--steps` measured ones, each of `accum` micro-steps.
-
-Runs (`RUNS`): flat3 = stage 3 without expert parallelism, at the defaults (`stage3_max_reuse_distance` and
-`stage3_max_live_parameters` 1e9, DeepSpeed's: a unit gathered in forward stays gathered until its backward, so
-each expert is gathered once per micro-step); flat3_release = the same with `stage3_max_reuse_distance: 0` (each
-unit released after its forward and gathered again in backward: twice per micro-step); ep2_s3 / ep4_s3 = stage 3 with
-`expert_parallel: {enabled, autoep_size}` 2 / 4; ep4_s2 = stage 2 with ep 4.
-
-Bytes are the engine's own count (`engine.comm_stats_counter`, engine/collectives.py: payload x (g - 1)/g for a
-gather or reduce-scatter over g ranks; for an all-to-all the rows that leave the rank), per rank, for the last
-measured step.
-Which of them are the experts' ([Note: what the experts moved] below) is read from each collective as it is
-recorded. Memory: VmHWM reset (`/proc/self/clear_refs`) at the start of each phase and read at its end (forward,
-backward, the optimizer step), the largest over ranks and micro-steps; beside it `engine.memory_breakdown()` after
-the last backward (the whole training state is held then). Times are the median over the measured steps, on
-processes sharing 2 cores with other users: they say little.
 
 [Note: what the experts moved]
 - flat stage 3: the experts live in their decoder layer's gather unit. Each gather or reduce-scatter of a unit is
@@ -41,18 +20,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from harness import launch, report
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
 
 WORLD, MICRO, SEQ = 4, 2, 64
 MODEL = dict(
@@ -60,39 +34,19 @@ MODEL = dict(
     num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=2, norm_topk_prob=True,
     max_position_embeddings=4096, tie_word_embeddings=False,
 )  # fmt: skip
-RELEASE = {"stage3_max_reuse_distance": 0}
 RUNS = {
     "flat3": (3, 1, {}),
-    "flat3_release": (3, 1, RELEASE),
+    "flat3_release": (3, 1, {"stage3_max_reuse_distance": 0}),
     "ep2_s3": (3, 2, {}),
     "ep4_s3": (3, 4, {}),
     "ep4_s2": (2, 4, {}),
 }
 """name -> (ZeRO stage, expert-parallel size (1: off), other zero_optimization keys)."""
 MB = 1e6
+PHASES = ("forward", "backward", "step")
 
 
 # ------------------------------------------------------------------------------------------------- one rank
-def _model() -> Any:
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL)).float()
-
-
-def _config(stage: int, ep: int, zero: dict[str, Any], accum: int) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage, **zero},
-    }
-    if ep > 1:
-        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
-    return config
-
-
 class _Recorder:
     """Every collective the engine records, with its kind, payload and ring factor (the group size shows in it)."""
 
@@ -143,31 +97,36 @@ def _split_bytes(calls: list[tuple[str, int, float]], ep: int, fractions: dict[i
     return out
 
 
-def _rank(rank: int, name: str, accum: int, steps: int, seq: int, port: int, out_dir: str) -> None:
+def train(name: str, accum: int, steps: int, seq: int) -> dict[str, Any]:
+    """Rank function: one warm-up step (it records the unit order and makes the optimizer states), then `steps`
+    measured ones of `accum` micro-steps; the last step's bytes, the phases' peaks, the breakdown, the time."""
     import torch
     import torch.distributed as dist
     from harness.readings import proc_status, reset_peak_rss
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     import accelerate_zero
     from accelerate_zero.engine.experts.blocks import find_expert_layers
 
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     stage, ep, zero = RUNS[name]
-    model = _model()
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MODEL)).float()
     expert_numel = {id(p): p.numel() for layer in find_expert_layers(model) for p in layer.params()}
     counts = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "expert_parameters": sum(expert_numel.values()),
     }
     before_init = proc_status()["VmRSS"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = accelerate_zero.initialize(model, optimizer, config=_config(stage, ep, zero, accum))
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum,
+                              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, **zero}}  # fmt: skip
+    if ep > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
+    engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
     fractions = _unit_fractions(engine, expert_numel) if ep == 1 else {}
-    generator = torch.Generator().manual_seed(rank)
-    peaks = dict.fromkeys(("forward", "backward", "step"), 0)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    peaks = dict.fromkeys(PHASES, 0)
     times, recorder, breakdown = [], None, {}
+
     for step in range(steps + 1):
         if step == steps:  # the last step's collectives are the ones reported
             engine.reset_comm_stats()
@@ -178,92 +137,57 @@ def _rank(rank: int, name: str, accum: int, steps: int, seq: int, port: int, out
             tokens = torch.randint(0, MODEL["vocab_size"], (MICRO, seq), generator=generator)
             reset_peak_rss()
             loss = engine(input_ids=tokens, labels=tokens).loss
-            forward_peak = proc_status()["VmHWM"]
+            forward = proc_status()["VmHWM"]
             reset_peak_rss()
             engine.backward(loss)
-            backward_peak = proc_status()["VmHWM"]
-            if micro == accum - 1:
-                breakdown = engine.memory_breakdown()
-                reset_peak_rss()
+            backward, boundary = proc_status()["VmHWM"], micro == accum - 1
+            breakdown = engine.memory_breakdown() if boundary else breakdown
+            reset_peak_rss()
             engine.step()
-            step_peak = proc_status()["VmHWM"]
+            optimizer = proc_status()["VmHWM"]
             if step > 0:  # the warm-up's first forward records the unit order and the step makes the states
-                peaks["forward"] = max(peaks["forward"], forward_peak)
-                peaks["backward"] = max(peaks["backward"], backward_peak)
-                if micro == accum - 1:
-                    peaks["step"] = max(peaks["step"], step_peak)
+                peaks["forward"], peaks["backward"] = max(peaks["forward"], forward), max(peaks["backward"], backward)
+                peaks["step"] = max(peaks["step"], optimizer) if boundary else peaks["step"]
         dist.barrier()
         if step > 0:
             times.append(time.perf_counter() - start)
-    assert recorder is not None
-    result = {
-        "kinds": engine.comm_stats(),
-        "experts": _split_bytes(recorder.calls, ep, fractions),
-        "peaks": peaks,
-        "rss_before_initialize": before_init,
-        "breakdown": breakdown,
-        "step_seconds": statistics.median(times),
-        "counts": counts,
-    }
+    result = {"kinds": engine.comm_stats(), "experts": _split_bytes(recorder.calls, ep, fractions), "peaks": peaks,
+              "rss_before_initialize": before_init, "breakdown": breakdown, "step_seconds": statistics.median(times),
+              "counts": counts}  # fmt: skip
     engine.destroy()
-    dist.destroy_process_group()
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    return result
 
 
 # -------------------------------------------------------------------------------------------------- driver
-def run(name: str, accum: int, steps: int, seq: int, port: int) -> list[dict[str, Any]]:
-    """Every rank's readings of one run (a fresh process group)."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank, args=(name, accum, steps, seq, port, out_dir), nprocs=WORLD)
-        return [json.loads(Path(out_dir, f"{rank}.json").read_text()) for rank in range(WORLD)]
-
-
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Bytes per rank (rank 0's; every rank moves the same, up to the all-to-alls' uneven counts: the largest),
-    peaks and breakdown (largest over ranks), step time (largest median over ranks)."""
+    """Bytes per rank (every rank moves the same, up to the all-to-alls' uneven counts: the largest), peaks and
+    breakdown (largest over ranks), step time (largest median over ranks)."""
+    largest = lambda key: {k: max(r[key][k] for r in ranks) for k in ranks[0][key]}  # noqa: E731
     kinds = {k: max(r["kinds"][k]["bytes_per_rank"] for r in ranks) for k in ranks[0]["kinds"] if k != "total"}
-    experts = {k: max(r["experts"][k] for r in ranks) for k in ranks[0]["experts"]}
-    return {
-        "kinds": kinds,
-        "experts": experts,
-        "peaks": {k: max(r["peaks"][k] for r in ranks) for k in ranks[0]["peaks"]},
-        "rss_before_initialize": max(r["rss_before_initialize"] for r in ranks),
-        "breakdown": {k: max(r["breakdown"][k] for r in ranks) for k in ranks[0]["breakdown"]},
-        "step_seconds": max(r["step_seconds"] for r in ranks),
-        "counts": ranks[0]["counts"],
-    }
+    return {"kinds": kinds, "experts": largest("experts"), "peaks": largest("peaks"),
+            "breakdown": largest("breakdown"), "rss_before_initialize": max(r["rss_before_initialize"] for r in ranks),
+            "step_seconds": max(r["step_seconds"] for r in ranks), "counts": ranks[0]["counts"]}  # fmt: skip
 
 
-def _bytes_table(results: dict[str, dict[str, Any]]) -> str:
+def _tables(results: dict[str, dict[str, Any]]) -> str:
     kinds = sorted({k for r in results.values() for k in r["kinds"]})
-    head = "| run | " + " | ".join(kinds) + " | experts: gathers | reduce-scatters | all-to-alls | experts total |"
-    lines = [head, "|" + "---|" * (len(kinds) + 5)]
-    for key, r in results.items():
-        cells = [f"{r['kinds'].get(k, 0) / MB:.2f}" for k in kinds]
-        e = r["experts"]
-        cells += [f"{e[k] / MB:.2f}" for k in ("expert_gathers", "expert_reduce_scatters", "expert_all_to_all")]
-        lines.append(f"| {key} | " + " | ".join(cells) + f" | **{e['expert_total'] / MB:.2f}** |")
-    return "\n".join(lines)
-
-
-def _memory_table(results: dict[str, dict[str, Any]]) -> str:
-    kinds = ("parameters", "gradients", "optimizer_states", "communication_buffers", "total")
-    lines = [
-        "| run | RSS before initialize | peak forward | peak backward | peak step | "
-        + " | ".join(f"held {k}" for k in kinds)
-        + " | step s |",
-        "|" + "---|" * (len(kinds) + 6),
-    ]
-    for key, r in results.items():
-        p, b = r["peaks"], r["breakdown"]
-        cells = [f"{r['rss_before_initialize'] / MB:.1f}"] + [
-            f"{p[k] / MB:.1f}" for k in ("forward", "backward", "step")
-        ]
-        cells += [f"{b.get(k, 0) / MB:.2f}" for k in kinds]
-        lines.append(f"| {key} | " + " | ".join(cells) + f" | {r['step_seconds']:.3f} |")
-    return "\n".join(lines)
+    expert_kinds = ("expert_gathers", "expert_reduce_scatters", "expert_all_to_all")
+    rows = [(key, *(f"{r['kinds'].get(k, 0) / MB:.2f}" for k in kinds),
+             *(f"{r['experts'][k] / MB:.2f}" for k in expert_kinds), f"**{r['experts']['expert_total'] / MB:.2f}**")
+            for key, r in results.items()]  # fmt: skip
+    columns = ["run", *kinds, "experts: gathers", "reduce-scatters", "all-to-alls", "experts total"]
+    held = ("parameters", "gradients", "optimizer_states", "communication_buffers", "total")
+    memory = [(key, f"{r['rss_before_initialize'] / MB:.1f}", *(f"{r['peaks'][k] / MB:.1f}" for k in PHASES),
+               *(f"{r['breakdown'].get(k, 0) / MB:.2f}" for k in held), f"{r['step_seconds']:.3f}")
+              for key, r in results.items()]  # fmt: skip
+    memory_columns = ["run", "RSS before initialize", "peak forward", "peak backward", "peak step",
+                      *(f"held {k}" for k in held), "step s"]  # fmt: skip
+    return (
+        "Bytes per rank in one optimizer step (MB), per collective kind and the experts' share:\n\n"
+        + report.table(columns, rows)
+        + "\n\nMemory per rank (MB): VmHWM per phase, engine.memory_breakdown() after the last backward:\n\n"
+        + report.table(memory_columns, memory)
+    )
 
 
 def checks(results: dict[str, dict[str, Any]], accums: list[int]) -> list[str]:
@@ -279,10 +203,10 @@ def checks(results: dict[str, dict[str, Any]], accums: list[int]) -> list[str]:
             gathers = got["experts"]["expert_gathers"], flat["experts"]["expert_gathers"]
             passed = mine <= theirs / ep
             out.append(
-                f"{'PASS' if passed else 'FAIL'}: {name} accum {accum} vs {flat_name}: expert bytes {mine / MB:.2f} MB "
-                f"{'<=' if passed else '>'} flat's {theirs / MB:.2f} MB / "
-                f"{ep} = {theirs / ep / MB:.2f} MB (ratio {mine / theirs:.4f}); expert parameter gathers "
-                f"{gathers[0] / MB:.2f} MB vs flat's {gathers[1] / MB:.2f} MB"
+                f"{'PASS' if passed else 'FAIL'}: {name} accum {accum} vs {flat_name}: expert bytes {mine / MB:.2f} "
+                f"MB {'<=' if passed else '>'} flat's {theirs / MB:.2f} MB / {ep} = {theirs / ep / MB:.2f} MB (ratio "
+                f"{mine / theirs:.4f}); expert parameter gathers {gathers[0] / MB:.2f} MB vs flat's "
+                f"{gathers[1] / MB:.2f} MB"
             )
     return out
 
@@ -293,28 +217,22 @@ def main() -> None:
     parser.add_argument("--accums", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps after the warm-up")
     parser.add_argument("--seq", type=int, default=SEQ, help=f"tokens per sequence (default {SEQ})")
-    parser.add_argument("--port", type=int, default=29671)
-    parser.add_argument("--json", default=None, help="write every rank's readings here")
+    parser.add_argument("--json", type=Path, default=None, help="write every rank's readings here")
     args = parser.parse_args()
-    raw, results = {}, {}
-    for i, (accum, name) in enumerate((a, n) for a in args.accums for n in args.runs):
+    facts, raw, results = report.machine_facts(), {}, {}
+    for accum, name in itertools.product(args.accums, args.runs):
         key = f"{name} accum {accum}"
-        raw[key] = run(name, accum, args.steps, args.seq, args.port + i)
+        kwargs = {"name": name, "accum": accum, "steps": args.steps, "seq": args.seq}
+        raw[key] = launch.on_ranks(WORLD, train, kwargs, name=f"{name}_accum{accum}").results
         results[key] = summarize(raw[key])
     counts = next(iter(results.values()))["counts"]
-    print(
-        f"Qwen3-MoE {counts['parameters'] / 1e6:.2f}M parameters, experts {counts['expert_parameters'] / 1e6:.2f}M "
-        f"({4 * counts['expert_parameters'] / MB:.1f} MB fp32), W = {WORLD}, {MICRO} x {args.seq} tokens per rank "
-        "and micro-step\n"
-    )
-    print("Bytes per rank in one optimizer step (MB), per collective kind and the experts' share:\n")
-    print(_bytes_table(results) + "\n")
-    print("Memory per rank (MB): VmHWM per phase, engine.memory_breakdown() after the last backward:\n")
-    print(_memory_table(results) + "\n")
-    print("\n".join(checks(results, args.accums)))
+    print(report.header(facts, "expert_parallel: expert parallelism against flat stage 3"))
+    print(f"Qwen3-MoE {counts['parameters'] / 1e6:.2f}M parameters, experts {counts['expert_parameters'] / 1e6:.2f}M "
+          f"({4 * counts['expert_parameters'] / MB:.1f} MB fp32), W = {WORLD}, {MICRO} x {args.seq} tokens per rank "
+          "and micro-step\n")  # fmt: skip
+    print(_tables(results) + "\n\n" + "\n".join(checks(results, args.accums)))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"runs": raw, "summary": results}, indent=1))
+        report.save_json(args.json, {"runs": raw, "summary": results}, facts)
 
 
 if __name__ == "__main__":

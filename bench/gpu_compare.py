@@ -6,19 +6,10 @@ Usage (from the repository root; bench/gpu_compare.sh is the prepared GPU sessio
     python bench/gpu_compare.py --hidden 4096 --layers 24 --batch 2 --accumulation 1 --modes cpu+param --label 5B
     python bench/gpu_compare.py --dry_run --out /tmp/dry                     # tiny, on the CPU: checks the script
 
-Each (system, mode) runs bench/gpu_compare_worker.py in its own process with its own timeout, so one failure or
-hang loses only its own row; the worker's docstring says what each system runs. Modes: none, cpu
-(offload_optimizer), cpu+param (offload_optimizer + offload_param; FSDP2's CPUOffloadPolicy), nvme (both in files;
-not FSDP2). A system that cannot run a mode (FSDP2 has no optimizer-only offload) or is not installed (DeepSpeed on
-a machine without it) gets a row saying so. `ours cpu, OMP_NUM_THREADS=1` repeats ours under the launcher's thread
-setting ([Note: threads for host work] in accelerate_zero/offload/host_threads.py); every other run has
-OMP_NUM_THREADS = the machine's cores, which DeepSpeed's cpu_adam and FSDP2's host step need to use them.
-`ours cpu/sync` repeats ours with the host step inside `engine.step()` (ACCELERATE_ZERO_OVERLAP_STEP=0): every other
-run of ours overlaps it with the next forward ([Note: the host step across the step boundary] in
-accelerate_zero/engine/step_in_flight.py). Steps are timed start to start, so a host step running into the next
-step is counted.
-The timeline of one step (bench/gpu_timeline.py) is drawn for `--timeline_systems` (default: ours) in each mode.
-Output: `<out>/results.json`, `<out>/table.md` (also printed last), `<out>/timeline_<system>_<mode>.svg|png|json`.
+Each (system, mode) runs `gpu_compare_worker.run` in its own process with its own timeout, so one failure or hang
+loses only its own row (bench/README.md, "Offload side by side on one GPU", says what is compared and read).
+Modes: none, cpu, cpu+param, nvme; `cpu/omp1` repeats ours with OMP_NUM_THREADS=1, `cpu/sync` with the host step
+inside `engine.step()`. Output: `<out>/results.json`, `<out>/table.md` (printed last), `<out>/timeline_*.svg|png|json`.
 """
 
 from __future__ import annotations
@@ -27,22 +18,21 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import gpu_compare_worker
+from harness import launch
 
-HERE = Path(__file__).resolve().parent
-if str(HERE.parent) not in sys.path:  # accelerate_zero from this checkout, installed or not
-    sys.path.insert(0, str(HERE.parent))
+
 SYSTEMS = ("ours", "deepspeed", "fsdp2")
 MODES = ("none", "cpu", "cpu+param")
 ONE_THREAD = "cpu/omp1"  # ours in mode cpu with OMP_NUM_THREADS=1, as torchrun and accelerate launch set it
 SYNCHRONOUS = "cpu/sync"  # ours in mode cpu with the host step inside engine.step() (ACCELERATE_ZERO_OVERLAP_STEP=0)
 VARIANTS = (ONE_THREAD, SYNCHRONOUS)
-DRY_RUN = {"hidden": 256, "layers": 2, "batch": 2, "seq": 32, "accumulation": 2, "steps": 2}
+DRY_RUN = {"hidden": 256, "layers": 2, "batch": 2, "seq": 32, "accumulation": 2, "steps": 2, "vocab": 1024}
 
 
 def skip_reason(system: str, mode: str) -> str | None:
@@ -59,22 +49,8 @@ def tag(system: str, run_mode: str) -> str:
     return f"{system}_{run_mode.replace('+', '_').replace('/', '_')}"
 
 
-def worker_command(args: argparse.Namespace, system: str, run_mode: str) -> list[str]:
-    mode = run_mode.partition("/")[0]
-    command = [sys.executable, str(HERE / "gpu_compare_worker.py"), "--system", system, "--mode", mode]
-    for key in ("hidden", "layers", "batch", "seq", "accumulation", "steps"):
-        command += [f"--{key}", str(getattr(args, key))]
-    if args.nvme_dir:
-        command += ["--nvme_dir", args.nvme_dir]
-    if system in args.timeline_systems:
-        command += ["--timeline", str(args.out / f"timeline_{tag(system, run_mode)}")]
-    if args.dry_run:
-        command.append("--cpu")
-    return command
-
-
 def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, Any]:
-    """One worker process; its result, or a row naming the error or the skip."""
+    """One process running `gpu_compare_worker.run`; its result, or a row naming the error or the skip."""
     mode, _, variant = run_mode.partition("/")
     row: dict[str, Any] = {"system": system, "mode": run_mode}
     reason = skip_reason(system, mode)
@@ -83,25 +59,21 @@ def run_one(args: argparse.Namespace, system: str, run_mode: str) -> dict[str, A
     timeout = min(args.timeout, int(args.deadline - time.monotonic()))
     if timeout < 20:
         return {**row, "skipped": f"out of time: --budget {args.budget} s spent before this run"}
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if variant == "omp1" else str(args.threads)}
-    env["ACCELERATE_ZERO_OVERLAP_STEP"] = "0" if variant == "sync" else "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    threads = 1 if variant == "omp1" else args.threads
+    env = {"OMP_NUM_THREADS": str(threads), "ACCELERATE_ZERO_OVERLAP_STEP": "0" if variant == "sync" else "1"}
+    timeline = str(args.out / f"timeline_{tag(system, run_mode)}") if system in args.timeline_systems else None
+    worker = {
+        key: getattr(args, key)
+        for key in ("hidden", "layers", "batch", "seq", "accumulation", "steps", "nvme_dir", "vocab")
+    }
+    worker.update(system=system, mode=mode, timeline=timeline, cpu=args.dry_run)
     begin = time.perf_counter()
     try:
-        done = subprocess.run(
-            worker_command(args, system, run_mode), env=env, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as expired:
-        stderr = expired.stderr.decode() if isinstance(expired.stderr, bytes) else (expired.stderr or "")
-        return {**row, "error": f"timed out after {timeout} s; stderr ends: {stderr[-1200:]}"}
-    row["wall_seconds"] = round(time.perf_counter() - begin, 1)
-    (args.out / f"log_{tag(system, run_mode)}.txt").write_text(
-        done.stdout[-20000:] + "\n--- stderr ---\n" + done.stderr[-50000:]
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return {**row, "error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
-    return {**json.loads(lines[-1]), **row}
+        options = dict(name=tag(system, run_mode), out_dir=args.out, env=env, timeout=timeout, threads=threads)
+        ranks = launch.on_ranks(1, gpu_compare_worker.run, {"args": worker}, backend="none", **options)
+    except launch.LaunchFailed as failed:
+        return {**row, "error": str(failed)[-2000:]}
+    return {**ranks.results[0], **row, "wall_seconds": round(time.perf_counter() - begin, 1)}
 
 
 def add_predictions(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -168,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000, help="the Llama's vocabulary (the dry run: 1024)")
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--timeout", type=int, default=150, help="seconds per (system, mode) process")

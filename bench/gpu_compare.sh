@@ -7,6 +7,7 @@
 #     LARGE_LAYERS=largest: the estimator's largest for cpu+param on this machine (bench/gpu_offload.py --largest)
 #   OUT=out PARTS=nvme bash bench/gpu_compare.sh   # 0.17B, modes none and nvme (the file I/O lane)
 #   OUT=out PARTS=adam bash bench/gpu_compare.sh   # host AdamW: ours vs DeepSpeed's cpu_adam on all cores (~3 min)
+#   OUT=out PARTS=compile bash bench/gpu_compare.sh  # eager vs torch.compile, ours 0-3, DDP, FSDP2 (bench/compile_bench.py)
 #   DRY=1 PYTHON=.venv/bin/python SYSTEMS="ours fsdp2" PARTS="1b nvme" bash bench/gpu_compare.sh  # CPU, tiny, no installs
 # BUDGET (default 480 s) caps the whole script: a run that would start past it is recorded as skipped, and each
 # run's timeout is cut to what is left, so a session keeps time to rerun. Everything goes to $OUT; the tables
@@ -78,7 +79,15 @@ for part in $PARTS; do
             >"$OUT/adam.log" 2>&1
           echo "part adam: exit $? at ${SECONDS}s"; tail -8 "$OUT/adam.log"; rm -f "$OUT/adam/python/bin/python"
           continue ;;
-    *) echo "unknown part $part (choose from 1b large nvme adam)"; continue ;;
+    compile) # issue 51: eager vs torch.compile (inductor), ours at stages 0-3, DDP, FSDP2; one GPU, so W=1
+          if [ "$(left)" -lt 60 ]; then echo "part compile: skipped, $(left) s of the budget left"; continue; fi
+          size=(--hidden 2048 --layers 8 --vocab 32000 --seq 1024 --batch 4); [ -n "${DRY:-}" ] && size=(--hidden 64 --layers 1 --vocab 256 --seq 16 --batch 2)
+          device=cuda; [ -n "${DRY:-}" ] && device=cpu
+          timeout "$(( $(left) - 10 ))" $PY bench/compile_bench.py --device "$device" --world_sizes 1 "${size[@]}" \
+            --rounds 3 --steps 5 --warmup 3 --json "$OUT/compile.json" >"$OUT/compile.log" 2>&1
+          echo "part compile: exit $? at ${SECONDS}s"; grep '^|\|^W=\|^model' "$OUT/compile.log"
+          continue ;;
+    *) echo "unknown part $part (choose from 1b large nvme adam compile)"; continue ;;
   esac
   if [ "$(left)" -lt 60 ]; then echo "part $part: skipped, $(left) s of the budget left"; continue; fi
   $PY bench/gpu_compare.py "${options[@]}" ${extra[@]+"${extra[@]}"} --systems "${systems[@]}" --budget "$(( $(left) - 15 ))" \

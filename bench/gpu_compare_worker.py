@@ -1,34 +1,25 @@
-"""One system, one offload mode, one process: the timed training loop of bench/gpu_compare.py (issue 40).
+"""One system, one offload mode, one process: the rank function `run` of bench/gpu_compare.py (issue 40).
 
-Usage (what gpu_compare.py runs; the last line printed is the result as JSON):
-    python bench/gpu_compare_worker.py --system ours --mode cpu --hidden 2048 --layers 16 --batch 4 --seq 1024 \
-        --accumulation 4 --steps 3 --timeline out/timeline_ours_cpu
-
-Every system trains the same LlamaForCausalLM (bench/gpu_compare.py `llama_config`, seed 0) from random weights
-built on the compute device in bf16 (fp32 for FSDP2, whose sharded parameters are its fp32 masters), with bf16
-compute and fp32 master weights and optimizer state, AdamW (lr 1e-5, betas (0.9, 0.999), eps 1e-8, no weight
-decay), `gradient_clipping` 1.0 and `--accumulation` micro-steps of `--batch` x `--seq` tokens per optimizer step:
+Every system trains the same LlamaForCausalLM (`llama_config`, seed 0) from random weights built on the compute
+device in bf16 (fp32 for FSDP2, whose sharded parameters are its fp32 masters), with bf16 compute, fp32 master
+weights and optimizer state, AdamW (lr 1e-5, betas (0.9, 0.999), eps 1e-8, no weight decay), `gradient_clipping`
+1.0 and `accumulation` micro-steps of `batch` x `seq` tokens per optimizer step:
 - ours: `accelerate_zero.initialize` at stage 3 with the mode's `offload_optimizer` / `offload_param` blocks.
-- deepspeed: `deepspeed.initialize` with the same DeepSpeed config (its own optimizer block: DeepSpeedCPUAdam under
-  offload, torch's AdamW without, so no fused_adam build is needed).
+- deepspeed: `deepspeed.initialize` with the same config (its own optimizer block: DeepSpeedCPUAdam under offload,
+  torch's AdamW without, so no fused_adam build is needed).
 - fsdp2: `fully_shard` per decoder layer and at the root, `MixedPrecisionPolicy(bf16, reduce fp32)`,
-  `CPUOffloadPolicy` in mode cpu+param (parameters, gradients and the optimizer step on the host: FSDP2 has no
-  optimizer-only offload), torch's fused AdamW, `clip_grad_norm_`.
-A step is the accumulation micro-steps plus the optimizer step, timed to a device synchronization; the figure is
-the median of `--steps` steps after one warm-up step. Readings: tokens/s, TFLOPS as 6 x parameters x tokens / s,
-`torch.cuda.max_memory_allocated` over the timed steps (device peak), the process's peak RSS (host peak), and with
-`--timeline` one more step under torch.profiler, turned into lanes (bench/gpu_timeline.py).
+  `CPUOffloadPolicy` in mode cpu+param (FSDP2 has no optimizer-only offload), torch's fused AdamW, `clip_grad_norm_`.
+A step is the micro-steps plus the optimizer step, timed start to start (a host step running into the next step is
+counted); the figure is the median of `steps` steps after one warm-up step. Readings: tokens/s, TFLOPS as 6 x
+parameters x tokens / s, `torch.cuda.max_memory_allocated` (device peak), the peak RSS (host peak), and with
+`timeline` one more step under torch.profiler, turned into lanes (bench/gpu_timeline.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import resource
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,10 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timeline import lanes_from_trace, write_drawings  # noqa: E402
+from gpu_timeline import lanes_from_trace, write_drawings
+from harness import launch, models
 
 
 SYSTEMS = ("ours", "deepspeed", "fsdp2")
@@ -47,146 +36,105 @@ MODES = ("none", "cpu", "cpu+param", "nvme")
 LR, BETAS, EPS = 1e-5, (0.9, 0.999), 1e-8
 
 
-def llama_config(hidden: int, layers: int, seq: int) -> Any:
-    """LlamaForCausalLM of `layers` x `hidden`: heads of 128 dimensions (fewer when hidden is small), intermediate
-    8/3 x hidden rounded to 64, vocabulary 32000, untied head."""
-    from transformers import LlamaConfig
-
+def llama_config(hidden: int, layers: int, seq: int, vocab: int = 32000) -> Any:
+    """Heads of 128 dimensions (fewer when hidden is small), intermediate 8/3 x hidden rounded to 64."""
     heads = max(1, hidden // 128)
-    return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=hidden,
-        intermediate_size=64 * max(1, round(hidden * 8 / 3 / 64)),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=seq,
-        tie_word_embeddings=False,
-    )
+    intermediate = 64 * max(1, round(hidden * 8 / 3 / 64))
+    return models.llama_config(hidden, layers, vocab=vocab, intermediate=intermediate, heads=heads, seq=seq)
 
 
-def deepspeed_config(args: argparse.Namespace, optimizer_block: bool) -> dict[str, Any]:
-    """The DeepSpeed-format config both ours and DeepSpeed read for `args.mode`."""
+def deepspeed_config(mode: str, batch: int, accumulation: int, nvme_dir: str | None, optimizer_block: bool) -> dict:
+    """The DeepSpeed-format config both ours and DeepSpeed read for `mode`."""
     zero: dict[str, Any] = {"stage": 3}
-    nvme = {"device": "nvme", "nvme_path": args.nvme_dir}
-    if args.mode != "none":
-        zero["offload_optimizer"] = dict(nvme) if args.mode == "nvme" else {"device": "cpu"}
-    if args.mode in ("cpu+param", "nvme"):
-        zero["offload_param"] = {**nvme, "max_in_cpu": 0} if args.mode == "nvme" else {"device": "cpu"}
-    config: dict[str, Any] = {
-        "bf16": {"enabled": True},
-        "gradient_clipping": 1.0,
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": args.accumulation,
-        "zero_optimization": zero,
-    }
+    nvme = {"device": "nvme", "nvme_path": nvme_dir}
+    if mode != "none":
+        zero["offload_optimizer"] = dict(nvme) if mode == "nvme" else {"device": "cpu"}
+    if mode in ("cpu+param", "nvme"):
+        zero["offload_param"] = {**nvme, "max_in_cpu": 0} if mode == "nvme" else {"device": "cpu"}
+    config: dict[str, Any] = {"bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero}
+    config.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=accumulation)
     if optimizer_block:
-        params = {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0}
-        if args.mode == "none":
-            params["torch_adam"] = True
+        params = {
+            "lr": LR,
+            "betas": list(BETAS),
+            "eps": EPS,
+            "weight_decay": 0.0,
+            **({"torch_adam": True} if mode == "none" else {}),
+        }
         config["optimizer"] = {"type": "AdamW", "params": params}
     return config
 
 
-def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        return LlamaForCausalLM(llama_config(args.hidden, args.layers, args.seq)).to(dtype)
-
-
-def _init_process_group(device: torch.device) -> None:
-    import torch.distributed as dist
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=_device_id(device))
-
-
-def _device_id(device: torch.device) -> torch.device | None:
-    return device if device.type == "cuda" else None
-
-
 MicroStep = Callable[[torch.Tensor], torch.Tensor]  # tokens -> loss, after its backward
-Boundary = Callable[[], None]  # the optimizer step (ours and DeepSpeed: inside their step() on the boundary)
+Built = tuple[MicroStep, Callable[[], None], Callable[[], dict[str, Any]]]
+"""A micro-step, the boundary's optimizer step (ours and DeepSpeed: inside their step()), and what ends the run
+(returning what the system reports of its schedule)."""
 
 
-OURS: dict[str, Any] = {}
-"""What ours reports of its schedule when destroyed (added to its result row)."""
+def _labelled(name: str, work: Callable[[], Any]) -> Any:
+    with torch.profiler.record_function(name):
+        return work()
 
 
-def build_ours(args: argparse.Namespace, device: torch.device) -> tuple[MicroStep, Boundary, Callable[[], None]]:
+def build_ours(args: dict[str, Any], device: torch.device, model: torch.nn.Module) -> Built:
     import accelerate_zero
 
-    model = _model(args, device, torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    engine = accelerate_zero.initialize(model, optimizer, config=deepspeed_config(args, False), device=device)
+    config = deepspeed_config(args["mode"], args["batch"], args["accumulation"], args["nvme_dir"], False)
+    engine = accelerate_zero.initialize(model, optimizer, config=config, device=device)
 
     def micro(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.profiler.record_function("bench::forward"):
-            loss = engine(input_ids=tokens, labels=tokens).loss
-        with torch.profiler.record_function("bench::backward"):
-            engine.backward(loss)
+        loss = _labelled("bench::forward", lambda: engine(input_ids=tokens, labels=tokens).loss)
+        _labelled("bench::backward", lambda: engine.backward(loss))
         engine.step()  # the optimizer step runs here on the boundary
         return loss
 
-    def destroy() -> None:
+    def destroy() -> dict[str, Any]:
         flight = engine.sharded_optimizer.in_flight  # None: every host step ran inside engine.step()
-        OURS["host_step_overlapped"] = flight is not None and flight.launches > 0
-        OURS["reads_that_waited_for_the_host_step"] = flight.waits if flight is not None else 0
+        out = {"host_step_overlapped": flight is not None and flight.launches > 0,
+               "reads_that_waited_for_the_host_step": flight.waits if flight is not None else 0}  # fmt: skip
         engine.destroy()
+        return out
 
     return micro, lambda: None, destroy
 
 
-def build_deepspeed(args: argparse.Namespace, device: torch.device) -> tuple[MicroStep, Boundary, Callable[[], None]]:
+def build_deepspeed(args: dict[str, Any], device: torch.device, model: torch.nn.Module) -> Built:
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    model = _model(args, device, torch.bfloat16)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=deepspeed_config(args, True)
-    )
+    config = deepspeed_config(args["mode"], args["batch"], args["accumulation"], args["nvme_dir"], True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def micro(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.profiler.record_function("bench::forward"):
-            loss = engine(input_ids=tokens, labels=tokens).loss
-        with torch.profiler.record_function("bench::backward"):
-            engine.backward(loss)
-        with torch.profiler.record_function(
-            "ZeRO::optimizer_step" if engine.is_gradient_accumulation_boundary() else "bench::micro_end"
-        ):
-            engine.step()
+        loss = _labelled("bench::forward", lambda: engine(input_ids=tokens, labels=tokens).loss)
+        _labelled("bench::backward", lambda: engine.backward(loss))
+        _labelled(
+            "ZeRO::optimizer_step" if engine.is_gradient_accumulation_boundary() else "bench::micro_end", engine.step
+        )
         return loss
 
-    return micro, lambda: None, lambda: None
+    return micro, lambda: None, dict
 
 
-def build_fsdp2(args: argparse.Namespace, device: torch.device) -> tuple[MicroStep, Boundary, Callable[[], None]]:
+def build_fsdp2(args: dict[str, Any], device: torch.device, model: torch.nn.Module) -> Built:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if args.mode not in ("none", "cpu+param"):
-        raise NotImplementedError(f"FSDP2 has no offload mode like {args.mode!r} (only CPUOffloadPolicy: cpu+param)")
-    model = _model(args, device, torch.bfloat16).float()  # masters on the bf16 grid, as the others start
+    if args["mode"] not in ("none", "cpu+param"):
+        raise NotImplementedError(
+            f"FSDP2 has no offload mode like {args['mode']!r} (only CPUOffloadPolicy: cpu+param)"
+        )
+    model = model.float()  # masters on the bf16 grid, as the others start
     mesh = init_device_mesh(device.type, (1,))
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.mode == "cpu+param" else OffloadPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args["mode"] == "cpu+param" else OffloadPolicy()
+    for module in [*model.model.layers, model]:
+        fully_shard(module, mesh=mesh, mp_policy=precision, offload_policy=offload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
 
     def micro(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.profiler.record_function("bench::forward"):
-            loss = model(input_ids=tokens, labels=tokens).loss
-        with torch.profiler.record_function("bench::backward"):
-            (loss / args.accumulation).backward()
+        loss = _labelled("bench::forward", lambda: model(input_ids=tokens, labels=tokens).loss)
+        _labelled("bench::backward", lambda: (loss / args["accumulation"]).backward())
         return loss
 
     def boundary() -> None:
@@ -195,7 +143,7 @@ def build_fsdp2(args: argparse.Namespace, device: torch.device) -> tuple[MicroSt
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    return micro, boundary, lambda: None
+    return micro, boundary, dict
 
 
 BUILDERS = {"ours": build_ours, "deepspeed": build_deepspeed, "fsdp2": build_fsdp2}
@@ -206,29 +154,25 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_step(args: argparse.Namespace, micro: MicroStep, boundary: Boundary, tokens: torch.Tensor) -> float:
-    with torch.profiler.record_function("bench::step"):
-        for _ in range(args.accumulation):
-            loss = micro(tokens)
-        boundary()
-    return float(loss.detach().float())
-
-
-def profile_step(args: argparse.Namespace, step: Callable[[], float], device: torch.device) -> dict[str, Any]:
-    """One step under torch.profiler, reduced to its lanes; drawings written next to `--timeline`."""
+def profile_step(args: dict[str, Any], step: Callable[[], float], device: torch.device) -> dict[str, Any]:
+    """One step under torch.profiler, reduced to its lanes; drawings written next to `timeline`."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, experimental_config=_all_threads()) as prof:
+    try:  # every thread: the NVMe reads and writes run on worker threads
+        threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        threads = None
+    with profile(activities=activities, experimental_config=threads) as prof:
         step()  # the previous step: its host step may run into the one drawn (the last `bench::step`)
         step()
         _synchronize(device)
     with tempfile.TemporaryDirectory() as folder:  # a GPU trace of one step is tens of MB: only lanes are kept
-        trace = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        timeline = lanes_from_trace(json.loads(trace.read_text()))
-    stem = Path(args.timeline)
-    title = f"{args.system}, {args.mode}: one step of {args.accumulation} x {args.batch} x {args.seq} tokens"
+        prof.export_chrome_trace(f"{folder}/trace.json")
+        timeline = lanes_from_trace(json.loads(Path(f"{folder}/trace.json").read_text()))
+    stem = Path(args["timeline"])
+    title = f"{args['system']}, {args['mode']}: one step of {args['accumulation']} x {args['batch']} x "
+    title += f"{args['seq']} tokens"
     timeline["drawings"] = [str(p) for p in write_drawings(timeline, f"{title} ({timeline['step_ms']:.0f} ms)", stem)]
     stem.with_suffix(".json").write_text(json.dumps(timeline))
     return {key: timeline[key] for key in ("step_ms", "gpu", "busy", "drawings")}
@@ -240,9 +184,7 @@ def measure_figures(device: torch.device, numel: int = 1 << 24) -> dict[str, flo
     the threads the engine's host step uses (elements/s)."""
     from accelerate_zero.offload.host_threads import HostThreads, threads_for_rank
 
-    pinned = device.type == "cuda"
-    host = torch.ones(numel, pin_memory=pinned)
-    on_device = torch.empty(numel, device=device)
+    host, on_device = torch.ones(numel, pin_memory=device.type == "cuda"), torch.empty(numel, device=device)
     seconds = []
     for copy in (lambda: on_device.copy_(host, non_blocking=True), lambda: host.copy_(on_device, non_blocking=True)):
         copy()
@@ -264,98 +206,65 @@ def measure_figures(device: torch.device, numel: int = 1 << 24) -> dict[str, flo
     return {"copy_gbps": round(numel * 4 / statistics.mean(seconds) / 1e9, 2), "host_rate": round(numel / step, 1)}
 
 
-def _all_threads() -> Any:
-    """Profiles every thread (the NVMe reads and writes run on worker threads); None where torch cannot."""
-    try:
-        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    except (AttributeError, TypeError):
-        return None
+def run(args: dict[str, Any]) -> dict[str, Any]:
+    """Rank function (one process, its own process group: NCCL on a GPU, gloo on the CPU): `args` holds system,
+    mode, hidden, layers, batch, seq, accumulation, steps, nvme_dir, timeline (a path stem or None), cpu, vocab."""
+    import torch.distributed as dist
 
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available() and not args["cpu"]
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    _init_process_group(device)
+    launch.single_process_env()
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    if args["system"] == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    args = dict(args, nvme_dir=args["nvme_dir"] or tempfile.mkdtemp(prefix="gpu_compare_nvme_"))
     start = time.perf_counter()
-    micro, boundary, destroy = BUILDERS[args.system](args, device)
+    config = llama_config(args["hidden"], args["layers"], args["seq"], args.get("vocab", 32000))
+    micro, boundary, destroy = BUILDERS[args["system"]](
+        args, device, models.llama(config, device=device, dtype=torch.bfloat16)
+    )
     setup_seconds = time.perf_counter() - start
-    numel = _numel(args)
-    tokens = torch.randint(0, 32000, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    numel = sum(p.numel() for p in models.llama(config, device="meta").parameters())
+    tokens = models.tokens(args["batch"], args["seq"], config.vocab_size, seed=1).to(device)
 
     def step() -> float:
-        return one_step(args, micro, boundary, tokens)
+        with torch.profiler.record_function("bench::step"):
+            for _ in range(args["accumulation"]):
+                loss = micro(tokens)
+            boundary()
+        return float(loss.detach().float())
 
     losses = [step()]
     _synchronize(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    # Timed from one step's start to the next's: an offloaded host step may still run when `step()` returns and
-    # finish during the next forward ([Note: the host step across the step boundary] in
-    # accelerate_zero/engine/step_in_flight.py); one more step ends the last timing (its loss is not kept).
+    # Timed start to start ([Note: the host step across the step boundary] in engine/step_in_flight.py): one more
+    # step ends the last timing (its loss is not kept).
     begins = []
-    for index in range(args.steps + 1):
+    for index in range(args["steps"] + 1):
         begins.append(time.perf_counter())
         loss = step()
         _synchronize(device)
-        if index < args.steps:
-            losses.append(loss)
-    times = [b - a for a, b in zip(begins, begins[1:], strict=False)]
-    seconds = statistics.median(times)
-    step_tokens = args.batch * args.seq * args.accumulation
+        losses += [loss] if index < args["steps"] else []
+    seconds = statistics.median(b - a for a, b in zip(begins, begins[1:], strict=False))
+    step_tokens = args["batch"] * args["seq"] * args["accumulation"]
     result = {
-        "system": args.system,
-        "mode": args.mode,
-        "numel": numel,
-        "step_seconds": round(seconds, 4),
+        "system": args["system"], "mode": args["mode"], "numel": numel, "step_seconds": round(seconds, 4),
         "tokens_per_second": round(step_tokens / seconds, 1),
         "tflops": round(6 * numel * step_tokens / seconds / 1e12, 2),
         "device_peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else None,
         "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-        "setup_seconds": round(setup_seconds, 1),
-        "losses": [round(v, 4) for v in losses],
-        "torch_threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-    }
-    if args.timeline:
+        "setup_seconds": round(setup_seconds, 1), "losses": [round(v, 4) for v in losses],
+        "torch_threads": torch.get_num_threads(), "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+    }  # fmt: skip
+    if args["timeline"]:
         result["timeline"] = profile_step(args, step, device)
-    destroy()
-    if args.system == "ours":
-        result.update(OURS)
-        result["measured"] = measure_figures(device)
+    result.update(destroy())
+    if args["system"] == "ours":
+        result["measured"] = measure_figures(device, 1 << (24 if cuda else 20))  # a CPU only checks the script
+    dist.destroy_process_group()
     return result
-
-
-def _numel(args: argparse.Namespace) -> int:
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(llama_config(args.hidden, args.layers, args.seq)).parameters())
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--system", choices=SYSTEMS, required=True)
-    parser.add_argument("--mode", choices=MODES, required=True)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--accumulation", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--nvme_dir", default=None)
-    parser.add_argument("--timeline", default=None, help="path stem for the step's timeline (.svg/.png/.json)")
-    parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is present (dry run)")
-    return parser.parse_args(argv)
-
-
-def main() -> int:
-    args = parse_args()
-    args.nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="gpu_compare_nvme_")
-    print(json.dumps(run(args)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,5 +20,5 @@ echo "gpu_offload exit $?"
 timeout 100 python bench/gpu_offload.py --hidden 1024 --layers 8 --steps 3 --modes none nvme \
   --json "$OUT/gpu_offload_nvme.json" >"$OUT/gpu_offload_nvme.log" 2>&1
 echo "gpu_offload nvme exit $?"
-grep -E "^\||^Llama" "$OUT/gpu_offload.log" "$OUT/gpu_offload_nvme.log"
+grep -E "^\||^gpu_offload" "$OUT/gpu_offload.log" "$OUT/gpu_offload_nvme.log"
 grep -h '"error"' "$OUT"/gpu_offload*.log | cut -c1-1500

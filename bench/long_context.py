@@ -1,144 +1,155 @@
 """Long context on CPU ranks: the longest sequence that trains within a memory budget per rank, and the memory per
-token, with Ulysses sequence parallelism (sp 1, 2, 4) and with tiling, at ZeRO-3 (issue 34).
+token, with Ulysses sequence parallelism (sp 1, 2, 4) and with tiling, at ZeRO-3 (issue 34; bench/README.md,
+"long_context.py").
 
 Usage:
     .venv/bin/python bench/long_context.py                      # budget 1200 MB per rank, ~10 min on 2 cores
     .venv/bin/python bench/long_context.py --budget_mb 300 --json bench/out/long_context.json
-
-For each sp (one `torchrun` of sp processes: one sequence, cut in sp slices) and each of untiled / tiled (MLP and
-logits + loss in tiles of 256 positions, accelerate_zero/sequence/tiling.py), sequences of 512, 1024, 2048, ...
-tokens train one step (forward, backward, AdamW step) until the peak resident memory of a step, above the rank's
-memory before it (VmHWM after `clear_refs`, maximum over ranks), exceeds the budget. Memory per token is the slope
-of that peak between the two longest lengths that fit (per rank, per token of the whole sequence): the cost of
-one more token, without what every step holds whatever the length (a warm-up step of 128 tokens makes the
-optimizer's states first). Llama: vocabulary 32,000, hidden 256, 4 layers, 8 heads (4 key/value), fp32, every
-tensor partitioned (ZeRO-3).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness.readings import proc_status, reset_peak_rss  # noqa: E402
+from harness import launch, report
 
 
 VOCAB, HIDDEN, LAYERS, TILE = 32000, 256, 4, 256
 
 
-def _step(engine, model, group, length: int, tiled: bool) -> float:  # noqa: ANN001
+def sequence_parallel_llama(tiled: bool) -> tuple[Any, Any, Any]:
+    """The Llama at ZeRO-3 (every tensor partitioned) over this group as one sequence-parallel group, Ulysses
+    attention, MLPs tiled by `TILE` positions when `tiled`: (engine, model, the sequence group)."""
     import torch
     import torch.distributed as dist
-
-    from accelerate_zero.sequence import sequence_parallel_loss, shard_sequence
-
-    tokens = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
-    shard = shard_sequence(tokens, tokens, group)
-    # freed memory of the step before goes back to the system first, or this step would reuse it unseen
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = proc_status()["VmRSS"]
-    reset_peak_rss()
-    loss = sequence_parallel_loss(model, shard, group, tile_tokens=TILE if tiled else None)
-    engine.backward(loss)
-    engine.step()
-    peak = torch.tensor([float(proc_status()["VmHWM"] - before)])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return peak.item()
-
-
-def worker(args: argparse.Namespace) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from harness import models
 
     import accelerate_zero
     from accelerate_zero.sequence import register_ulysses_attention, tile_mlp
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
+    model = models.llama(models.llama_config(HIDDEN, LAYERS, vocab=VOCAB, heads=8, kv_heads=4, seq=1 << 17))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+    config = {"sequence_parallel_size": dist.get_world_size(), "zero_optimization": zero}
+    engine = accelerate_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=config)
+    group = engine.layout.sequence if dist.get_world_size() > 1 else engine.dp
+    if dist.get_world_size() > 1:
+        model.set_attn_implementation(register_ulysses_attention(group))
+    if tiled:
+        tile_mlp(model, TILE)
+    model.train()
+    return engine, model, group
+
+
+def peak_of_step(step: Callable[[], None]) -> tuple[float, float]:
+    """The step's resident peak above the memory before it (VmHWM after `clear_refs`) and its seconds, max over
+    ranks; what the step before freed goes back to the system first, or this step would reuse it unseen."""
+    import ctypes
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from harness.readings import proc_status, reset_peak_rss
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    dist.barrier()
+    before = proc_status()["VmRSS"]
+    reset_peak_rss()
+    start = time.perf_counter()
+    step()
+    reading = torch.tensor([float(proc_status()["VmHWM"] - before), time.perf_counter() - start])
+    dist.all_reduce(reading, op=dist.ReduceOp.MAX)
+    return reading[0].item(), reading[1].item()
+
+
+def climb(step_at: Callable[[int], None], budget_mb: float, max_tokens: int, label: str) -> dict[str, list[float]]:
+    """After a warm-up step of 128 tokens (it makes the optimizer's states), lengths 512, 1024, ... until a step's
+    peak exceeds the budget: {length: [peak bytes, seconds]} of those that fit."""
+    import torch.distributed as dist
+
+    step_at(128)
+    fits, length = {}, 512
+    while length <= max_tokens:
+        peak, seconds = peak_of_step(lambda: step_at(length))  # noqa: B023 (called at once)
+        if dist.get_rank() == 0:
+            print(f"{label} L={length}: peak {peak / 1e6:.0f} MB, {seconds:.1f} s", flush=True)
+        if peak > budget_mb * 1e6:
+            break
+        fits[str(length)] = [peak, seconds]
+        length *= 2
+    return fits
+
+
+def _sft_step(engine: Any, model: Any, group: Any, tiled: bool) -> Callable[[int], None]:
+    """One training step on one sequence of `length` tokens, cut in the group's slices."""
+    import torch
+
+    from accelerate_zero.sequence import sequence_parallel_loss, shard_sequence
+
+    def step_at(length: int) -> None:
+        tokens = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+        shard = shard_sequence(tokens, tokens, group)
+        engine.backward(sequence_parallel_loss(model, shard, group, tile_tokens=TILE if tiled else None))
+        engine.step()
+
+    return step_at
+
+
+def longest(budget_mb: float, max_tokens: int) -> dict[str, dict[str, list[float]]]:
+    """Rank function: untiled, then tiled, one sequence cut in sp slices per step (forward, backward, AdamW)."""
     results = {}
     for tiled in (False, True):
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=3 * HIDDEN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=1 << 17,
-            tie_word_embeddings=False,
-        )
-        model = LlamaForCausalLM(config)
-        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
-        engine = accelerate_zero.initialize(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=1e-4),
-            config={"sequence_parallel_size": world, "zero_optimization": zero},
-        )
-        group = engine.layout.sequence if world > 1 else engine.dp
-        model.set_attn_implementation(register_ulysses_attention(group))
-        if tiled:
-            tile_mlp(model, TILE)
-        _step(engine, model, group, 128, tiled)  # the optimizer's states are made at the first step: not measured
-        fits, length = {}, 512
-        while length <= args.max_tokens:
-            peak = _step(engine, model, group, length, tiled)
-            if rank == 0:
-                print(f"sp={world} tiled={tiled} length={length}: peak {peak / 1e6:.0f} MB", flush=True)
-            if peak > args.budget_mb * 1e6:
-                break
-            fits[length] = peak
-            length *= 2
+        engine, model, group = sequence_parallel_llama(tiled)
+        step_at = _sft_step(engine, model, group, tiled)
+        results["tiled" if tiled else "untiled"] = climb(step_at, budget_mb, max_tokens, f"tiled={tiled}")
         engine.destroy()
-        results["tiled" if tiled else "untiled"] = fits
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(results))
+    return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sp", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--budget_mb", type=float, default=1200)
     parser.add_argument("--max_tokens", type=int, default=32768)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    rows = []
+    facts, rows = report.machine_facts(), []
     for sp in args.sp:
-        out = Path(f"/tmp/az_long_context_{sp}.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(sp), __file__, "--worker"]
-        command += ["--out", str(out), "--budget_mb", str(args.budget_mb), "--max_tokens", str(args.max_tokens)]
-        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        for mode, fits in json.loads(out.read_text()).items():
+        kwargs = {"budget_mb": args.budget_mb, "max_tokens": args.max_tokens}
+        for mode, fits in launch.on_ranks(sp, longest, kwargs, name=f"sp{sp}").results[0].items():
             lengths = sorted(int(k) for k in fits)
-            longest = lengths[-1] if lengths else 0
             # the cost of one more token: the slope between the two longest lengths that fit
-            slope = None
-            if len(lengths) >= 2:
-                slope = (fits[str(lengths[-1])] - fits[str(lengths[-2])]) / (lengths[-1] - lengths[-2])
-            peak = fits[str(longest)] if longest else None
-            rows.append({"sp": sp, "mode": mode, "longest": longest, "peak": peak, "bytes_per_token": slope})
-    print(
-        f"| sp | mode | longest sequence within {args.budget_mb:.0f} MB per rank | its peak MB | bytes per token (slope) |"
-    )
-    print("|---|---|---|---|---|")
-    for row in rows:
-        slope = f"{row['bytes_per_token']:.0f}" if row["bytes_per_token"] else "-"
-        peak = f"{row['peak'] / 1e6:.0f}" if row["peak"] else "-"
-        print(f"| {row['sp']} | {row['mode']} | {row['longest']} | {peak} | {slope} |")
+            slope = (
+                (fits[str(lengths[-1])][0] - fits[str(lengths[-2])][0]) / (lengths[-1] - lengths[-2])
+                if len(lengths) > 1
+                else None
+            )
+            peak = fits[str(lengths[-1])][0] if lengths else None
+            rows.append(
+                {
+                    "sp": sp,
+                    "mode": mode,
+                    "longest": lengths[-1] if lengths else 0,
+                    "peak": peak,
+                    "bytes_per_token": slope,
+                }
+            )
+    print(report.header(facts, f"long_context: the longest sequence within {args.budget_mb:.0f} MB per rank"))
+    columns = [
+        "sp",
+        "mode",
+        f"longest sequence within {args.budget_mb:.0f} MB per rank",
+        "its peak MB",
+        "bytes per token (slope)",
+    ]
+    print(report.table(columns, [
+        (r["sp"], r["mode"], r["longest"], f"{r['peak'] / 1e6:.0f}" if r["peak"] else "-",
+         f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] else "-") for r in rows
+    ], "rlrrr"))  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        report.save_json(args.json, {"rows": rows}, facts)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The sections of bench/RESULTS.md and the data behind its plots, from the numbers run_report.py collected.
 
 Pure Python (no torch, no matplotlib): tests/unit/test_bench_report.py feeds it made-up readings. MB means 10**6
-bytes. The per-system summaries come from harness/summary.py (`summary.summarize`); the memory sweep readings are what
-sweep_worker.py wrote, beside `accelerate_zero.debug.estimate`'s numbers for the same rank, stage and world size.
+bytes. The per-system summaries come from harness/summary.py; the memory sweep readings are what run_report.py's
+`sweep` measured, beside `accelerate_zero.debug.estimate`'s numbers for the same rank, stage and world size.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness import summary
+from harness import report, summary
 from harness.peers import FORMULA_TEXT, PEERS
 
 
@@ -18,7 +18,8 @@ MB = summary.MB
 MODEL_STATE_KINDS = ("parameters", "gradients", "master_weights", "optimizer_states")
 HONESTY_TOLERANCE = 0.10
 """The estimate of model-state bytes per rank must be within 10% of `memory_breakdown()` (issue 8)."""
-
+SWEEP_LLAMA_LAYERS = 2
+"""The sweep's Llama: 2 decoder layers of offload_bench.py's ladder (27.8M parameters), for the honesty check."""
 STAGE3_SYSTEMS = ("az3", "fsdp2", "ds3")
 """Systems that gather parameters in forward and in backward: 3Ψ(W−1)/W moved per step, not 2Ψ(W−1)/W."""
 
@@ -26,63 +27,62 @@ STAGE3_SYSTEMS = ("az3", "fsdp2", "ds3")
 def comm_formula(system: str, params: int, world_size: int) -> tuple[str, float]:
     """The ZeRO paper's bytes per step per rank for `system` (fp32 elements, ring volume): (text, bytes)."""
     factor = 3 if system in STAGE3_SYSTEMS else 2
-    return f"{factor}Ψ(W−1)/W·4", factor * params * (world_size - 1) / world_size * summary.BYTES_FP32
+    return f"{factor}Ψ(W−1)/W·4", summary.comm_formula_bytes(params, world_size, factor)
 
 
 def _mb(value: float | None, digits: int = 1) -> str:
-    return "—" if value is None else f"{value / MB:,.{digits}f}"
-
-
-def _over(value: float | None, reference: float | None) -> str:
-    return "—" if value is None or not reference else f"{value / reference:.2f}"
+    return report.fmt(None if value is None else value / MB, digits)
 
 
 # ------------------------------------------------------------------------------------ the systems compared
 def memory_table(summaries: list[summary.Summary]) -> str:
     """Memory per rank (max over ranks) of every system beside the ZeRO formula for fp32 Adam."""
-    rows = [
-        "| system | ZeRO formula | formula (MB) | engine-held (MB) | held / formula | live tensors (MB) | "
-        "live / formula | RSS (MB) | RSS / formula | anonymous RSS (MB) | peak RSS (MB) |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
+    rows = []
     for s in summaries:
-        formula = s.memory_formula_mb * MB
-        held = None if s.held_mb is None else s.held_mb * MB
-        peak = None if s.peak_rss_mb is None else s.peak_rss_mb * MB
-        rows.append(
-            f"| {PEERS[s.system].label} | {FORMULA_TEXT[PEERS[s.system].memory]} | "
-            f"{_mb(formula)} | {_mb(held)} | {_over(held, formula)} | {_mb(s.live_tensor_mb * MB)} | "
-            f"{_over(s.live_tensor_mb, s.memory_formula_mb)} | {s.rss_mb:,.1f} | "
-            f"{_over(s.rss_mb, s.memory_formula_mb)} | {s.anon_rss_mb:,.1f} | {_mb(peak)} |"
-        )
-    return "\n".join(rows)
+        formula = s.memory_formula_mb
+        rows.append((
+            PEERS[s.system].label, FORMULA_TEXT[PEERS[s.system].memory], report.fmt(formula), report.fmt(s.held_mb),
+            report.ratio(s.held_mb, formula), report.fmt(s.live_tensor_mb), report.ratio(s.live_tensor_mb, formula),
+            report.fmt(s.rss_mb), report.ratio(s.rss_mb, formula), report.fmt(s.anon_rss_mb),
+            report.fmt(s.peak_rss_mb),
+        ))  # fmt: skip
+    columns = ["system", "ZeRO formula", "formula (MB)", "engine-held (MB)", "held / formula", "live tensors (MB)",
+               "live / formula", "RSS (MB)", "RSS / formula", "anonymous RSS (MB)", "peak RSS (MB)"]  # fmt: skip
+    return report.table(columns, rows, "ll" + "r" * 9)
 
 
 def traffic_time_table(summaries: list[summary.Summary], ddp: summary.Summary | None) -> str:
     """Bytes moved per step per rank beside the formula, and the median step time as a ratio to DDP's."""
-    rows = [
-        "| system | bytes per step per rank (MB) | counted by | ZeRO formula (MB) | counted / formula | "
-        "wire bytes (MB) | wire / formula | step ms (median) | p25–p75 | median by round | step time / DDP | "
-        "CPU ms per step | final loss |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|",
-    ]
+    rows = []
     for s in summaries:
         text, formula = comm_formula(s.system, s.params, s.world_size)
         counted, wire = s.comm_mb_per_step * MB, s.wire_mb_per_step * MB
-        by_round = " / ".join(f"{ms:.0f}" for ms in s.step_ms_by_round)
-        rows.append(
-            f"| {PEERS[s.system].label} | {_mb(counted)} | {PEERS[s.system].counted_by} | "
-            f"{text} = {_mb(formula)} | {_over(counted, formula)} | {_mb(wire)} | {_over(wire, formula)} | "
-            f"{s.step_ms:.0f} | {s.step_ms_p25_p75[0]:.0f}–{s.step_ms_p25_p75[1]:.0f} | {by_round} | "
-            f"**{_over(s.step_ms, ddp.step_ms if ddp else None)}** | {s.cpu_ms_per_rank:.0f} | {s.final_loss:.7f} |"
-        )
-    return "\n".join(rows)
+        rows.append((
+            PEERS[s.system].label, _mb(counted), PEERS[s.system].counted_by, f"{text} = {_mb(formula)}",
+            report.ratio(counted, formula), _mb(wire), report.ratio(wire, formula), f"{s.step_ms:.0f}",
+            f"{s.step_ms_p25_p75[0]:.0f}–{s.step_ms_p25_p75[1]:.0f}",
+            " / ".join(f"{ms:.0f}" for ms in s.step_ms_by_round),
+            f"**{report.ratio(s.step_ms, ddp.step_ms if ddp else None)}**", f"{s.cpu_ms_per_rank:.0f}",
+            f"{s.final_loss:.7f}",
+        ))  # fmt: skip
+    columns = ["system", "bytes per step per rank (MB)", "counted by", "ZeRO formula (MB)", "counted / formula",
+               "wire bytes (MB)", "wire / formula", "step ms (median)", "p25–p75", "median by round",
+               "step time / DDP", "CPU ms per step", "final loss"]  # fmt: skip
+    return report.table(columns, rows, "lrlrrrrrrlrrr")
+
+
+def step_ratio_spread(summaries: list[summary.Summary]) -> float | None:
+    """How far DDP's own rounds are apart (max/min of its per-round medians): the noise floor of the ratios."""
+    ddp = next((s for s in summaries if s.system == "ddp"), None)
+    if ddp is None or len(ddp.step_ms_by_round) < 2:
+        return None
+    return max(ddp.step_ms_by_round) / min(ddp.step_ms_by_round)
 
 
 # ------------------------------------------------------------------------------ memory against world size
 @dataclass(frozen=True)
 class SweepRow:
-    """One rank at one stage and world size: what it held (sweep_worker.py) and what the estimate says."""
+    """One rank at one stage and world size: what it held (run_report.sweep) and what the estimate says."""
 
     stage: int
     world_size: int
@@ -95,7 +95,7 @@ class SweepRow:
     live_tensor_bytes: int
     rss_bytes: int
     model: str = "linear"
-    """"linear" (harness/models.py's stack) or "llama" (sweep_worker.LLAMA)."""
+    """"linear" (harness/models.py's stack) or "llama" (offload_bench.py's ladder, 2 layers)."""
 
     @property
     def measured_model_states(self) -> int:
@@ -115,139 +115,90 @@ class SweepRow:
         return summary.memory_formula_bytes(f"az{self.stage}", self.params, self.world_size)
 
 
-def sweep_from_systems(main: dict[str, list[list[dict[str, Any]]]]) -> list[dict[str, Any]] | None:
-    """The compared systems' stage runs (az0-az3, first round) as sweep_worker.py readings, or None if one is missing.
-
-    run_report.py takes the sweep's point at the comparison's world size from them instead of a second run.
-    """
-    runs = {stage: main.get(f"az{stage}") for stage in range(4)}
-    if not all(runs.values()):
-        return None
-    out = []
-    for index, first in enumerate(runs[0][0]):
-        stages = {}
-        for stage, rounds in runs.items():
-            rank = rounds[0][index]
-            stages[str(stage)] = {
-                "memory_breakdown": rank["extra"]["memory_breakdown"],
-                "live_tensor_bytes": rank["live_tensor_bytes"],
-                "rss_bytes": rank["after"]["VmRSS"] - rank["baseline"]["VmRSS"],
-            }
-        out.append(
-            {"rank": first["rank"], "world_size": first["world_size"], "params": first["params"], "stages": stages}
-        )
-    return out
-
-
 def sweep_rows(
     readings: dict[int, list[dict[str, Any]]],
     estimates: dict[tuple[int, int, int], dict[str, int]],
     model: str = "linear",
 ) -> list[SweepRow]:
-    """Joins sweep_worker.py's per-rank readings (by world size) with the estimates keyed (stage, W, rank).
-
-    `model` "llama" takes the readings sweep_worker.py --llama added (where there are some) instead of the stack's.
-    """
+    """Joins the sweep's per-rank readings (by world size) with the estimates keyed (stage, W, rank); `model`
+    "llama" takes the readings the sweep added with `llama=True` (where there are some) instead of the stack's."""
     key, params_key = ("llama_stages", "llama_params") if model == "llama" else ("stages", "params")
-    rows = []
-    for world_size, ranks in sorted(readings.items()):
-        for rank in ranks:
-            for stage_key, reading in rank.get(key, {}).items():
-                stage = int(stage_key)
-                rows.append(
-                    SweepRow(
-                        stage=stage,
-                        world_size=world_size,
-                        rank=rank["rank"],
-                        params=rank[params_key],
-                        measured=reading["memory_breakdown"],
-                        estimated=estimates[(stage, world_size, rank["rank"])],
-                        live_tensor_bytes=reading["live_tensor_bytes"],
-                        rss_bytes=reading["rss_bytes"],
-                        model=model,
-                    )
-                )
+    rows = [
+        SweepRow(
+            int(stage),
+            world_size,
+            rank["rank"],
+            rank[params_key],
+            reading["memory_breakdown"],
+            estimates[(int(stage), world_size, rank["rank"])],
+            reading["live_tensor_bytes"],
+            reading["rss_bytes"],
+            model,
+        )  # fmt: skip
+        for world_size, ranks in sorted(readings.items())
+        for rank in ranks
+        for stage, reading in rank.get(key, {}).items()
+    ]
     return sorted(rows, key=lambda r: (r.stage, r.world_size, r.rank))
 
 
-def _by_point(rows: list[SweepRow]) -> dict[tuple[int, int], list[SweepRow]]:
-    points: dict[tuple[int, int], list[SweepRow]] = {}
+def _by_point(rows: list[SweepRow]) -> dict[tuple[str, int, int], list[SweepRow]]:
+    points: dict[tuple[str, int, int], list[SweepRow]] = {}
     for row in rows:
-        points.setdefault((row.stage, row.world_size), []).append(row)
-    return points
+        points.setdefault((row.model, row.stage, row.world_size), []).append(row)
+    return dict(sorted(points.items(), key=lambda item: (item[0][0] != "linear", item[0])))
 
 
 def sweep_table(rows: list[SweepRow]) -> str:
     """Per stage and world size (max over ranks): formula, estimate, memory_breakdown, live tensors, RSS."""
-    out = [
-        "| stage | W | ZeRO formula (MB) | estimated model states (MB) | memory_breakdown() model states (MB) | "
-        "memory_breakdown() total (MB) | estimated total (MB) | live tensors (MB) | RSS (MB) |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for (stage, world_size), point in sorted(_by_point(rows).items()):
-        out.append(
-            f"| {stage} | {world_size} | {_mb(point[0].formula_bytes)} | "
-            f"{_mb(max(r.estimated_model_states for r in point))} | "
-            f"{_mb(max(r.measured_model_states for r in point))} | {_mb(max(r.measured['total'] for r in point))} | "
-            f"{_mb(max(r.estimated['total'] for r in point))} | {_mb(max(r.live_tensor_bytes for r in point))} | "
-            f"{_mb(max(r.rss_bytes for r in point))} |"
-        )
-    return "\n".join(out)
+    table_rows = [
+        (stage, world_size, _mb(point[0].formula_bytes), *(
+            _mb(max(value(r) for r in point)) for value in (
+                lambda r: r.estimated_model_states, lambda r: r.measured_model_states, lambda r: r.measured["total"],
+                lambda r: r.estimated["total"], lambda r: r.live_tensor_bytes, lambda r: r.rss_bytes,
+            )
+        ))
+        for (_, stage, world_size), point in _by_point(rows).items()
+    ]  # fmt: skip
+    columns = ["stage", "W", "ZeRO formula (MB)", "estimated model states (MB)",
+               "memory_breakdown() model states (MB)", "memory_breakdown() total (MB)", "estimated total (MB)",
+               "live tensors (MB)", "RSS (MB)"]  # fmt: skip
+    return report.table(columns, table_rows, "r" * 9)
 
 
 def honesty_table(rows: list[SweepRow]) -> tuple[str, bool]:
-    """The estimate of model-state bytes per rank against `memory_breakdown()`; True when every rank is within 10%.
-
-    One line per model, stage and world size, with the rank whose ratio is farthest from 1.
-    """
-    out = [
-        "| model | stage | W | estimated model states per rank (MB) | memory_breakdown() model states (MB) | "
-        "estimate / measured (worst rank) | within 10% |",
-        "|---|--:|--:|--:|--:|--:|---|",
-    ]
-    points: dict[tuple[str, int, int], list[SweepRow]] = {}
-    for row in rows:
-        points.setdefault((row.model, row.stage, row.world_size), []).append(row)
-    all_pass = bool(rows)
-    for (model, stage, world_size), point in sorted(
-        points.items(), key=lambda item: (item[0][0] != "linear", item[0])
-    ):
+    """The estimate of model-state bytes per rank against `memory_breakdown()`, one line per model, stage and world
+    size with the rank whose ratio is farthest from 1; True when every rank is within `HONESTY_TOLERANCE`."""
+    table_rows, all_pass = [], bool(rows)
+    for (model, stage, world_size), point in _by_point(rows).items():
         worst = max(point, key=lambda r: abs(r.ratio - 1))
         passed = abs(worst.ratio - 1) <= HONESTY_TOLERANCE
         all_pass &= passed
-        out.append(
-            f"| {model} | {stage} | {world_size} | {_mb(worst.estimated_model_states, 3)} | "
-            f"{_mb(worst.measured_model_states, 3)} | {worst.ratio:.4f} (rank {worst.rank}) | "
-            f"{'PASS' if passed else 'FAIL'} |"
-        )
-    return "\n".join(out), all_pass
+        table_rows.append((model, stage, world_size, _mb(worst.estimated_model_states, 3),
+                           _mb(worst.measured_model_states, 3), f"{worst.ratio:.4f} (rank {worst.rank})",
+                           "PASS" if passed else "FAIL"))  # fmt: skip
+    columns = ["model", "stage", "W", "estimated model states per rank (MB)", "memory_breakdown() model states (MB)",
+               "estimate / measured (worst rank)", "within 10%"]  # fmt: skip
+    return report.table(columns, table_rows, "lrrrrrl"), all_pass
 
 
 def plot_series(rows: list[SweepRow]) -> dict[int, dict[str, list[float]]]:
     """Per stage: world sizes and, in MB (max over ranks), formula, estimate, memory_breakdown and live tensors."""
     series: dict[int, dict[str, list[float]]] = {}
-    for (stage, world_size), point in sorted(_by_point(rows).items()):
-        entry = series.setdefault(
-            stage,
-            {
-                "world_size": [],
-                "formula": [],
-                "estimated": [],
-                "estimated_total": [],
-                "measured": [],
-                "live_tensors": [],
-            },
-        )
+    values = {
+        "formula": lambda r: r.formula_bytes, "estimated": lambda r: r.estimated_model_states,
+        "estimated_total": lambda r: r.estimated["total"], "measured": lambda r: r.measured_model_states,
+        "live_tensors": lambda r: r.live_tensor_bytes,
+    }  # fmt: skip
+    for (_, stage, world_size), point in _by_point([r for r in rows if r.model == "linear"]).items():
+        entry = series.setdefault(stage, {"world_size": [], **{name: [] for name in values}})
         entry["world_size"].append(world_size)
-        entry["formula"].append(point[0].formula_bytes / MB)
-        entry["estimated"].append(max(r.estimated_model_states for r in point) / MB)
-        entry["estimated_total"].append(max(r.estimated["total"] for r in point) / MB)
-        entry["measured"].append(max(r.measured_model_states for r in point) / MB)
-        entry["live_tensors"].append(max(r.live_tensor_bytes for r in point) / MB)
+        for name, value in values.items():
+            entry[name].append(max(value(r) for r in point) / MB)
     return series
 
 
-# ------------------------------------------------------------------------------------------------- others
+# ------------------------------------------------------------------------------ questions the report runs
 def markdown_tables(text: str) -> str:
     """The markdown table lines (and the blank lines between tables) of a benchmark's printed output."""
     kept, previous_was_table = [], False
@@ -261,54 +212,19 @@ def markdown_tables(text: str) -> str:
     return "\n".join(kept)
 
 
-def json_records_table(records: list[dict[str, Any]]) -> str:
-    """A markdown table of a list of flat records (the union of their keys as columns, first seen first)."""
-    if not records:
-        return ""
-    columns: list[str] = []
-    for record in records:
-        columns += [key for key in record if key not in columns]
-    rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for record in records:
-        rows.append("| " + " | ".join(_cell(record.get(key)) for key in columns) + " |")
-    return "\n".join(rows)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    return str(value).replace("|", "\\|")
-
-
-def step_ratio_spread(summaries: list[summary.Summary]) -> float | None:
-    """How far DDP's own rounds are apart (max/min of its per-round medians): the noise floor of the ratios."""
-    ddp = next((s for s in summaries if s.system == "ddp"), None)
-    if ddp is None or len(ddp.step_ms_by_round) < 2:
-        return None
-    return max(ddp.step_ms_by_round) / min(ddp.step_ms_by_round)
-
-
-def trainer_section(trainer: dict[str, Any] | None) -> str:
-    """bench/trainer_bench.py's table as the report ran it (goals: CPU time per step at most 1.05x DDP's at stage 2,
-    1.15x at stage 3, with transformers' configs unchanged)."""
-    if trainer is None:
-        return "Not run: this report's readings predate the Trainer comparison."
-    if trainer["status"] == "skipped":
-        return "Not run (`--skip_trainer`): `python bench/trainer_bench.py` runs it (bench/README.md)."
-    command = " ".join(["python", *(_relative(part) for part in trainer["command"][1:])])
-    out = f"`{command}`, run by the report in {trainer.get('seconds', 0):.0f} s: {trainer['status']}."
-    header = [line for line in trainer.get("stdout", "").splitlines() if line.startswith("Trainer, ")]
-    tables = markdown_tables(trainer.get("stdout", ""))
-    if header:
-        out += "\n\n" + header[0]
-    if tables:
-        out += "\n\n" + tables
-    return out + (
-        "\n\nThe goal column is issue 18's: CPU time per step at most 1.05x DDP's at stage 2 and 1.15x at stage 3. One "
-        "round of 4 steps is noisy on a shared machine (bench/README.md, trainer_bench.py, shows the spread)."
-    )
+def question_section(ran: dict[str, Any] | None, how_to_run: str, header_prefix: str | None = None) -> str:
+    """A question the report ran (run_report.run_question): its command, how it ended, the header line that
+    starts with `header_prefix` and its printed tables; or why it did not run (`how_to_run` runs it by hand)."""
+    if ran is None:
+        return "Not run: this report's readings predate it."
+    if ran["status"] == "skipped":
+        return f"Not run (skipped by an option of the report): `{how_to_run}` runs it (bench/README.md)."
+    command = " ".join(["python", *(_relative(part) for part in ran["command"][1:])])
+    out = f"`{command}`, run by the report in {ran.get('seconds', 0):.0f} s: {ran['status']}."
+    printed = ran.get("stdout", "")
+    header = [line for line in printed.splitlines() if header_prefix and line.startswith(header_prefix)]
+    tables = markdown_tables(printed)
+    return out + "".join(f"\n\n{part}" for part in (header[:1] + [tables]) if part)
 
 
 def _relative(part: str) -> str:

@@ -10,17 +10,10 @@ Usage:
     .venv/bin/python bench/stage3_bench.py --world_sizes 4 --no_load --systems az3 --grad_accums 1 4 \
         --steps 3 --warmup 1 --arena_whole                     # the same, gradient arenas counted as a GPU does
 
-Training: each system in its own fresh group (`steps.train` of the harness: the Linear stack of harness/models.py,
-fp32 AdamW, gloo, one thread per rank). Stage 3 (az3, ds3) runs under `models.STAGE3_KEYS` (each Linear a gather
-unit); FSDP2 is `fully_shard` on each Linear then the root, reshard_after_forward=True (harness/peers.py).
-`--grad_accums 1 4`: every system runs once per accumulation, each optimizer step that many micro-steps, and a
-table shows each system's peak RSS per rank against accumulation 1, the RSS between micro-steps and, for
-accelerate_zero, the gradient bytes kept between micro-steps and the scheduler's peak of gathered elements.
-
-Loading: a LlamaForCausalLM (~29M parameters) is saved with save_pretrained into --load_dir (once), then loaded at
---load_world_size processes by `accelerate_zero.from_pretrained(LlamaForCausalLM, dir, config=zero3)` (load_az3)
-and by `LlamaForCausalLM.from_pretrained(dir)` (load_hf); the reading is VmHWM after loading minus VmRSS at the
-baseline (taken after importing torch, transformers and accelerate_zero and creating the process group).
+Each system trains the Linear stack in its own group (`steps.train`; stage 3 under `models.STAGE3_KEYS`, each Linear a
+gather unit); `--grad_accums` adds the peak under accumulation; loading saves a ~29M Llama once and loads it
+partitioned (`accelerate_zero.from_pretrained`) and whole (transformers). bench/README.md, "stage3_bench.py", says
+what each column and check reads.
 """
 
 from __future__ import annotations
@@ -29,7 +22,6 @@ import argparse
 import functools
 import gc
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,16 +33,9 @@ from harness.summary import MB, Summary, comm_formula_bytes, summarize
 
 
 SYSTEMS = ["ddp", "az2", "fsdp2", "az3", "ds3"]
-LLAMA = dict(
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    vocab_size=16000,
-    tie_word_embeddings=False,
-)
-"""About 29M parameters (117 MB fp32), untied: the embedding and the LM head are two separate 33 MB tensors."""
+LLAMA_LAYERS = 4
+LLAMA = dict(intermediate=1408, heads=8, vocab=16000)
+"""At hidden 512: about 29M parameters (117 MB fp32), untied: the embedding and the LM head are two 33 MB tensors."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,6 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------------ training
+def train_arena_whole(**kwargs: Any) -> dict[str, Any]:
+    """Rank function: `steps.train` with the engine's gradient arenas counted whole from their allocation, as a
+    device allocator counts them ([Note: resident pages against allocated bytes] in user_load.py)."""
+    from user_load import count_gradient_arenas_whole
+
+    if kwargs["system"].startswith("az"):
+        count_gradient_arenas_whole()
+    return steps.train(**kwargs)
+
+
 def run_world(world_size: int, args: argparse.Namespace, grad_accum: int = 1) -> dict[str, list[dict[str, Any]]]:
     """Runs every system on `world_size` processes; returns each one's per-rank records."""
     out_dir = args.out_dir / (f"w{world_size}" if grad_accum == 1 else f"w{world_size}_accum{grad_accum}")
@@ -90,7 +85,7 @@ def run_world(world_size: int, args: argparse.Namespace, grad_accum: int = 1) ->
         timed = args.ds3_steps if system == "ds3" and args.ds3_steps else args.steps
         ranks = steps.launch_train(
             system, world_size, out_dir=out_dir, ds_venv=args.ds_venv, steps=timed, warmup=args.warmup,
-            grad_accum=grad_accum,
+            grad_accum=grad_accum, function=train_arena_whole if args.arena_whole else None,
         )  # fmt: skip
         if ranks is not None:
             raw[system] = ranks
@@ -248,13 +243,9 @@ def accumulation_from_json(path: Path) -> None:
 # ------------------------------------------------------------------------------------------------- loading
 def save_llama(folder: str) -> dict[str, Any]:
     """Rank function (one process): saves the Llama once; returns its sizes."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     sizes_path = Path(folder) / "bench_sizes.json"
     if not sizes_path.exists():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+        model = models.llama(models.llama_config(512, LLAMA_LAYERS, **LLAMA))
         model.save_pretrained(folder)
         nbytes = [p.numel() * p.element_size() for p in model.parameters()]
         layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
@@ -333,7 +324,7 @@ def run_loading(args: argparse.Namespace) -> tuple[str, list[str], dict[str, Any
         ))  # fmt: skip
     model_mb, layer_mb, largest_mb = (sizes[k] / MB for k in ("model_bytes", "layer_bytes", "largest_tensor_bytes"))
     # What no decoder layer owns (embedding, LM head, final norm) forms one more unit, read whole at load time.
-    rest_mb = model_mb - LLAMA["num_hidden_layers"] * layer_mb
+    rest_mb = model_mb - LLAMA_LAYERS * layer_mb
     unit_mb = max(layer_mb, rest_mb)
     bound = model_mb / W + unit_mb + args.load_overhead_mb
     table = (
@@ -362,8 +353,6 @@ def run_loading(args: argparse.Namespace) -> tuple[str, list[str], dict[str, Any
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.arena_whole:
-        os.environ[steps.ARENA_WHOLE_ENV] = "1"  # the ranks inherit it
     if args.accumulation_from_json is not None:
         accumulation_from_json(args.accumulation_from_json)
         return

@@ -1,36 +1,20 @@
-"""The transformers Trainer under plain DDP, accelerate_zero stages 2/3 and DeepSpeed stages 2/3 (issue 18).
+"""The transformers Trainer under plain DDP, accelerate_zero stages 2/3 and DeepSpeed stages 2/3: CPU time per
+optimizer step against DDP's, per phase and per thread (issue 18; bench/README.md, "trainer_bench.py", says what
+runs and how each number is read).
 
 Usage:
     .venv/bin/python bench/trainer_bench.py                # 5 systems x 2 rounds x 10 steps, ~8 minutes
     .venv/bin/python bench/trainer_bench.py --code head --json bench/out/trainer.json     # the committed code
     .venv/bin/python bench/trainer_bench.py --systems ddp az2 az3 --rounds 3 --steps 4 --layers 2
     .venv/bin/python bench/trainer_bench.py --offload none                     # the same configs, offload removed
+    .venv/bin/python bench/trainer_bench.py --baseline HEAD~3 --systems ddp az2  # each az system with that code too
     .venv/bin/python bench/trainer_bench.py --from_json bench/out/trainer.json  # print a saved run again
 
-Systems (each in its own `torchrun --standalone --nproc_per_node 2` group; gloo, one thread per rank):
-- `ddp`: the plain transformers Trainer (`TrainingArguments` without `zero_config` / `deepspeed`);
-- `az2` / `az3`: `accelerate_zero.Trainer` with `TrainingArguments(zero_config=<config>)`;
-- `ds2` / `ds3`: transformers' Trainer with `TrainingArguments(deepspeed=<config>)`, DeepSpeed from its own
-  virtualenv (`--ds_venv`, default: bench/ds_venv.py; `DS_ACCELERATOR=cpu`); skipped with a note when it is missing.
-The configs are transformers' own example configs, `ds_config_zero2.json` / `ds_config_zero3.json` (the copies in
-tests/fixtures/), read from the file; the one change is `fp16.enabled: false` in
-zero3 (written `true` there) because every system here trains in fp32. Their CPU offload blocks stay as written
-(zero2: optimizer; zero3: optimizer and parameters) unless `--offload none`. zero3 writes its optimizer and
-scheduler values out, so every system, DDP included, gets TrainingArguments that agree with them (AdamW, lr 3e-5,
-betas (0.8, 0.999), eps 1e-8, weight decay 3e-7, 500 warm-up steps; clipping at 1.0).
-
-Model: LlamaForCausalLM from a config with random weights, fp32 (hidden 512, 4 layers, intermediate 1376,
-vocabulary 20000, untied embeddings: 33.1M parameters), random token rows made in memory (sequence 128),
-micro-batch 2 per rank, gradient accumulation 2.
-
-Per optimizer step a TrainerCallback reads `time.process_time()` and `time.perf_counter()` in `on_step_begin`
-and `on_step_end` on every rank (the Trainer fetches the step's micro-batches just before `on_step_begin`, so data
-loading is outside the step for every system alike). After `--warmup` optimizer steps, `--steps` steps are timed.
-Systems run in interleaved rounds (round 1 in the given order, round 2 reversed, ...), so other load on the
-machine falls on all of them alike. Reported: the median CPU time per step of rank 0 (the issue's measure) and of
-rank 1, the median wall time per step of rank 0, each as a ratio to DDP's in the same run; the per-round medians of
-rank 0's CPU time (their spread for DDP is the noise floor of the ratios); at stage 3 (accelerate_zero) the share
-of the step spent waiting for parameter gathers; and each rank's peak RSS (`resource.getrusage`, `ru_maxrss`).
+Systems, each on `--world_size` fresh ranks per round (harness/launch.py; rounds interleaved): `ddp` (transformers'
+Trainer, no ZeRO), `az2` / `az3` (`accelerate_zero.Trainer` with `TrainingArguments(zero_config=...)`), `ds2` / `ds3`
+(transformers' Trainer with `TrainingArguments(deepspeed=...)`, DeepSpeed from its own virtualenv), all with
+transformers' own ds_config_zero2/3.json (tests/fixtures/). A TrainerCallback reads CPU and wall time from
+`on_step_begin` to `on_step_end` on every rank; `PhaseClock` splits the CPU time into the step's phases.
 """
 
 from __future__ import annotations
@@ -44,14 +28,13 @@ import platform
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from ds_venv import DEFAULT_DS_VENV
+from harness import code, launch, report
 
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -64,16 +47,13 @@ CONFIG_DIRS = [REPO / "tests" / "fixtures"]
 HIDDEN, LAYERS, INTERMEDIATE, VOCAB, HEADS, SEQ = 512, 4, 1376, 20000, 8, 128
 # TrainingArguments that agree with the values ds_config_zero3.json writes out (the rest of both files is "auto").
 OPTIMIZER_ARGS = {
-    "optim": "adamw_torch",
-    "learning_rate": 3e-5,
-    "adam_beta1": 0.8,
-    "adam_beta2": 0.999,
-    "adam_epsilon": 1e-8,
-    "weight_decay": 3e-7,
-    "warmup_steps": 500,
-    "max_grad_norm": 1.0,
-}
+    "optim": "adamw_torch", "learning_rate": 3e-5, "adam_beta1": 0.8, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+    "weight_decay": 3e-7, "warmup_steps": 500, "max_grad_norm": 1.0,
+}  # fmt: skip
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+RUN_KEYS = ("steps", "warmup", "layers", "micro", "accumulation", "world_size", "offload", "prefetch", "profile",
+            "torch_profile")  # fmt: skip
+"""The options a rank reads (`train`'s keyword arguments besides the system and its output prefix)."""
 
 
 # ------------------------------------------------------------------------------------------------------ configs
@@ -114,9 +94,8 @@ def system_config(system: str, offload: str, prefetch: str = "as_written") -> tu
             changes.append(f'added {", ".join(added)}: "auto" (DeepSpeed needs them; accelerate_zero fills them)')
     if prefetch == "auto" and stage == 3 and zero.get("stage3_prefetch_bucket_size") != "auto":
         # zero3 writes 0 (prefetching off); "auto" is what transformers' documented configs write (0.9 x hidden^2).
-        changes.append(
-            f'zero_optimization.stage3_prefetch_bucket_size {zero.get("stage3_prefetch_bucket_size")} -> "auto" (--prefetch auto)'
-        )
+        written = zero.get("stage3_prefetch_bucket_size")
+        changes.append(f'zero_optimization.stage3_prefetch_bucket_size {written} -> "auto" (--prefetch auto)')
         zero["stage3_prefetch_bucket_size"] = "auto"
     if offload == "none":
         for key in ("offload_optimizer", "offload_param"):
@@ -125,35 +104,26 @@ def system_config(system: str, offload: str, prefetch: str = "as_written") -> tu
     return config, changes
 
 
-# ------------------------------------------------------------------------------------------------------- worker
-def worker(system: str, args: argparse.Namespace) -> None:
-    """One rank of one system: train, time each optimizer step, write this rank's readings to <out>.rank<R>.json."""
+# ------------------------------------------------------------------------------------------------------- ranks
+def train(system: str, out: str, **run: Any) -> dict[str, Any]:
+    """Rank function: the Trainer trains `system`; every optimizer step's CPU and wall time, per phase and thread.
+
+    `run` holds `RUN_KEYS`; `out` is the run's path prefix (the cProfile and torch.profiler tables go beside it).
+    """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+    from harness import models
+    from transformers import TrainerCallback
 
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=HIDDEN,
-            intermediate_size=INTERMEDIATE,
-            num_hidden_layers=args.layers,
-            num_attention_heads=HEADS,
-            num_key_value_heads=HEADS,
-            vocab_size=VOCAB,
-            max_position_embeddings=SEQ,
-            tie_word_embeddings=False,
-        )
-    )
+    rank = int(os.environ["RANK"])  # the Trainer makes the process group
+    config = models.llama_config(HIDDEN, run["layers"], vocab=VOCAB, intermediate=INTERMEDIATE, heads=HEADS, seq=SEQ)
+    model = models.llama(config)
     params = sum(p.numel() for p in model.parameters())
-    rows_needed = args.world_size * args.micro * args.accumulation * (args.warmup + args.steps + 1)
-    tokens = torch.randint(0, VOCAB, (rows_needed, SEQ), generator=torch.Generator().manual_seed(1))
-    train_rows = [{"input_ids": row, "labels": row} for row in tokens]
-
+    rows_needed = run["world_size"] * run["micro"] * run["accumulation"] * (run["warmup"] + run["steps"] + 1)
+    train_rows = [{"input_ids": row, "labels": row} for row in models.tokens(rows_needed, SEQ, VOCAB, seed=1)]
     readings: dict[str, list[float]] = {"cpu": [], "wall": [], "gather_wait": [], "minor_faults": []}
     holder: dict[str, Any] = {}
     phases = PhaseClock()
+    timed_end = run["warmup"] + run["steps"]
 
     class StepClock(TrainerCallback):
         """CPU and wall time between on_step_begin and on_step_end: one optimizer step (all its micro-steps)."""
@@ -162,15 +132,14 @@ def worker(system: str, args: argparse.Namespace) -> None:
         faults = 0
 
         def _unit_scheduler(self) -> Any:
-            engine = getattr(holder.get("trainer"), "zero_engine", None)
-            return getattr(engine, "scheduler", None)
+            return getattr(getattr(holder.get("trainer"), "zero_engine", None), "scheduler", None)
 
         def on_step_begin(self, *_: Any, **__: Any) -> None:
             if not phases.installed:
                 phases.install(holder["trainer"], system)
-            if len(readings["cpu"]) == args.warmup and "threads" not in holder:  # the first timed step
+            if len(readings["cpu"]) == run["warmup"] and "threads" not in holder:  # the first timed step
                 holder["threads"] = _thread_cpu_seconds()
-                if args.torch_profile:
+                if run["torch_profile"]:
                     holder["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                     holder["profiler"].__enter__()
             scheduler = self._unit_scheduler()
@@ -189,30 +158,22 @@ def worker(system: str, args: argparse.Namespace) -> None:
             scheduler = self._unit_scheduler()
             if scheduler is not None and hasattr(scheduler, "blocked_seconds"):
                 readings["gather_wait"].append(scheduler.blocked_seconds)
-            if len(readings["cpu"]) == args.warmup + args.steps:  # the last timed step
+            if len(readings["cpu"]) == timed_end:  # the last timed step
                 if "profiler" in holder:
                     profiler = holder.pop("profiler")
                     profiler.__exit__(None, None, None)
                     table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
-                    Path(args.out).with_suffix(f".rank{rank}.ops.txt").write_text(table)
+                    Path(f"{out}.rank{rank}.ops.txt").write_text(table)
                 after, before = _thread_cpu_seconds(), holder["threads"]
                 holder["thread_cpu"] = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
     arguments: dict[str, Any] = {
-        "output_dir": str(Path(args.out).with_suffix(".trainer_output")),  # nothing is saved there
-        "per_device_train_batch_size": args.micro,
-        "gradient_accumulation_steps": args.accumulation,
-        "max_steps": args.warmup + args.steps,
-        **OPTIMIZER_ARGS,
-        "use_cpu": True,
-        "report_to": [],
-        "save_strategy": "no",
-        "logging_strategy": "no",
-        "disable_tqdm": True,
-        "dataloader_num_workers": 0,
-        "seed": 0,
-    }
-    config, _ = system_config(system, args.offload, args.prefetch)
+        "output_dir": f"{out}.trainer_output", "per_device_train_batch_size": run["micro"],  # nothing is saved there
+        "gradient_accumulation_steps": run["accumulation"], "max_steps": timed_end, **OPTIMIZER_ARGS, "use_cpu": True,
+        "report_to": [], "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True,
+        "dataloader_num_workers": 0, "seed": 0,
+    }  # fmt: skip
+    config, _ = system_config(system, run["offload"], run["prefetch"])
     if system.startswith("az"):
         from accelerate_zero import Trainer, TrainingArguments
 
@@ -227,32 +188,21 @@ def worker(system: str, args: argparse.Namespace) -> None:
     )
     holder["trainer"] = trainer
     started = time.perf_counter()
-    if args.profile and rank == 0:
+    if run["profile"] and rank == 0:
         import cProfile
 
-        cProfile.runctx("trainer.train()", {}, {"trainer": trainer}, str(Path(args.out).with_suffix(".prof")))
+        cProfile.runctx("trainer.train()", {}, {"trainer": trainer}, f"{out}.prof")
     else:
         trainer.train()
-    train_seconds = time.perf_counter() - started
-    skip = args.warmup
-    result = {
-        "system": system,
-        "rank": rank,
-        "params": params,
-        "cpu": readings["cpu"][skip:],
-        "wall": readings["wall"][skip:],
-        "gather_wait": readings["gather_wait"][skip:],
-        "minor_faults": readings["minor_faults"][skip:],
-        "warmup_cpu": readings["cpu"][:skip],
-        "warmup_wall": readings["wall"][:skip],
-        "train_seconds": train_seconds,
-        "thread_cpu": holder.get("thread_cpu", {}),
-        "phase_cpu": {k: v[skip:] for k, v in phases.steps.items()},
+    skip = run["warmup"]
+    timed = {key: values[skip:] for key, values in readings.items()}
+    return {
+        "system": system, "rank": rank, "params": params, **timed, "warmup_cpu": readings["cpu"][:skip],
+        "warmup_wall": readings["wall"][:skip], "train_seconds": time.perf_counter() - started,
+        "thread_cpu": holder.get("thread_cpu", {}), "phase_cpu": {k: v[skip:] for k, v in phases.steps.items()},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
-        "torch": torch.__version__,
-        "modules": _versions(),
-    }
-    Path(args.out).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
+        "torch": torch.__version__, "modules": _versions(),
+    }  # fmt: skip
 
 
 class PhaseClock:
@@ -338,79 +288,24 @@ def _versions() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------------- launching
-def code_tree(code: str, folder: Path) -> tuple[Path, str]:
-    """Where accelerate_zero is imported from: this checkout's working tree, or a `git archive` of a commit (HEAD,
-    or any revision: a before/after comparison of two commits with the same benchmark code); no git state changes,
-    so others may edit the tree during the run."""
-    modified = _git("diff", "--name-only", "HEAD", "--", "accelerate_zero").split()
-    if code == "tree":
-        commit = _git("rev-parse", "--short", "HEAD")
-        state = f"{len(modified)} modified files in accelerate_zero/" if modified else "accelerate_zero/ as committed"
-        return REPO, f"working tree at {commit} ({state})"
-    revision = "HEAD" if code == "head" else code
-    commit = _git("rev-parse", "--short", f"{revision}^{{commit}}")
-    if not commit:
-        raise SystemExit(f"--code/--baseline {code}: not a commit of {REPO}; use tree, head or a revision git knows")
-    snapshot = folder / f"code_{commit}"
-    snapshot.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(snapshot)], input=archive.stdout, check=True)
-    unused = f", {len(modified)} modified files in the tree's accelerate_zero/ not used" if modified else ""
-    name = "HEAD " if revision == "HEAD" else ""
-    return snapshot, f"accelerate_zero from a git archive of {name}{commit}{unused}"
-
-
-def _git(*command: str) -> str:
-    done = subprocess.run(["git", "-C", str(REPO), *command], capture_output=True, text=True, check=False)
-    return done.stdout.strip()
-
-
 def base_system(system: str) -> str:
-    """"az2" for "az2@<commit>" (accelerate_zero from `--baseline`), the name itself otherwise."""
+    """ "az2" for "az2@<commit>" (accelerate_zero from `--baseline`), the name itself otherwise."""
     return system.split("@")[0]
 
 
-def launch(system: str, args: argparse.Namespace, out: Path, code: Path) -> list[dict[str, Any]] | str:
-    """Run one system on `--world_size` ranks; its per-rank readings, or why it did not run."""
+def run_system(system: str, args: argparse.Namespace, folder: Path, name: str, tree: Path) -> list[Any] | str:
+    """One system on `--world_size` fresh ranks; its per-rank readings, or why it did not run."""
     system = base_system(system)
-    if system.startswith("ds"):
-        python = args.ds_venv / "bin" / "python"
-        if not python.exists():
-            return f"skipped: no DeepSpeed virtualenv at {args.ds_venv}"
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ""}  # never the project's code
-    else:
-        python = Path(sys.executable)
-        env = {**os.environ, "PYTHONPATH": str(code)}
-    env["OMP_NUM_THREADS"] = "1"
-    command = [
-        str(python),
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.world_size}",
-        str(Path(__file__).resolve()),
-        f"--worker={system}",
-        f"--out={out}",
-        f"--steps={args.steps}",
-        f"--warmup={args.warmup}",
-        f"--layers={args.layers}",
-        f"--micro={args.micro}",
-        f"--accumulation={args.accumulation}",
-        f"--world_size={args.world_size}",
-        f"--offload={args.offload}",
-        f"--prefetch={args.prefetch}",
-        *(["--profile"] if args.profile else []),
-        *(["--torch_profile"] if args.torch_profile else []),
-    ]
-    log = out.with_suffix(".log")
-    with open(log, "w") as handle:
-        try:
-            done = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            return f"failed: cut after {args.timeout} s (--timeout), see {log}"
-    if done.returncode != 0:
-        return f"failed (exit {done.returncode}), see {log}"
-    return [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(args.world_size)]
+    python = launch.deepspeed_python(args.ds_venv) if system.startswith("ds") else None
+    if system.startswith("ds") and python is None:
+        return f"skipped: no DeepSpeed virtualenv at {args.ds_venv}"
+    kwargs = {"system": system, "out": str(folder / name), **{key: getattr(args, key) for key in RUN_KEYS}}
+    env = None if python is not None else {"PYTHONPATH": str(tree)}  # DeepSpeed's ranks: never the project's code
+    try:
+        return launch.on_ranks(args.world_size, train, kwargs, name=name, out_dir=folder, python=python, env=env,
+                               timeout=args.timeout, backend="none").results  # fmt: skip
+    except launch.LaunchFailed as failed:
+        return f"failed ({failed.code}), see {folder / name}.log"
 
 
 # ----------------------------------------------------------------------------------------------------- summary
@@ -453,40 +348,29 @@ def _ratio(value: float | None) -> str:
 
 
 def table(summary: dict[str, dict[str, Any]], notes: dict[str, str]) -> str:
-    lines = [
-        "| system | CPU s/step rank 0 | vs DDP | goal | CPU s/step rank 1 | vs DDP | wall s/step rank 0 | vs DDP | "
-        "rank-0 CPU by round | waiting for gathers | peak RSS MiB rank 0 / 1 |",
-        "|---|--:|--:|---|--:|--:|--:|--:|---|--:|---|",
-    ]
+    rows = []
     for system, row in summary.items():
-        goal = GOALS.get(base_system(system))
-        ratio = row.get("cpu_rank0_vs_ddp")
-        goal_text = ""
-        if goal is not None:
-            verdict = "no DDP run" if ratio is None else ("PASS" if ratio <= goal else "FAIL")
-            goal_text = f"<= {goal:.2f}: {verdict}"
+        goal, ratio = GOALS.get(base_system(system)), row.get("cpu_rank0_vs_ddp")
+        verdict = "no DDP run" if ratio is None or goal is None else ("PASS" if ratio <= goal else "FAIL")
         wait = row["gather_wait_share"]
-        rss = " / ".join(f"{row[k]:.0f}" for k in sorted(row) if k.startswith("peak_rss_mib_rank"))
-        lines.append(
-            f"| {system} | {row['cpu_rank0']:.3f} | {_ratio(ratio)} | {goal_text} | {row.get('cpu_rank1', 0):.3f} | "
-            f"{_ratio(row.get('cpu_rank1_vs_ddp'))} | {row['wall_rank0']:.3f} | "
-            f"{_ratio(row.get('wall_rank0_vs_ddp'))} | "
-            f"{' / '.join(f'{v:.3f}' for v in row['cpu_rank0_by_round'])} | "
-            f"{'' if wait is None else f'{100 * wait:.1f}%'} | {rss} |"
-        )
-    for system, note in notes.items():
-        lines.append(f"| {system} | {note} | | | | | | | | | |")
-    return "\n".join(lines)
+        rows.append((
+            system, f"{row['cpu_rank0']:.3f}", _ratio(ratio), "" if goal is None else f"<= {goal:.2f}: {verdict}",
+            f"{row.get('cpu_rank1', 0):.3f}", _ratio(row.get("cpu_rank1_vs_ddp")), f"{row['wall_rank0']:.3f}",
+            _ratio(row.get("wall_rank0_vs_ddp")), " / ".join(f"{v:.3f}" for v in row["cpu_rank0_by_round"]),
+            "" if wait is None else f"{100 * wait:.1f}%",
+            " / ".join(f"{row[k]:.0f}" for k in sorted(row) if k.startswith("peak_rss_mib_rank")),
+        ))  # fmt: skip
+    rows += [(system, note, *[""] * 9) for system, note in notes.items()]
+    columns = ["system", "CPU s/step rank 0", "vs DDP", "goal", "CPU s/step rank 1", "vs DDP", "wall s/step rank 0",
+               "vs DDP", "rank-0 CPU by round", "waiting for gathers", "peak RSS MiB rank 0 / 1"]  # fmt: skip
+    return report.table(columns, rows, "lrrlrrrrlrl")
 
 
 def phase_table(summary: dict[str, dict[str, Any]]) -> str:
     """Rank 0's median CPU seconds per phase of a step (PhaseClock), and the difference from DDP's; the page faults
     per step (first touches of fresh memory: the kernel zeroes every page)."""
     base = summary.get("ddp", {}).get("phase_cpu_rank0", {})
-    lines = [
-        "| system | " + " | ".join(f"{p} CPU s (vs DDP)" for p in PhaseClock.PHASES) + " | minor page faults |",
-        "|---|" + "--:|" * (len(PhaseClock.PHASES) + 1),
-    ]
+    rows = []
     for system, row in summary.items():
         phases = row.get("phase_cpu_rank0", {})
         if not phases:
@@ -497,35 +381,33 @@ def phase_table(summary: dict[str, dict[str, Any]]) -> str:
             delta = "" if value is None or phase not in base or system == "ddp" else f" ({value - base[phase]:+.3f})"
             cells.append("" if value is None else f"{value:.3f}{delta}")
         faults = row.get("minor_faults_rank0")
-        lines.append(f"| {system} | " + " | ".join(cells) + f" | {'' if faults is None else f'{faults:.0f}'} |")
-    return "\n".join(lines)
+        rows.append((system, *cells, "" if faults is None else f"{faults:.0f}"))
+    columns = ["system", *(f"{p} CPU s (vs DDP)" for p in PhaseClock.PHASES), "minor page faults"]
+    return report.table(columns, rows)
 
 
 def header(meta: dict[str, Any]) -> str:
-    a = meta["args"]
-    loads = meta["load_averages"]
+    a, loads = meta["args"], meta["load_averages"]
     return (
         f"Trainer, {a['world_size']} ranks, LlamaForCausalLM {meta['params'] / 1e6:.1f}M params (hidden {HIDDEN}, "
         f"{a['layers']} layers, vocab {VOCAB}), fp32, micro-batch {a['micro']}, accumulation {a['accumulation']}, "
         f"seq {SEQ}; {a['rounds']} rounds x {a['steps']} timed steps after {a['warmup']} warm-up; offload "
-        f"{a['offload']}; prefetch {a.get('prefetch', 'as_written')}; {meta['start_utc']} to {meta['end_utc']} UTC ({meta['seconds'] / 60:.1f} min); "
-        f"load average (1 min) {min(loads):.2f}-{max(loads):.2f}; code: {meta['code']}"
+        f"{a['offload']}; prefetch {a.get('prefetch', 'as_written')}; {meta['start_utc']} to {meta['end_utc']} UTC "
+        f"({meta['seconds'] / 60:.1f} min); load average (1 min) {min(loads):.2f}-{max(loads):.2f}; code: "
+        f"{meta['code']}"
     )
 
 
-def report(payload: dict[str, Any]) -> str:
+def report_text(payload: dict[str, Any]) -> str:
     meta = payload["meta"]
-    lines = [header(meta), ""]
-    for system, changes in meta["configs"].items():
-        lines.append(f"- {system}: " + "; ".join(changes))
+    lines = [header(meta), "", *(f"- {system}: " + "; ".join(changes) for system, changes in meta["configs"].items())]
     lines += ["", table(payload["summary"], payload["notes"]), "", phase_table(payload["summary"]), ""]
     for system, row in payload["summary"].items():
-        goal = GOALS.get(base_system(system))
-        if goal is not None and row.get("cpu_rank0_vs_ddp") is not None:
-            verdict = "PASS" if row["cpu_rank0_vs_ddp"] <= goal else "FAIL"
+        goal, ratio = GOALS.get(base_system(system)), row.get("cpu_rank0_vs_ddp")
+        if goal is not None and ratio is not None:
+            verdict = "PASS" if ratio <= goal else "FAIL"
             lines.append(
-                f"goal {system}: CPU time per step {row['cpu_rank0_vs_ddp']:.2f}x DDP's (rank 0), at most {goal:.2f}: "
-                f"{verdict}"
+                f"goal {system}: CPU time per step {ratio:.2f}x DDP's (rank 0), at most {goal:.2f}: {verdict}"
             )
     ddp = payload["summary"].get("ddp")
     if ddp is not None and len(ddp["cpu_rank0_by_round"]) > 1:
@@ -550,7 +432,7 @@ def main() -> None:
         "--prefetch",
         choices=["as_written", "auto"],
         default="as_written",
-        help="stage 3: zero3's stage3_prefetch_bucket_size (0: off) or \"auto\" (0.9 x hidden^2, as transformers' docs)",
+        help="stage 3: zero3's stage3_prefetch_bucket_size (0: off) or \"auto\" (0.9 x hidden^2, transformers' docs)",
     )
     parser.add_argument(
         "--code",
@@ -564,7 +446,7 @@ def main() -> None:
         help="also run every accelerate_zero system with the code of this revision (a `git archive`), interleaved "
         "with the others: rows <system>@<commit>",
     )
-    parser.add_argument("--ds_venv", type=Path, default=DEFAULT_DS_VENV)
+    parser.add_argument("--ds_venv", type=Path, default=launch.DEFAULT_DS_VENV)
     parser.add_argument("--timeout", type=int, default=900, help="seconds before one system's run is cut")
     parser.add_argument("--json", type=Path, default=None, help="write the raw readings and the summary here")
     parser.add_argument("--from_json", type=Path, default=None, help="print a saved run's report, run nothing")
@@ -574,29 +456,20 @@ def main() -> None:
         action="store_true",
         help="torch.profiler over the timed steps: each rank's ops by self CPU time in <run>.rank<R>.ops.txt",
     )
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args)
-        # The readings are written: leave without interpreter teardown, where torch's DDP and gloo can abort or
-        # deadlock (a DDP rank ended with SIGABRT after writing its readings; see bench_worker.py's end).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     if args.from_json:
-        print(report(json.loads(args.from_json.read_text())))
+        print(report_text(json.loads(args.from_json.read_text())))
         return
 
     start_utc = datetime.datetime.now(datetime.timezone.utc)
     started = time.perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="trainer_bench_"))
-    code, code_text = code_tree(args.code, folder)
-    codes = dict.fromkeys(args.systems, code)
+    tree, code_text = code.code_tree(args.code, folder)
+    codes = dict.fromkeys(args.systems, tree)
     if args.baseline:
         # Each accelerate_zero system runs twice per round, next to itself with the baseline's code: an A/B in one
         # interleaved run, under the same load.
-        baseline, baseline_text = code_tree(args.baseline, folder)
+        baseline, baseline_text = code.code_tree(args.baseline, folder)
         code_text += f"; systems named <system>@{baseline.name[5:]}: {baseline_text}"
         systems = []
         for system in args.systems:
@@ -616,7 +489,7 @@ def main() -> None:
             if system in notes:
                 continue
             mark = time.perf_counter()
-            result = launch(system, args, folder / f"{system}_round{round_index + 1}", codes[system])
+            result = run_system(system, args, folder, f"{system}_round{round_index + 1}", codes[system])
             loads.append(os.getloadavg()[0])
             if isinstance(result, str):
                 notes[system] = result
@@ -641,7 +514,7 @@ def main() -> None:
         "load_averages": loads,
         "load_average_1_5_15_at_end": list(os.getloadavg()),
         "code": code_text,
-        "commit": _git("rev-parse", "--short", "HEAD"),
+        "commit": code.git("rev-parse", "--short", "HEAD"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "params": params,
         "configs": configs,
@@ -651,12 +524,9 @@ def main() -> None:
         "versions": {s: copy.deepcopy(r[0][0].get("modules", {})) for s, r in runs.items() if r},
     }
     payload = {"meta": meta, "runs": runs, "summary": summary, "notes": notes}
-    print()
-    print(report(payload))
+    print(f"\n{report_text(payload)}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=1))
-        print(f"\nraw readings: {args.json}")
+        report.save_json(args.json, payload, report.machine_facts())
 
 
 if __name__ == "__main__":

@@ -94,10 +94,6 @@ def _tensor_parallel_on(block: Any) -> list[str]:
     return [f"tensor_parallel.autotp_size={size!r}"] if isinstance(size, int) and size > 1 else []
 
 
-def _deepcompile_on(block: Any) -> list[str]:
-    return ["compile.deepcompile"] if isinstance(block, Mapping) and _true(block.get("deepcompile")) else []
-
-
 def _data_efficiency_on(block: Any) -> list[str]:
     """On when it is enabled and one of its two features is: `enabled` alone changes nothing in DeepSpeed."""
     if not isinstance(block, Mapping) or not _true(block.get("enabled")):
@@ -127,13 +123,38 @@ TOP_LEVEL: dict[str, DeepSpeedKey] = {
     **{
         key: DeepSpeedKey(Treatment.BUILT)
         for key in (
-            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-            "fp16", "bf16", "optimizer", "scheduler", "zero_optimization", "sequence_parallel_size",
-            "seq_parallel_communication_data_type", "steps_per_print", "wall_clock_breakdown", "memory_breakdown",
-            "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "communication_data_type",
-            "prescale_gradients", "gradient_predivide_factor", "data_types", "checkpoint", "dataloader_drop_last",
-            "aio", "activation_checkpointing", "expert_parallel", "tensorboard", "wandb", "csv_monitor", "comet",
-            "comms_logger", "flops_profiler",
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+            "fp16",
+            "bf16",
+            "optimizer",
+            "scheduler",
+            "zero_optimization",
+            "sequence_parallel_size",
+            "seq_parallel_communication_data_type",
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "memory_breakdown",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "communication_data_type",
+            "prescale_gradients",
+            "gradient_predivide_factor",
+            "data_types",
+            "checkpoint",
+            "dataloader_drop_last",
+            "aio",
+            "activation_checkpointing",
+            "expert_parallel",
+            "tensorboard",
+            "wandb",
+            "csv_monitor",
+            "comet",
+            "comms_logger",
+            "flops_profiler",
+            "compile",
         )
     },  # fmt: skip
     "sequence_tiling": DeepSpeedKey(Treatment.OURS),
@@ -142,25 +163,33 @@ TOP_LEVEL: dict[str, DeepSpeedKey] = {
         "DeepSpeed's Hybrid Engine (inference kernels inside RLHF training) is not built; generate() runs on the "
         "training engine (ZeRO-3 gathers the layers it runs)",
         _enabled("hybrid_engine"),
-        ("enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache", "pin_parameters",
-         "tp_gather_partition_size", "enable_cuda_graph"),
+        (
+            "enabled",
+            "max_out_tokens",
+            "inference_tp_size",
+            "release_inference_cache",
+            "pin_parameters",
+            "tp_gather_partition_size",
+            "enable_cuda_graph",
+        ),
     ),  # fmt: skip
     "tensor_parallel": DeepSpeedKey(
         Treatment.OFF_ONLY,
         f"AutoTP tensor parallelism: {_NOT_HERE}; shard with ZeRO stage 3 instead (autotp_size 0 or 1 is off)",
         _tensor_parallel_on,
-        ("dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend",
-         "tensor_parallel", "injection_policy_tuple", "partition_config", "preset_model", "keep_module_on_host",
-         "replace_with_kernel_inject"),
-    ),  # fmt: skip
-    "compile": DeepSpeedKey(
-        Treatment.OFF_ONLY,
-        f"DeepCompile (DeepSpeed's compiler passes for ZeRO) {_NOT_HERE}",
-        _deepcompile_on,
-        ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
-         "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
-         "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
-         "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes"),
+        (
+            "dtype",
+            "autotp_size",
+            "tp_overlap_comm",
+            "vocab_parallel_lm_head",
+            "vocab_parallel_ce_backend",
+            "tensor_parallel",
+            "injection_policy_tuple",
+            "partition_config",
+            "preset_model",
+            "keep_module_on_host",
+            "replace_with_kernel_inject",
+        ),
     ),  # fmt: skip
     "weight_quantization": DeepSpeedKey(
         Treatment.OFF_ONLY,
@@ -259,7 +288,8 @@ TOP_LEVEL: dict[str, DeepSpeedKey] = {
     },
 }
 """Every top-level key DeepSpeed 0.19.8 reads (and ours), with what accelerate_zero does with it. To build one of
-the OFF_ONLY features, add its block to `ZeroConfig` and mark it BUILT here (compile: issue 51)."""
+the OFF_ONLY features, add its block to `ZeroConfig` and mark it BUILT here."""
+
 
 def top_level_problems(raw: Mapping[str, Any], built: Collection[str]) -> tuple[dict[str, Any], list[str], list[str]]:
     """Applies the rule ([Note: DeepSpeed's config rule]) to the top-level keys of a raw config.

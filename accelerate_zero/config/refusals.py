@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from accelerate_zero.config.compile_block import compile_refusals
+
 
 class RefusedFeature(NamedTuple):
     """A DeepSpeed option accelerate_zero will never implement: only `default` (or what `accepts` allows) passes."""
@@ -45,6 +47,7 @@ def _not_built_yet() -> dict[str, RefusedFeature]:
             {"pipeline_stage": False}, "pipeline-stage parallel writing is not available (no pipeline parallelism)"
         ),
     }
+
 
 _OWN_ROUTER = "the router, its top-k and scores stay the model's (set them in the model's config)"
 _OWN_EXPERTS = "the model's own experts module runs on each rank's experts (transformers' experts_implementation)"
@@ -163,5 +166,6 @@ REFUSED_FEATURES: dict[str, RefusedFeature] = {
         "wall_clock_breakdown or torch.profiler",
     ),
     **_expert_parallel_refusals(),
+    **{path: RefusedFeature(default, reason) for path, (default, reason) in compile_refusals().items()},
 }
 """Key path -> the accepted value and why anything else is refused. Extend it to refuse another DeepSpeed option."""

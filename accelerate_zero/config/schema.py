@@ -70,6 +70,7 @@ from accelerate_zero.config.blocks import (
     _f,
     default_overlap_comm,
 )
+from accelerate_zero.config.compile_block import CompileConfig
 from accelerate_zero.config.deepspeed_keys import library_problems
 from accelerate_zero.config.loading import auto_keys, filled_autos, load_config
 from accelerate_zero.config.monitor_blocks import (
@@ -99,6 +100,7 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "CheckpointConfig",
+    "CompileConfig",
     "SequenceTilingConfig",
     "DataTypesConfig",
     "FP16Config",
@@ -196,6 +198,8 @@ class ZeroConfig(Block):
     """What `from_any` accepted without using it (keys DeepSpeed ignores too, blocks that are off), one line each
     ([Note: DeepSpeed's config rule] in config/deepspeed_keys.py); not part of the config (`to_dict` leaves it
     out)."""
+    compile: CompileConfig = _f(factory=CompileConfig)
+    """DeepSpeed's DeepCompile block: defaults only; `engine.compile()` compiles (config/compile_block.py)."""
 
     @classmethod
     def from_any(cls, source: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str]) -> ZeroConfig:
@@ -249,8 +253,13 @@ def static_problems(config: ZeroConfig) -> list[str]:
         *_refused_problems(config),
         *_precision_problems(config),
         *_param_dtype_problems(config),
-        *library_problems({name: module for name, module in (("wandb", "wandb"), ("comet", "comet_ml"),
-                           ("tensorboard", "tensorboard")) if getattr(config, name).enabled is True}),  # fmt: skip
+        *library_problems(
+            {
+                name: module
+                for name, module in (("wandb", "wandb"), ("comet", "comet_ml"), ("tensorboard", "tensorboard"))
+                if getattr(config, name).enabled is True
+            }
+        ),  # fmt: skip
         *_loss_scale_problems(config),
         *_parallel_write_problems(config),
         *_optimizer_block_problems(config),

@@ -68,7 +68,6 @@ _MODULE_HINTS = {
 }
 
 _ENGINE_HINTS = {
-    "compile": "DeepSpeed's engine.compile() is not available here: call torch.compile on the model before initialize",
     "flops_profiler": "the engine's FlopsProfiler object is not available: the config's flops_profiler block "
     "profiles step `profile_step` and prints DeepSpeed's summary",
     "timers": "DeepSpeed's timers are not available: wall_clock_breakdown logs the phases (or use torch.profiler)",

@@ -48,7 +48,7 @@ from accelerate_zero.engine.stage3.loading import preloaded_numel
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
 from accelerate_zero.engine.stage3.units import find_unit_modules, layout_units
-from accelerate_zero.engine.step_layout import owned_step_for, choose_step_layout
+from accelerate_zero.engine.step_layout import choose_step_layout, owned_step_for
 from accelerate_zero.engine.stores import ShardsInMemory, ShardStore, StepRunner, StepsInMemory
 from accelerate_zero.offload.host_memory import HostMemory
 from accelerate_zero.offload.host_threads import HostThreads, host_threads_for

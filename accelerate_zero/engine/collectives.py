@@ -36,6 +36,9 @@ enters a node once and is shared inside it. For a group of g ranks with m_i of t
 - all-to-all of N per rank: each rank's N/g for every member on another node, sum_r N/g (g - m_node(r)).
 Each rank records 1/g of its collective's total, so summing `between_nodes_bytes` over the ranks gives the bytes
 that crossed nodes (bench/README.md and tests/distributed/test_layouts.py compare them with formulas).
+
+Every collective runs outside torch.compile's graphs ([Note: compiling around ZeRO's hooks] in
+engine/compile_boundary.py): one that a compiled forward reaches breaks the graph there and runs eagerly.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from accelerate_zero.engine.compile_boundary import outside_compile
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.scratch import ScratchBuffers
 
@@ -143,6 +147,7 @@ class Pending(NamedTuple):
     finish: Callable[[], None] | None = None
     """Local work that completes the output once the collective is done (holds its temporaries until then)."""
 
+    @outside_compile
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
@@ -176,6 +181,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+@outside_compile
 def all_reduce(
     tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False, kind: str = "all_reduce"
 ) -> Pending:
@@ -187,6 +193,7 @@ def all_reduce(
     return _timed(stats, Pending(dist.all_reduce(tensor, group=dp.group, async_op=async_op)), tensor)
 
 
+@outside_compile
 def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats) -> None:
     """Takes the element-wise maximum over the group, in place (synchronous)."""
     if dp.world_size == 1:
@@ -199,6 +206,7 @@ def all_reduce_max(tensor: torch.Tensor, dp: DataParallelGroup, stats: CommStats
     _timed(stats, Pending(None), tensor)
 
 
+@outside_compile
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -357,6 +365,7 @@ def _p2p_reduce_scatter(pieces: Sequence[torch.Tensor], dp: DataParallelGroup, s
     return Pending(None, finish_rounds)
 
 
+@outside_compile
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -398,6 +407,7 @@ def _broadcast_all_gather(output: torch.Tensor, input: torch.Tensor, dp: DataPar
     return Pending(None, finish)
 
 
+@outside_compile
 def all_to_all(
     output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, stats: CommStats, *, kind: str = "all_to_all"
 ) -> None:
@@ -412,6 +422,7 @@ def all_to_all(
     _timed(stats, Pending(None), output)
 
 
+@outside_compile
 def all_to_all_uneven(
     input: torch.Tensor,
     send_counts: list[int],
@@ -435,6 +446,7 @@ def all_to_all_uneven(
     return output
 
 
+@outside_compile
 def broadcast(
     tensor: torch.Tensor, src_rank: int, dp: DataParallelGroup, stats: CommStats, *, async_op: bool = False
 ) -> Pending:
@@ -447,6 +459,7 @@ def broadcast(
     return _timed(stats, Pending(dist.broadcast(tensor, src=src, group=dp.group, async_op=async_op)), tensor)
 
 
+@outside_compile
 def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataParallelGroup, stats: CommStats) -> None:
     """Rank 0's `inputs[r]` into `output` on each rank r (`inputs`: rank 0's list, None elsewhere; synchronous)."""
     if dp.world_size == 1:
@@ -461,12 +474,14 @@ def scatter(output: torch.Tensor, inputs: list[torch.Tensor] | None, dp: DataPar
     _timed(stats, Pending(None), output)
 
 
+@outside_compile
 def barrier(dp: DataParallelGroup) -> None:
     """Returns once every rank of the group has called it (checkpoint folders, shared disk-space tallies)."""
     if dp.world_size > 1:
         dist.barrier(group=dp.group)
 
 
+@outside_compile
 def all_gather_object(obj: object, dp: DataParallelGroup) -> list[object]:
     """Every rank's `obj` (picklable, small: tags, flags), in rank order. Pickles: never call it on loaded data."""
     if dp.world_size == 1:

@@ -22,6 +22,7 @@ from accelerate_zero.engine import collectives
 from accelerate_zero.engine.assemble import assemble
 from accelerate_zero.engine.checkpoint_state import CheckpointState, StepCounters
 from accelerate_zero.engine.collectives import CommStats
+from accelerate_zero.engine.compiling import CompileAPI, uncompiled
 from accelerate_zero.engine.deepspeed_api import DeepSpeedEngineAPI
 from accelerate_zero.engine.experts.partition import expert_element_offsets
 from accelerate_zero.engine.full_weights import full_state_dict, named_full_parameters
@@ -94,9 +95,9 @@ _PARAMETERS = (OffloadStateTypeEnum.lp_params,)
 _GRADIENTS = (OffloadStateTypeEnum.lp_grads,)
 
 
-class ZeroEngine(DeepSpeedEngineAPI):
+class ZeroEngine(DeepSpeedEngineAPI, CompileAPI):
     """Trains one model with ZeRO stage 0-3 (DeepSpeed's engine API: forward, `backward`, `step`; its accessors and
-    sleep calls in engine/deepspeed_api.py)."""
+    sleep calls in engine/deepspeed_api.py, `compile()` in engine/compiling.py)."""
 
     module: nn.Module
     config: ResolvedZeroConfig
@@ -129,7 +130,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if layout is None:
             assert dp is not None, "ZeroEngine needs a layout or a data-parallel group"
             layout = flat_layout(dp)
-        self.module, self.config, self.device = module, config, device
+        self.module, self._forward, self.config, self.device = uncompiled(module), module, config, device
         self.layout = layout
         """The groups of every kind ([Note: the three hierarchical layouts] in engine/layout.py)."""
         self.dp = layout.shard
@@ -143,7 +144,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._global_grad_norm: float | None = None
         self.sleeping = SleepingState(device)
         parts = assemble(
-            module,
+            self.module,
             optimizer,
             config,
             layout=self.layout,
@@ -185,7 +186,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if dtype is not None:
             args, kwargs = cast_forward_inputs(args, kwargs, dtype)
         with self.step_log.timed("forward"):
-            return self.module(*args, **kwargs)
+            return self._forward(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagates `loss` divided by the accumulation steps (and times the fp16 loss scale).

@@ -79,8 +79,7 @@ class OwnedTensors:
         for shard_slice in held:
             self._runs.setdefault(id(shard_slice.bucket), []).append(shard_slice)
         self.mine = [
-            OwnedMaster(param, buckets[param.bucket], make_master(param.shape))
-            for param in plan.owned_by(self.rank)
+            OwnedMaster(param, buckets[param.bucket], make_master(param.shape)) for param in plan.owned_by(self.rank)
         ]
         self._moves = plan.moves() if plan.moves_anything() else None
         self.refresh_masters()

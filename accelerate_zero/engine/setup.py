@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import warnings
 from typing import Any
@@ -212,10 +211,13 @@ def keep_generate_in_step(module: nn.Module) -> None:
     for an engine whose every forward is a collective (stage 3's gathers, expert parallelism's all-to-alls).
     transformers enables it for a model flagged `_is_fsdp_managed_module`, and reads the flag on the model whose
     `generate` runs: a wrapper's (peft's `PeftModel.generate` calls its base model's), so every module with a
-    `generate` is flagged, not only the root."""
+    `generate` is flagged, not only the root. torch.compile reads the flag too: it traces a flagged module as one
+    FSDP manages, which it refuses unless `_fsdp_use_orig_params` is set (FSDP2 sets both): our parameters are the
+    model's own, as with `use_orig_params`."""
     for each in module.modules():
         if each is module or callable(getattr(each, "generate", None)):
             each._is_fsdp_managed_module = True
+            each._fsdp_use_orig_params = True
 
 
 TARGET_KWARGS = frozenset({"labels", "label"})

@@ -156,7 +156,6 @@ class StepLog:
         )
         self.monitors.write_events(step_events(values))
 
-
     def _report_flops(self) -> None:
         assert self.flops is not None
         summary = self.flops.report(self.completed_steps, self.samples_per_step)

@@ -123,4 +123,3 @@ def build_muon_with_adam(module: nn.Module, params: Mapping[str, Any]) -> torch.
     if not optimizers:
         raise ValueError("no trainable parameters for the Muon block: set requires_grad on the ones to train")
     return chain_or_single(optimizers)
-

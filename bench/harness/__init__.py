@@ -3,14 +3,15 @@ sits beside this package in bench/ (engine_bench.py, stage3_bench.py, ...) and i
 
 | module | what |
 | --- | --- |
-| launch.py | `on_ranks(W, function, kwargs)`: a fresh torchrun group runs `function` on every rank, returns results |
+| launch.py | `on_ranks(W, function, kwargs)`: W fresh ranks (torchrun; one process at W = 1) run `function` |
 | rank.py | the rank side of `on_ranks` (never run by hand) |
 | peers.py | DDP, DDP + ZeroRedundancyOptimizer, FSDP2, accelerate_zero stages 0-3, DeepSpeed 1-3: `build(name, ...)` |
 | readings.py | memory (RSS, anonymous, peaks), wire bytes, live tensors, collective bytes ([Note: how ...]) |
 | steps.py | the timed loop (wall, CPU, faults, bytes per step) and `train`, one peer on the Linear stack |
-| models.py | the shared workloads: the Linear stack, its data, its ZeRO config |
+| models.py | the shared workloads: the Linear stack, its data, its ZeRO config; a Llama from a config |
 | summary.py | every rank's readings of a training run into one `Summary` per peer (pure Python) |
 | report.py | markdown tables, PASS/FAIL checks, the machine and its load, the saved JSON (pure Python) |
+| code.py | which accelerate_zero the ranks import: the working tree or a `git archive` of a commit |
 
 A question, whole (run it as `python bench/my_question.py`; the function given to `on_ranks` must be top-level):
 

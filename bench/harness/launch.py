@@ -1,4 +1,5 @@
-"""Runs a function on W fresh ranks (one `torchrun --standalone` group per call) and brings back what each returned.
+"""Runs a function on W fresh ranks (one `torchrun --standalone` group per call, a lone process at W = 1) and brings
+back what each returned.
 
 `on_ranks(2, steps.train, {"system": "az3", "steps": 20})` starts 2 processes under torch.distributed.run, each
 running harness/rank.py: it joins a gloo process group, calls `steps.train(system="az3", steps=20)` and writes
@@ -36,7 +37,27 @@ DEFAULT_DS_VENV = Path(os.environ.get("DS_VENV", BENCH_DIR.parent / ".ds-venv"))
 
 
 class LaunchFailed(RuntimeError):
-    """A group exited with an error, timed out, or left a rank's result missing; the message ends with its log."""
+    """A group exited with an error, timed out, went over its RSS budget or left a rank's result missing; the message
+    ends with its log."""
+
+    def __init__(
+        self, message: str, code: int | str | None = None, peak_rss_sum: int = 0, results: list[Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code, self.peak_rss_sum = code, peak_rss_sum
+        self.results = results or []
+        """What each rank returned before the group failed (None for a rank that did not finish), in rank order."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a command run by `run_command` ended."""
+
+    code: int | str
+    """Its exit code, or "timeout (N s)", or "over budget" (`rss_budget`)."""
+    seconds: float
+    peak_rss_sum: int
+    """The largest resident memory of its whole process tree seen while it ran (0 when not watched)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,8 @@ class Ranks:
     load: tuple[float, float]
     """The machine's 1-minute load average before and after the group."""
     log: Path
+    peak_rss_sum: int = 0
+    """The largest RSS summed over the group's processes, when `on_ranks` watched a budget (else 0)."""
 
 
 def deepspeed_python(venv: Path = DEFAULT_DS_VENV) -> Path | None:
@@ -75,6 +98,7 @@ def on_ranks(
     timeout: float = 600,
     threads: int = 1,
     backend: str = "gloo",
+    rss_budget: float | None = None,
 ) -> Ranks:
     """Runs `function(**kwargs)` on `world_size` fresh ranks and returns every rank's result.
 
@@ -89,9 +113,10 @@ def on_ranks(
         timeout: seconds before the whole group is killed.
         threads: torch's intra-op threads on each rank.
         backend: the process group's backend, or "none" when the function makes its own.
+        rss_budget: bytes; the whole group is killed as soon as the RSS summed over its processes exceeds it.
 
     Raises:
-        LaunchFailed: a rank failed, the group timed out, or a result is missing.
+        LaunchFailed: a rank failed, the group timed out or went over `rss_budget`, or a result is missing.
     """
     module = sys.modules[function.__module__]
     stem = Path(module.__file__).stem
@@ -101,28 +126,35 @@ def on_ranks(
     prefix, log = out_dir / name, out_dir / f"{name}.log"
     for stale in [*out_dir.glob(f"{name}.rank*.json"), *out_dir.glob(f"{name}.rank*.error")]:
         stale.unlink()
+    # One process needs no torchrun (one interpreter start-up less): rank.py runs alone on a free port.
+    runner = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)] if world_size > 1 else []
+    )
     command = [
-        str(python or sys.executable), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-        str(world_size), str(RANK_SCRIPT), "--module", "" if module.__name__ == "__main__" else module.__name__,
-        "--file", str(module.__file__), "--function", function.__name__, "--kwargs", json.dumps(kwargs or {}),
-        "--out", str(prefix), "--threads", str(threads), "--backend", backend,
+        str(python or sys.executable), *runner, str(RANK_SCRIPT), "--module", "" if module.__name__ == "__main__"
+        else module.__name__, "--file", str(module.__file__), "--function", function.__name__, "--kwargs",
+        json.dumps(kwargs or {}), "--out", str(prefix), "--threads", str(threads), "--backend", backend,
     ]  # fmt: skip
-    load_before, start = os.getloadavg()[0], time.perf_counter()
-    code = _run(command, _rank_env(python, env), log, timeout)
-    seconds, load_after = time.perf_counter() - start, os.getloadavg()[0]
+    rank_env = _rank_env(python, {**(single_process_env(apply=False) if world_size == 1 else {}), **(env or {})})
+    load_before = os.getloadavg()[0]
+    done = run_command(command, log=log, env=rank_env, timeout=timeout, rss_budget=rss_budget)
+    load_after = os.getloadavg()[0]
     paths = [Path(f"{prefix}.rank{rank}.json") for rank in range(world_size)]
-    if code != 0 or not all(path.exists() for path in paths):
+    results = [json.loads(path.read_text()) if path.exists() else None for path in paths]
+    if done.code != 0 or None in results:
         errors = sorted(out_dir.glob(f"{name}.rank*.error"))
         source = errors[0] if errors else log
         tail = "\n    ".join(source.read_text(errors="replace").splitlines()[-15:])
-        raise LaunchFailed(f"{name}: {code} after {seconds:.0f} s; the end of {source}:\n    {tail}")
-    print(f"  {name}: done in {seconds:.0f}s (1-min load average {load_before:.1f} -> {load_after:.1f})", flush=True)
-    results = [json.loads(path.read_text()) for path in paths]
-    return Ranks(results, seconds, (load_before, load_after), log)
+        message = f"{name}: {done.code} after {done.seconds:.0f} s; the end of {source}:\n    {tail}"
+        raise LaunchFailed(message, done.code, done.peak_rss_sum, results)
+    print(
+        f"  {name}: done in {done.seconds:.0f}s (1-min load average {load_before:.1f} -> {load_after:.1f})", flush=True
+    )
+    return Ranks(results, done.seconds, (load_before, load_after), log, done.peak_rss_sum)
 
 
 def _rank_env(python: Path | None, extra: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ, **RANK_ENV, **(extra or {}))
+    env = {**os.environ, **RANK_ENV, **(extra or {})}
     if python is not None and Path(python) != Path(sys.executable):
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
@@ -130,20 +162,51 @@ def _rank_env(python: Path | None, extra: dict[str, str] | None) -> dict[str, st
     return env
 
 
-def _run(command: list[str], env: dict[str, str], log: Path, timeout: float) -> int | str:
-    """Runs `command`; on a timeout kills it with every process under it (`kill_tree`)."""
+def run_command(
+    command: list[str],
+    *,
+    log: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    rss_budget: float | None = None,
+) -> Finished:
+    """Runs `command` in its own session, its output into `log`; on a timeout, or as soon as the RSS summed over its
+    process tree exceeds `rss_budget` bytes, kills the whole tree (`kill_tree`: torchrun's ranks too)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start, seen = time.perf_counter(), 0
     with (
         open(log, "w") as log_file,
         subprocess.Popen(
             command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         ) as process,
     ):
+        while True:
+            try:
+                code: int | str = process.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if rss_budget is not None:
+                seen = max(seen, tree_rss(process.pid))
+            over, late = rss_budget is not None and seen > rss_budget, time.perf_counter() - start > timeout
+            if over or late:
+                kill_tree(process.pid)
+                process.wait()
+                code = "over budget" if over else f"timeout ({timeout:.0f} s)"
+                break
+    return Finished(code, time.perf_counter() - start, seen)
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes summed over `root` and its descendants."""
+    total = 0
+    for pid in process_tree(root):
         try:
-            return process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(process.pid)
-            process.wait()
-            return f"timeout ({timeout:.0f} s)"
+            with open(f"/proc/{pid}/statm") as statm:
+                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 def process_tree(root: int) -> list[int]:
@@ -173,8 +236,9 @@ def kill_tree(root: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def single_process_env() -> dict[str, str]:
-    """Sets and returns the variables of a one-process group (world size 1) on a free port, for in-process runs.
+def single_process_env(apply: bool = True) -> dict[str, str]:
+    """The variables of a one-process group (world size 1) on a free port, set in this process unless `apply` is
+    False (`on_ranks` gives them to a lone rank instead).
 
     A question that trains in its own process (no torchrun) calls this before `accelerate_zero.initialize`; a free
     port, not a fixed one, so that two questions running at once do not collide.
@@ -184,5 +248,6 @@ def single_process_env() -> dict[str, str]:
         port = probe.getsockname()[1]
     values = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     values["LOCAL_WORLD_SIZE"] = "1"
-    os.environ.update(values)
+    if apply:
+        os.environ.update(values)
     return values

@@ -1,5 +1,6 @@
 """The workloads questions share: the Linear stack every peer trains, its data and the ZeRO config it runs under.
 
+`llama_config` / `llama` build the LlamaForCausalLM most other questions train, from a config (no download).
 The stack's size is 16 x Linear(1024, 1024) unless the launcher sets `SIZE_ENV`'s variables (bench/report runs a
 smaller stack to fit its time budget); every rank reads them, DeepSpeed's included. `AZ_BENCH_BATCH`: the rows
 of each micro-batch (default 8: activations are negligible beside the weights; at 1024 each saved activation is
@@ -64,3 +65,40 @@ def engine_config(stage: int, reduce_bucket_size: int | None = None, grad_accum:
     if grad_accum != 1:
         config["gradient_accumulation_steps"] = grad_accum
     return config
+
+
+def llama_config(
+    hidden: int,
+    layers: int,
+    *,
+    vocab: int = 32000,
+    intermediate: int | None = None,
+    heads: int = 8,
+    kv_heads: int | None = None,
+    seq: int = 2048,
+    tied: bool = False,
+    **extra: Any,
+) -> Any:
+    """A `LlamaConfig` (intermediate default 3 x hidden, key/value heads default `heads`, untied embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=seq,
+        tie_word_embeddings=tied, **extra,
+    )  # fmt: skip
+
+
+def llama(config: Any, *, seed: int = 0, device: str | torch.device | None = None, dtype: Any = None) -> nn.Module:
+    """`LlamaForCausalLM(config)` with seed `seed` (the same on every rank), built on `device`, cast to `dtype`."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device or "cpu"):
+        model = LlamaForCausalLM(config)
+    return model if dtype is None else model.to(dtype)
+
+
+def tokens(rows: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    """`rows` x `length` random token ids below `vocab`, from their own generator seeded `seed`."""
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))

@@ -46,10 +46,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True)
     args = parser.parse_args()
     # bench/ (not bench/harness/, this script's folder) on the path: `harness` is imported as a package; the
-    # repository root after it, so a function defined in a test module (which imports `tests.helpers`) loads
-    # without PYTHONPATH, as CI runs the suite.
+    # repository root last, so a function defined in a test module (which imports `tests.helpers`) loads without
+    # PYTHONPATH, as CI runs the suite, while a PYTHONPATH given (another commit's code: trainer_bench --code) wins.
     kept = [p for p in sys.path if Path(p or ".").resolve() not in (Path(__file__).parent, BENCH_DIR.parent)]
-    sys.path[:] = [str(BENCH_DIR), str(BENCH_DIR.parent), *kept]
+    sys.path[:] = [str(BENCH_DIR), *kept, str(BENCH_DIR.parent)]
     import torch
     import torch.distributed as dist
 

@@ -94,31 +94,67 @@ def live_tensor_bytes() -> int:
 
 
 class PeakSampler:
-    """The highest value of each /proc/self/status key, polled every `interval` seconds while the block runs.
+    """The highest value of each /proc/self/status key per phase, polled every `interval` seconds.
 
-    VmHWM holds one peak for the whole RSS; this splits it (anonymous against file-backed pages), or measures a
-    peak where `clear_refs` is not allowed. Use as `with PeakSampler() as peaks: ...`, then `peaks.peak["RssAnon"]`.
+    VmHWM holds one peak for the whole RSS; this splits it (anonymous against file-backed pages), gives one peak
+    per phase, or measures a peak where `clear_refs` is not allowed. `with PeakSampler() as peaks: ...`, then
+    `peaks.peak["RssAnon"]` (the current phase's); or `start()`, `phase(name)` at each phase, `stop()` for
+    {"peaks": {phase: {key: bytes}}, "ends": {phase: {key: bytes at its end}}}.
     """
 
-    def __init__(self, keys: tuple[str, ...] = ("VmRSS", "RssAnon", "RssFile"), interval: float = 0.002) -> None:
-        self.peak: dict[str, int] = dict.fromkeys(keys, 0)
-        self._interval, self._done = interval, threading.Event()
+    def __init__(
+        self, keys: tuple[str, ...] = ("VmRSS", "RssAnon", "RssFile"), interval: float = 0.002, phase: str = "run"
+    ) -> None:
+        self.keys, self.current = keys, phase
+        self.peaks: dict[str, dict[str, int]] = {}
+        self.ends: dict[str, dict[str, int]] = {}
+        self._interval, self._done, self._lock = interval, threading.Event(), threading.Lock()
         self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @property
+    def peak(self) -> dict[str, int]:
+        """The peaks of the current (after `stop`: the last) phase."""
+        return self.peaks.get(self.current, dict.fromkeys(self.keys, 0))
+
+    def read(self) -> dict[str, int]:
+        return {key: value for key, value in proc_status().items() if key in self.keys}
+
+    def _record(self) -> None:
+        reading = self.read()
+        with self._lock:
+            peak = self.peaks.setdefault(self.current, dict(reading))
+            for key, value in reading.items():
+                peak[key] = max(peak[key], value)
 
     def _sample(self) -> None:
         while not self._done.is_set():
-            for key, value in proc_status().items():
-                if key in self.peak:
-                    self.peak[key] = max(self.peak[key], value)
+            self._record()
             self._done.wait(self._interval)
 
-    def __enter__(self) -> PeakSampler:
+    def phase(self, name: str) -> None:
+        """Ends the current phase (its peak and its end reading) and starts `name`."""
+        self._record()
+        with self._lock:
+            self.ends[self.current], self.current = self.read(), name
+        self._record()
+
+    def start(self) -> PeakSampler:
+        self._record()
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> dict[str, dict[str, dict[str, int]]]:
         self._done.set()
         self._thread.join()
+        self._record()
+        self.ends[self.current] = self.read()
+        return {"peaks": self.peaks, "ends": self.ends}
+
+    def __enter__(self) -> PeakSampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 # ---------------------------------------------------------------------------------------- collective bytes

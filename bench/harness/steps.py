@@ -8,7 +8,6 @@ benchmark measures] in harness/readings.py), and one `Measurement` per rank.
 from __future__ import annotations
 
 import gc
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -22,10 +21,6 @@ from torch import nn
 
 from . import launch, models, peers, summary
 from .readings import live_tensor_bytes, proc_status, reset_peak_rss, wire_bytes
-
-
-ARENA_WHOLE_ENV = "AZ_BENCH_ARENA_WHOLE"
-"""Set to "1" (stage3_bench.py --arena_whole): the engine's gradient arenas count whole from their allocation."""
 
 
 @dataclass
@@ -144,10 +139,6 @@ def train(
     `extra["memory_breakdown"]`.
     """
     peers.preload(system)
-    if system.startswith("az") and os.environ.get(ARENA_WHOLE_ENV) == "1":
-        from user_load import count_gradient_arenas_whole
-
-        count_gradient_arenas_whole()  # [Note: resident pages against allocated bytes] in user_load.py
     measurement = start_measurement()
     model = models.build_model()
     measurement.params = sum(p.numel() for p in model.parameters())
@@ -192,9 +183,11 @@ def launch_train(
     out_dir: Path,
     ds_venv: Path = launch.DEFAULT_DS_VENV,
     round_index: int = 0,
+    function: Callable[..., dict[str, Any]] | None = None,
     **train_kwargs: Any,
 ) -> list[dict[str, Any]] | None:
-    """Driver side: `train` for `system` on `world_size` fresh ranks (DeepSpeed from `ds_venv`).
+    """Driver side: `train` (or `function`, a rank function that calls it) for `system` on `world_size` fresh ranks
+    (DeepSpeed from `ds_venv`).
 
     Returns every rank's record (`summary.records`), or None when the group failed (its log's end is printed).
     DeepSpeed's virtualenv must exist (`runnable` leaves its systems out otherwise).
@@ -203,7 +196,12 @@ def launch_train(
     python = launch.deepspeed_python(ds_venv) if system.startswith("ds") else None
     try:
         ranks = launch.on_ranks(
-            world_size, train, {"system": system, **train_kwargs}, name=name, out_dir=out_dir, python=python
+            world_size,
+            function or train,
+            {"system": system, **train_kwargs},
+            name=name,
+            out_dir=out_dir,
+            python=python,
         )
     except launch.LaunchFailed as failed:
         print(f"  FAILED {failed}")

@@ -144,7 +144,8 @@ def _all(rank: int, world_size: int, folder: str) -> dict[Any, Any]:
             "errors": errors,
             "adapters_moved": max(
                 (reference["params"][n] - p).abs().max().item()
-                for n, p in _adapted().named_parameters() if "lora_" in n
+                for n, p in _adapted().named_parameters()
+                if "lora_" in n
             ),  # fmt: skip
         }
         if "stream" in got:

@@ -92,7 +92,9 @@ def _sft(folder: Path, world_size: int | None) -> tuple[Any, torch.nn.Module]:
         args = trl.SFTConfig(**values)
         cls = trl.SFTTrainer
     else:
-        zero = {"zero_optimization": {"stage": 3, **ZERO3, **OFFLOAD, "stage3_gather_16bit_weights_on_model_save": True}}
+        zero = {
+            "zero_optimization": {"stage": 3, **ZERO3, **OFFLOAD, "stage3_gather_16bit_weights_on_model_save": True}
+        }
         zero["zero_force_ds_cpu_optimizer"] = False
         args, cls = zero_trl.SFTConfig(zero_config=zero, **values), zero_trl.SFTTrainer
     tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tiny-llama")  # rows are token ids already: only for padding

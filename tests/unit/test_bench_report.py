@@ -134,25 +134,6 @@ def test_tables_show_formulas_and_step_time_ratio_to_ddp(sections: ModuleType) -
 def test_markdown_tables_are_cut_out_of_printed_output(sections: ModuleType) -> None:
     text = "running...\n| a | b |\n|---|---|\n| 1 | 2 |\nPASS something\n  | c |\n|---|\ndone"
     assert sections.markdown_tables(text) == "| a | b |\n|---|---|\n| 1 | 2 |\n\n| c |\n|---|"
-    assert sections.json_records_table([{"mode": "cpu", "ms": 1.5}, {"mode": "nvme", "x": None}]) == (
-        "| mode | ms | x |\n|---|---|---|\n| cpu | 1.5 | — |\n| nvme | — | — |"
-    )
-
-
-def test_the_comparisons_stage_runs_give_the_sweeps_point_at_their_world_size(sections: ModuleType) -> None:
-    main = {f"az{stage}": [_raw_ranks(0.1, world_size=2)] for stage in range(4)}
-    for stage in range(4):
-        for rank, record in enumerate(main[f"az{stage}"][0]):
-            record["rank"] = rank
-            record["extra"]["memory_breakdown"] = _breakdown(stage, 2)
-    readings = sections.sweep_from_systems(main)
-    assert [r["rank"] for r in readings] == [0, 1] and readings[0]["world_size"] == 2
-    assert readings[1]["stages"]["3"]["memory_breakdown"] == _breakdown(3, 2)
-    assert readings[0]["stages"]["0"]["rss_bytes"] == 100_000_000
-    rows = sections.sweep_rows({2: readings}, _estimates([2]))
-    assert sections.honesty_table(rows)[1]
-    del main["az1"]
-    assert sections.sweep_from_systems(main) is None
 
 
 def test_llama_readings_join_the_honesty_table_under_their_own_model(sections: ModuleType) -> None:
@@ -167,16 +148,16 @@ def test_llama_readings_join_the_honesty_table_under_their_own_model(sections: M
     assert table.splitlines()[-1] == "| llama | 3 | 2 | 0.009 | 0.008 | 1.1200 (rank 0) | FAIL |"
 
 
-def test_the_trainer_section_copies_the_benchmark_table_and_says_when_it_did_not_run(sections: ModuleType) -> None:
-    render = sections
+def test_a_question_section_copies_the_benchmark_table_and_says_when_it_did_not_run(sections: ModuleType) -> None:
     printed = (
         "ddp round 0: done\n\nTrainer, 2 ranks, Llama 512x4 (vocab 20000), fp32\n\n"
         "| system | CPU s/step (rank 0) | vs DDP |\n|---|---|---|\n| ddp | 1.2 | 1.00 |\n| az2 | 1.4 | 1.17 |\n"
     )
     ran = {"status": "ran", "command": ["python", "/x/bench/trainer_bench.py", "--rounds", "1"], "stdout": printed}
-    text = render.trainer_section(ran)
-    assert "Trainer, 2 ranks" in text and "| az2 | 1.4 | 1.17 |" in text and "ran" in text
-    assert "ddp round 0" not in text
-    assert "Not run" in render.trainer_section(None) and "--skip_trainer" in render.trainer_section(
-        {"status": "skipped"}
+    text = sections.question_section(ran, "python bench/trainer_bench.py", "Trainer, ")
+    assert text.startswith("`python bench/trainer_bench.py --rounds 1`, run by the report in 0 s: ran.")
+    assert "Trainer, 2 ranks" in text and "| az2 | 1.4 | 1.17 |" in text and "ddp round 0" not in text
+    assert "Not run" in sections.question_section(None, "x")
+    assert "`python bench/trainer_bench.py` runs it" in sections.question_section(
+        {"status": "skipped"}, "python bench/trainer_bench.py"
     )

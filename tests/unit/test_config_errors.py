@@ -140,6 +140,29 @@ REFUSED_SAMPLES = {
             "expert_activation": "gelu",
         }.items()
     },  # DeepSpeed 0.19.8's AutoEP keys other than enabled / autoep_size / preset_model
+    **{
+        f"compile.{key}": value
+        for key, value in {
+            "deepcompile": True,
+            "autoep_non_moe": True,
+            "free_activation": True,
+            "free_activation_threshold": 1024,
+            "offload_activation": True,
+            "offload_activation_pin_memory": False,
+            "offload_opt_states": True,
+            "double_buffer": False,
+            "symmetric_memory": True,
+            "debug_log": True,
+            "offload_parameters": True,
+            "sync_before_reduce": True,
+            "sync_after_reduce": True,
+            "sync_before_allgather": True,
+            "sync_after_allgather": True,
+            "keep_int_input_tensors": False,
+            "keep_all_input_tensors": True,
+            "passes": ["z3"],
+        }.items()
+    },  # DeepSpeed 0.19.8's DeepCompile keys (config/compile_block.py)
 }
 
 

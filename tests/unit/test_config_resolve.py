@@ -103,8 +103,10 @@ def test_unfilled_autos_of_deepspeeds_pydantic_blocks_take_the_default_with_a_no
     assert resolved.zero_optimization.sub_group_size == 1_000_000_000
     assert resolved.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
     assert resolved.fp16.enabled is False
-    assert 'zero_optimization.sub_group_size is "auto" and nothing filled it: it takes the default 1000000000, as ' \
+    assert (
+        'zero_optimization.sub_group_size is "auto" and nothing filled it: it takes the default 1000000000, as '
         "in DeepSpeed" in caplog.text
+    )
 
 
 def test_auto_batch_sizes_are_reported_once_not_as_a_batch_mismatch() -> None:

@@ -11,6 +11,7 @@ import os
 import pytest
 
 from accelerate_zero.config import ZeroConfig, ZeroConfigError
+from accelerate_zero.config.compile_block import CompileConfig as OurCompileConfig
 from accelerate_zero.config.deepspeed_keys import TOP_LEVEL, Treatment
 from accelerate_zero.config.loading import ALIASES
 from accelerate_zero.config.monitor_blocks import (
@@ -91,9 +92,10 @@ def test_removed_and_strict_blocks_are_deepspeeds() -> None:
     from deepspeed.inference.config import WeightQuantConfig
     from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
 
+    # the compile block is built (config/compile_block.py): every key of DeepSpeed's, none more
+    assert {f.name for f in dataclasses.fields(OurCompileConfig)} == set(CompileConfig.model_fields)
     models = {
         "hybrid_engine": module.HybridEngineConfig,
-        "compile": CompileConfig,
         "tensor_parallel": TPTrainingConfig,
         "weight_quantization": WeightQuantConfig,
     }
@@ -130,7 +132,6 @@ def _problems(raw: dict) -> list[str]:
          "hybrid_engine.enabled"),
         ({"tensor_parallel": {"autotp_size": 1}}, {"tensor_parallel": {"autotp_size": 2}},
          "tensor_parallel.autotp_size=2"),
-        ({"compile": {"deepcompile": False}}, {"compile": {"deepcompile": True}}, "compile.deepcompile"),
         ({"torch_autocast": {"enabled": False, "dtype": "bfloat16"}}, {"torch_autocast": {"enabled": True}},
          "torch_autocast.enabled"),
         ({"data_efficiency": {"enabled": True, "data_sampling": {"enabled": False}}},
@@ -144,6 +145,17 @@ def test_a_feature_we_lack_loads_while_off_and_is_refused_by_name_when_on(off: d
     ZeroConfig.from_any(off)
     (problem,) = _problems(on)
     assert problem.startswith(f"{switch} turns on a feature accelerate_zero does not have (")
+
+
+def test_the_compile_block_is_built_and_deepcompile_refused_by_name() -> None:
+    assert (
+        ZeroConfig.from_any({"compile": {"deepcompile": False, "offload_activation": False}}).compile.deepcompile
+        is False
+    )
+    (problem,) = _problems({"compile": {"deepcompile": True}})
+    assert problem.startswith(
+        "compile.deepcompile=True is not supported (DeepCompile is not implemented; engine.compile()"
+    )
 
 
 def test_strict_blocks_keep_their_key_check_and_unread_keys_are_noted() -> None:

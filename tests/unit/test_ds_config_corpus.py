@@ -24,8 +24,14 @@ REFUSED: dict[str, tuple[tuple[str, ...], bool]] = {
     "axolotl/zero1_torch_compile.json": (("compile.backend", "compile.disable"), False),
     "axolotl/zero2_torch_compile.json": (("compile.backend", "compile.disable"), False),
     "llama_factory/ds_z3_alst_config.json": (
-        ("bf16.auto_cast", "bf16.hysteresis", "bf16.initial_scale_power", "bf16.loss_scale", "bf16.loss_scale_window",
-         "bf16.min_loss_scale"),
+        (
+            "bf16.auto_cast",
+            "bf16.hysteresis",
+            "bf16.initial_scale_power",
+            "bf16.loss_scale",
+            "bf16.loss_scale_window",
+            "bf16.min_loss_scale",
+        ),
         False,
     ),  # fmt: skip
     "megatron_deepspeed/rebase__ds_config_gpt_slw.json": (("curriculum_learning.enabled",), False),
@@ -135,7 +141,5 @@ def test_deepspeed_itself_agrees_with_the_corpus_labels() -> None:
             verdicts[name] = True
         except Exception:  # pydantic's ValidationError, DeepSpeedConfigError, AssertionError: all "rejects"
             verdicts[name] = False
-    expected = {
-        name: REFUSED[name][1] if name in REFUSED else name not in LAXER_THAN_DEEPSPEED for name in verdicts
-    }
+    expected = {name: REFUSED[name][1] if name in REFUSED else name not in LAXER_THAN_DEEPSPEED for name in verdicts}
     assert verdicts == expected

@@ -5,7 +5,8 @@ and its backward. Attachments come from `register_external_parameter(module, par
 found during the first forward, the one that records the execution order: a TorchFunctionMode looks at the
 parameters each torch function receives; one whose unit is not gathered is gathered on the spot and attached to
 the innermost unit running. The mode is only active during that first forward, so it costs nothing afterwards;
-a branch that first runs later must be registered explicitly.
+a branch that first runs later must be registered explicitly. That forward runs eagerly even in a compiled model
+([Note: compiling around ZeRO's hooks] in engine/compile_boundary.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from accelerate_zero.engine.compile_boundary import EagerWhileRecording
 from accelerate_zero.engine.stage3.param_unit import ParamUnit, UnitState
 
 
@@ -57,6 +59,17 @@ class ExternalUseDetector(TorchFunctionMode):
     def __init__(self, unit_of: dict[int, ParamUnit], active: list[ParamUnit], gather: Any) -> None:
         super().__init__()
         self.unit_of, self.active, self.gather = unit_of, active, gather
+        self._eager = EagerWhileRecording()
+
+    def __enter__(self) -> ExternalUseDetector:
+        self._eager.enter()  # dynamo would trace this mode's gathers ([Note: compiling around ZeRO's hooks])
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._eager.exit()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

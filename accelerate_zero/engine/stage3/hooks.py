@@ -1,4 +1,8 @@
-"""Module and tensor hooks for stage 3: they keep their handles and delegate to the UnitScheduler."""
+"""Module and tensor hooks for stage 3: they keep their handles and delegate to the UnitScheduler.
+
+Under torch.compile the unit hooks run outside the graphs and the entry hooks inside a unit are traced as nothing
+([Note: compiling around ZeRO's hooks] in engine/compile_boundary.py).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from accelerate_zero.engine.compile_boundary import outside_compile, tracing
 from accelerate_zero.engine.stage3.external import param_index
 from accelerate_zero.engine.stage3.param_unit import ParamUnit
 from accelerate_zero.engine.stage3.schedule import UnitScheduler
@@ -72,7 +77,10 @@ class _Entry:
         self.frames: list[tuple[list[ParamUnit], bool]] = []
 
     def pre(self, module: nn.Module, args: Any) -> None:
-        # Nearly every call is nested in a forward that holds the units already: that path must stay cheap.
+        # Nearly every call is nested in a forward that holds the units already: that path must stay cheap. Traced
+        # by dynamo, the call is nested in a compiled unit's forward ([Note: compiling around ZeRO's hooks]).
+        if tracing():
+            return
         if self.scheduler.in_use(self.needed):
             self.frames.append(_NESTED)
             return
@@ -80,7 +88,7 @@ class _Entry:
             self.frames.append(self.scheduler.enter(id(module), self.needed))
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.frames:
+        if tracing() or not self.frames:
             return  # the pre-hook raised before it entered anything
         entered, began = self.frames.pop()
         if not entered:
@@ -106,6 +114,7 @@ class _PreForward:
     def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
         self.unit, self.scheduler = unit, scheduler
 
+    @outside_compile
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         with torch.profiler.record_function("ZeRO::pre_forward"):
             self.scheduler.pre_forward(self.unit)
@@ -130,6 +139,7 @@ class _InputGradDone:
     def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
         self.unit, self.scheduler = unit, scheduler
 
+    @outside_compile
     def __call__(self, grad: torch.Tensor) -> None:
         with torch.profiler.record_function("ZeRO::post_backward"):
             self.scheduler.input_grads_done(self.unit)
@@ -139,6 +149,7 @@ class _PostForward:
     def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
         self.unit, self.scheduler = unit, scheduler
 
+    @outside_compile
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         with torch.profiler.record_function("ZeRO::post_forward"):
             if torch.is_grad_enabled():
@@ -152,6 +163,7 @@ class _PreBackward:
     def __init__(self, unit: ParamUnit, scheduler: UnitScheduler) -> None:
         self.unit, self.scheduler = unit, scheduler
 
+    @outside_compile
     def __call__(self, grad: torch.Tensor) -> None:
         with torch.profiler.record_function("ZeRO::pre_backward"):
             self.scheduler.pre_backward(self.unit)

@@ -12,6 +12,8 @@ what accelerate 1.15 does for DeepSpeed (`_prepare_deepspeed`, `DeepSpeedEngineW
 * Mixed precision is the engine's (16-bit weights, fp32 master shard, fp16 loss scaling): it goes into the config's
   fp16/bf16 blocks and accelerate gets "no", so it neither autocasts, nor wraps forward, nor makes a GradScaler.
 * `save_state`/`load_state`: every rank writes its own shards (`engine.save_checkpoint`); accelerate the rest.
+* accelerate's dynamo settings compile each engine's model, as accelerate compiles a DeepSpeed engine
+  (compile_settings.py).
 
 This class keeps accelerate's methods and its bookkeeping; the parts live beside it: accelerate_setup (what it asks
 of accelerate's own setup), engine_config (each engine's config, "auto" filled), preparing (which objects form an
@@ -42,6 +44,7 @@ from accelerate_zero.integrations.accelerate.accelerate_setup import (
     refuse_other_backends,
     with_process_group_setup,
 )
+from accelerate_zero.integrations.accelerate.compile_settings import compile_prepared
 from accelerate_zero.integrations.accelerate.engine_config import check_objects, config_with_precision, engine_config
 from accelerate_zero.integrations.accelerate.parallelism import (
     parallelism_from_launch,
@@ -222,6 +225,7 @@ class ZeroAccelerator(SequenceParallelMixin, Accelerator):
             )
             self.gradient_accumulation_steps = config.gradient_accumulation_steps
         entry = build_prepared_model(model, optimizer, scheduler, config, self.device)
+        compile_prepared(entry.engine, model, self.state.dynamo_plugin)  # accelerate's prepare_model compiles too
         if entry.optimizer is not None:
             self._attach_sequence_parallel(entry.model, entry.engine)
             self._optimizers.append(entry.optimizer)

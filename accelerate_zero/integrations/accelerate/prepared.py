@@ -89,8 +89,8 @@ class PreparedModel:
             if id(param) in full:
                 param.data = full[id(param)]
             param.requires_grad_(flag)
-        if getattr(self.model, "_is_fsdp_managed_module", False):
-            del self.model._is_fsdp_managed_module
+        for flag in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):  # engine/setup.py keep_generate_in_step
+            self.model.__dict__.pop(flag, None)
 
 
 def prepared_of_param(prepared: list[PreparedModel], param: torch.Tensor) -> PreparedModel | None:
