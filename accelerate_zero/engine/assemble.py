@@ -427,8 +427,10 @@ class _Assembly:
             self.world.world_size, config.prescale_gradients, config.gradient_predivide_factor, comm_dtypes.pop()
         )
         # Reductions in flight bound the full-size buffers (stages 2/3) and a reduction's temporaries ([Note:
-        # reductions in flight on gloo]): two, or one on gloo at stages 2/3.
-        in_flight = reductions_in_flight(zero.overlap_comm, buckets, self.dp, zero.reduce_scatter)
+        # reductions in flight on gloo]): two, or one on gloo at stage 3.
+        in_flight = reductions_in_flight(
+            zero.overlap_comm, buckets, self.dp, zero.reduce_scatter, units=self.scheduler is not None
+        )
         return GradReducer(
             buckets,
             locations,
@@ -443,6 +445,7 @@ class _Assembly:
             param_names={p: n for n, p in self.module.named_parameters()},
             on_bucket_complete=on_complete,
             scratch=self.scratch,
+            keeps_autograd_grads=self.scheduler is not None,
         )
 
     def _quantized_reduce_scatter(self) -> QuantizedReduceScatter | None:

@@ -29,7 +29,7 @@ added, and before the buffer is read (a reduction, the step) the slots that got 
 zeroed once, when the buffer is allocated, and stays zero (every rank reduces zeros there).
 
 [Note: a bucket that keeps autograd's gradients]
-At stages 2/3 on gloo (`collectives.reads_pieces`) a bucket does not copy its gradients into a full-size buffer: it
+At stage 3 on gloo (`collectives.reads_pieces`) a bucket does not copy its gradients into a full-size buffer: it
 keeps each parameter's gradient as autograd produced it (the reducer took the only reference, `param.grad = None`)
 and the reduce-scatter reads them where they are ([Note: a reduce-scatter of pieces] in engine/collectives.py),
 writing this rank's averaged chunk over the elements that hold it. The copy held a full-size buffer beside each
@@ -38,7 +38,10 @@ stage-3 unit's boundary where two are needed (issue 51, item 5), and a pass over
 gradient of a parameter in the same cycle is added to the kept one; a gradient of another dtype or that is a view
 into a larger tensor is kept as a copy of its own. When the reduction cannot read pieces (NCCL reduces one
 contiguous buffer; a cast for a 16-bit reduction, pre-scaling or qgZ rewrite the whole bucket), nothing is kept:
-the bucket copies as before, which is also what FSDP2 does on CUDA (its reduce-scatter input).
+the bucket copies as before, which is also what FSDP2 does on CUDA (its reduce-scatter input). Nor at stage 2
+(`GradReducer`'s `keeps_autograd_grads`): there it was measured only together with one reduction in flight, which
+raised stage 2's peak ([Note: reductions in flight on gloo] in engine/grad_reduce.py), and its buckets are large:
+the chunk a rank keeps, assembled from several pieces, is a copy of 1/W of the bucket beside all of it.
 """
 
 from __future__ import annotations

@@ -60,19 +60,22 @@ from accelerate_zero.engine.shard_plan import ParamSlot
 # flight on return; the others run in `wait()`, so a reduction in flight overlaps a quarter of a stage-3 unit's
 # messages (one round of a large bucket), and holds its whole full-size gradient for it. Beside the next unit's
 # gradient and the gathered units that was a unit's gradient above FSDP2's peak on the CPU (issue 51, item 5;
-# FSDP2 reduce-scatters synchronously there). At stages 2/3 on gloo one reduction stays in flight, until the next
-# bucket's gradients are about to be produced (`gradients_coming`, or its first gradient at stage 2): its first
-# round overlaps the rest of the bucket's backward. DeepSpeed backs it: on its CPU accelerator (no streams)
-# `overlap_comm` reduces every bucket synchronously in the gradient hook that fills it. Measured in bench/README.md
-# (accum_peaks.py); the CPU time is the same (a wait costs none), the wall time 1.00-1.04x.
+# FSDP2 reduce-scatters synchronously there). At stage 3 on gloo one reduction stays in flight, until the next
+# unit's gradients are about to be produced (`gradients_coming`): its first round overlaps the rest of the unit's
+# backward. DeepSpeed backs it: on its CPU accelerator (no streams) `overlap_comm` reduces every bucket synchronously
+# in the gradient hook that fills it. Measured in bench/README.md (accum_peaks.py); the CPU time is the same (a wait
+# costs none). Stage 2 keeps two: there the rule raised the backward's peak (phase_peaks.py, 66.9M Llama, W = 4,
+# second step: 744 -> 795 MB, 777 with its buckets keeping autograd's gradients; not traced further: its buckets are
+# few and large, and no signal announces the next one before its gradients exist).
 def reductions_in_flight(
-    overlap_comm: bool, buckets: Sequence[GradBucket], dp: DataParallelGroup, use_reduce_scatter: bool
+    overlap_comm: bool, buckets: Sequence[GradBucket], dp: DataParallelGroup, use_reduce_scatter: bool, units: bool
 ) -> int:
-    """`GradReducer`'s `max_in_flight` for a config's `overlap_comm` ([Note: reductions in flight on gloo])."""
+    """`GradReducer`'s `max_in_flight` for a config's `overlap_comm` ([Note: reductions in flight on gloo]);
+    `units`: stage 3 (the buckets are gather units')."""
     if not overlap_comm:
         return 0
     on_gloo = dp.world_size > 1 and dp.backend == "gloo" and use_reduce_scatter
-    return 1 if on_gloo and any(bucket.mode.reduces_every_micro_step for bucket in buckets) else 2
+    return 1 if units and on_gloo and any(bucket.mode.reduces_every_micro_step for bucket in buckets) else 2
 
 
 @dataclass
@@ -109,6 +112,7 @@ class GradReducer:
         param_names: dict[nn.Parameter, str] | None = None,
         on_bucket_complete: Callable[[int], None] | None = None,
         scratch: ScratchBuffers | None = None,
+        keeps_autograd_grads: bool = False,
     ) -> None:
         """
         Args:
@@ -126,6 +130,9 @@ class GradReducer:
             on_bucket_complete: called with a bucket's index once all its parameters delivered their gradient in
                 a reducing backward (stage 3 releases the unit's gathered parameters there).
             scratch: the temporaries the buckets share (for memory accounting; each bucket holds it too).
+            keeps_autograd_grads: buckets may keep autograd's gradients and reduce-scatter them as pieces where the
+                collective can read them ([Note: a bucket that keeps autograd's gradients] in engine/buckets.py);
+                stage 3 only (the note says why not stage 2).
         """
         self.buckets, self.locations = list(buckets), locations
         self.dp, self.stats, self.scaling, self.replicate = dp, stats, scaling, replicate
@@ -153,7 +160,7 @@ class GradReducer:
             later.add((bucket.plan.numel, bucket.grad_dtype))
         self._sizes_after.reverse()
         self._furthest = -1
-        self._reads_pieces = [self._reduces_pieces(bucket) for bucket in self.buckets]
+        self._reads_pieces = [keeps_autograd_grads and self._reduces_pieces(bucket) for bucket in self.buckets]
         """Per bucket: it keeps autograd's gradients and reduce-scatters them as pieces ([Note: a bucket that keeps
         autograd's gradients] in engine/buckets.py); the same on every rank, as the messages depend on it."""
 
