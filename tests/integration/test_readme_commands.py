@@ -102,6 +102,8 @@ def kind_of(command: str) -> str:
         return "recipe" if (REPO / script).is_file() and machines == "1" else "launch_checks"
     if words[:2] == ["accelerate-zero", "consolidate"]:
         return "consolidate"
+    if words[:2] == ["accelerate-zero", "deepspeed"]:
+        return "deepspeed_checks"
     if words[0] == "accelerate-zero" and words[1] in ("validate", "estimate", "doctor"):
         return "as_written"
     return ""
@@ -183,6 +185,8 @@ def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) 
             _run_recipe(words, demo, tmp_path, env)
         case "launch_checks":
             _check_launch(words, tmp_path)
+        case "deepspeed_checks":
+            _check_deepspeed_launch(words, tmp_path)
         case "gpu_smoke":  # on this machine's CPU, with 2 processes whatever N the document shows
             count = words.index("--num_processes") + 1
             output = run(_launch_port([*words[:count], "2", *words[count + 1 :], "--workdir", str(tmp_path)]))
@@ -244,6 +248,26 @@ def _check_launch(words: list[str], tmp_path: Path) -> None:
     args = launch_command_parser().parse_args([stand_ins.get(w, w) for w in words[2:]])
     prepared = launcher.prepare_launch(args)
     assert prepared.num_processes >= 1 and prepared.env["ACCELERATE_ZERO_CONFIG"]
+
+
+def _check_deepspeed_launch(words: list[str], tmp_path: Path) -> None:
+    """What `accelerate-zero deepspeed` checks and plans before it starts anything (the script a placeholder, the
+    config a DeepSpeed script's: concrete values, as DeepSpeed itself fills no "auto"): one process per --num_gpus,
+    each given DeepSpeed's --local_rank."""
+    import argparse
+    import json
+
+    from accelerate_zero.cli import deepspeed as command
+    from accelerate_zero.deepspeed import launcher
+
+    parser = argparse.ArgumentParser()
+    command.register(parser.add_subparsers())
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}))
+    args = parser.parse_args([w if w != "ds.json" else str(config) for w in words[1:]])
+    processes = command._plan(args, launcher)
+    assert len(processes) == args.num_gpus, processes
+    assert [p.command[3] for p in processes] == [f"--local_rank={i}" for i in range(args.num_gpus)]
 
 
 def test_mistyped_recipe_flag_is_one_usage_and_one_line() -> None:
