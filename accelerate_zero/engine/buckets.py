@@ -179,7 +179,7 @@ class GradBucket:
     # ----------------------------------------------------------------- accumulation
     def add_grad(self, slot: ParamSlot, grad: torch.Tensor, keep: bool = False) -> bool:
         """Adds one parameter's gradient; returns True when the bucket had already been reduced in this step.
-        `keep`: this bucket's reduction reads pieces (stages 2/3 on gloo): keep autograd's gradient instead of
+        `keep`: this bucket's reduction reads pieces (stage 3 on gloo): keep autograd's gradient instead of
         copying it ([Note: a bucket that keeps autograd's gradients])."""
         late = self.state in (BucketState.REDUCING, BucketState.REDUCED)
         if late and self.mode is not ReduceMode.SCATTER_TO_SHARD:
