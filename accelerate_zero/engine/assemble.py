@@ -29,7 +29,7 @@ from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.experts import gather_units, partition
 from accelerate_zero.engine.experts.parallel import ExpertPlacement
 from accelerate_zero.engine.flat_buffer import GroupShard, all_gather_params, build_group_shard, group_slices
-from accelerate_zero.engine.grad_reduce import GradReducer
+from accelerate_zero.engine.grad_reduce import GradReducer, reductions_in_flight
 from accelerate_zero.engine.host_copies import HostCopies
 from accelerate_zero.engine.host_grads import HostGradient, HostStaging
 from accelerate_zero.engine.kept_grads import KeptGradient
@@ -193,6 +193,8 @@ class _Assembly:
         step_runner = self._nvme_optimizer(slices, zero)
         reducer = self._build_reducer(buckets, locations, on_complete)
         reducer.register_hooks()
+        if self.scheduler is not None:
+            self.scheduler.register_before_unit_backward(lambda unit: reducer.gradients_coming(unit.bucket))
         self.owned = owned_step_for(layout, buckets, held, self.dp, self.stats, config, self.device, self.host_memory)
         sharded_optimizer = self._build_sharded_optimizer(optimizer, slices, step_runner, progress)
         sharded_optimizer.switch_param_groups()
@@ -422,9 +424,11 @@ class _Assembly:
         scaling = GradScaling(  # averaged over every rank: replicas included
             self.world.world_size, config.prescale_gradients, config.gradient_predivide_factor, comm_dtypes.pop()
         )
-        # Two reductions in flight overlap backward as well as more would, and bound the full-size buffers (stages 2
-        # and 3) and the temporaries of a reduction (casts, [Note: reduce-scatter on gloo]) at every stage.
-        in_flight = 2 if zero.overlap_comm else 0
+        # Reductions in flight bound the full-size buffers (stages 2/3) and a reduction's temporaries ([Note:
+        # reductions in flight on gloo]): two, or one on gloo at stage 3.
+        in_flight = reductions_in_flight(
+            zero.overlap_comm, buckets, self.dp, zero.reduce_scatter, units=self.scheduler is not None
+        )
         return GradReducer(
             buckets,
             locations,
@@ -439,6 +443,7 @@ class _Assembly:
             param_names={p: n for n, p in self.module.named_parameters()},
             on_bucket_complete=on_complete,
             scratch=self.scratch,
+            keeps_autograd_grads=self.scheduler is not None,
         )
 
     def _quantized_reduce_scatter(self) -> QuantizedReduceScatter | None:

@@ -27,6 +27,21 @@ A full-size gradient buffer is not zeroed when a cycle starts (a pass over every
 at stages 2/3, per step at stages 0/1): each parameter's first gradient is copied into its slot, later ones are
 added, and before the buffer is read (a reduction, the step) the slots that got no gradient are zeroed. Padding is
 zeroed once, when the buffer is allocated, and stays zero (every rank reduces zeros there).
+
+[Note: a bucket that keeps autograd's gradients]
+At stage 3 on gloo (`collectives.reads_pieces`) a bucket does not copy its gradients into a full-size buffer: it
+keeps each parameter's gradient as autograd produced it (the reducer took the only reference, `param.grad = None`)
+and the reduce-scatter reads them where they are ([Note: a reduce-scatter of pieces] in engine/collectives.py),
+writing this rank's averaged chunk over the elements that hold it. The copy held a full-size buffer beside each
+parameter's fresh gradient while it was copied, beside the reduction in flight: three full-size gradients at a
+stage-3 unit's boundary where two are needed (issue 51, item 5), and a pass over the bucket per micro-step. A second
+gradient of a parameter in the same cycle is added to the kept one; a gradient of another dtype or that is a view
+into a larger tensor is kept as a copy of its own. When the reduction cannot read pieces (NCCL reduces one
+contiguous buffer; a cast for a 16-bit reduction, pre-scaling or qgZ rewrite the whole bucket), nothing is kept:
+the bucket copies as before, which is also what FSDP2 does on CUDA (its reduce-scatter input). Nor at stage 2
+(`GradReducer`'s `keeps_autograd_grads`): there it was measured only together with one reduction in flight, which
+raised stage 2's peak ([Note: reductions in flight on gloo] in engine/grad_reduce.py), and its buckets are large:
+the chunk a rank keeps, assembled from several pieces, is a copy of 1/W of the bucket beside all of it.
 """
 
 from __future__ import annotations
@@ -43,6 +58,11 @@ from accelerate_zero.engine.kept_grads import ArenaSlot, DeviceShardGradient, Ke
 from accelerate_zero.engine.quantized_comm import QuantizedReduceScatter
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import BucketPlan, ParamSlot
+
+
+def _owns_its_storage(tensor: torch.Tensor) -> bool:
+    """The tensor is all of its storage: keeping it keeps nothing else alive."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 class ReduceMode(enum.Enum):
@@ -147,14 +167,20 @@ class GradBucket:
         self._pending: Pending | None = None
         self._unwritten: set[int] | None = None  # slots not written since the buffer was (re)used, see the note
         self._adopted = False  # `grad` is autograd's ([Note: a single-tensor bucket reduces autograd's gradient ...])
+        self._held: dict[int, torch.Tensor] | None = None
+        """Per slot (`param_index`): its gradient as autograd produced it ([Note: a bucket that keeps autograd's
+        gradients]); None while the cycle holds none (or copies into `grad`)."""
         self._comm_buffer: torch.Tensor | None = None
+        self._comm_pieces: list[torch.Tensor] | None = None  # a reduction of pieces in flight: what it reads
         self._scaling: GradScaling | None = None
         self._replicate: DataParallelGroup | None = None
         self._stats: CommStats | None = None
 
     # ----------------------------------------------------------------- accumulation
-    def add_grad(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
-        """Adds one parameter's gradient; returns True when the bucket had already been reduced in this step."""
+    def add_grad(self, slot: ParamSlot, grad: torch.Tensor, keep: bool = False) -> bool:
+        """Adds one parameter's gradient; returns True when the bucket had already been reduced in this step.
+        `keep`: this bucket's reduction reads pieces (stage 3 on gloo): keep autograd's gradient instead of
+        copying it ([Note: a bucket that keeps autograd's gradients])."""
         late = self.state in (BucketState.REDUCING, BucketState.REDUCED)
         if late and self.mode is not ReduceMode.SCATTER_TO_SHARD:
             # What `kept` holds is stale now (and a copy into it may still read `grad`): the bucket reduces again.
@@ -164,6 +190,10 @@ class GradBucket:
             self.finish_reduce()
         if self.state is BucketState.REDUCED:
             self._reopen()
+        if keep and self.grad is None and self.mode is ReduceMode.SCATTER_TO_SHARD:
+            self._keep(slot, grad)
+            self.state = BucketState.ACCUMULATING
+            return late
         if self._adopts(slot, grad):
             # [Note: a single-tensor bucket reduces autograd's gradient itself]
             self.grad, self._unwritten, self._adopted = grad.view(-1), None, True
@@ -178,6 +208,29 @@ class GradBucket:
         self.state = BucketState.ACCUMULATING
         return late
 
+    def _keep(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        held = self._held if self._held is not None else {}
+        self._held = held
+        flat = grad.reshape(-1)
+        earlier = held.get(slot.param_index)
+        if earlier is not None:
+            earlier.add_(flat)
+        elif flat.dtype == self.grad_dtype and flat.device == self.device and _owns_its_storage(flat):
+            held[slot.param_index] = flat
+        else:  # a cast, or a view that would keep a larger tensor alive
+            held[slot.param_index] = torch.empty(flat.numel(), dtype=self.grad_dtype, device=self.device).copy_(flat)
+
+    @property
+    def filling(self) -> bool:
+        """The cycle holds a full-size gradient: a buffer, or autograd's gradients kept ([Note: a bucket that keeps
+        autograd's gradients])."""
+        return self.grad is not None or bool(self._held)
+
+    def full_size_bytes(self) -> int:
+        """The bytes of this cycle's full-size gradient (buffer or kept gradients), for the reducer's peak."""
+        tensors = [self.grad] if self.grad is not None else list((self._held or {}).values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     # [Note: a single-tensor bucket reduces autograd's gradient itself]
     # A bucket that is one whole parameter with no padding (a stage-3 unit of its own: the input embeddings, an
     # untied LM head, the largest tensors of a model) would copy autograd's fresh gradient into a full-size buffer
@@ -189,6 +242,7 @@ class GradBucket:
     def _adopts(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
         return (
             self.grad is None
+            and not self._held
             and self.mode is ReduceMode.SCATTER_TO_SHARD
             and len(self.plan.slots) == 1
             and slot.numel == self.plan.numel
@@ -206,6 +260,11 @@ class GradBucket:
                 self.grad = self.scratch.take(self.plan.numel, self.grad_dtype)
             self.grad[self.plan.numel - self.plan.padding :].zero_()  # a reused buffer holds another bucket's data
             self._unwritten = {slot.param_index for slot in self.plan.slots}
+            held, self._held = self._held or {}, None
+            for slot in self.plan.slots:  # kept gradients, when the reduction turns out not to read pieces
+                if slot.param_index in held:
+                    self.grad[slot.offset : slot.offset + slot.numel].copy_(held[slot.param_index])
+                    self._unwritten.discard(slot.param_index)
         if written and self._unwritten is not None:
             for slot in self.plan.slots:
                 if slot.param_index in self._unwritten:
@@ -236,14 +295,28 @@ class GradBucket:
         async_op: bool,
         replicate: DataParallelGroup | None = None,
         quantized: QuantizedReduceScatter | None = None,
+        pieces: bool = False,
     ) -> None:
         """Issues this bucket's collective; an EMPTY bucket takes part with zeros (other ranks may have data).
         `replicate`: the ranks holding the same shard ([Note: reducing over replicas]). `quantized`: qgZ, the
-        shard's reduce-scatter in int4 blocks (engine/quantized_comm.py; synchronous)."""
+        shard's reduce-scatter in int4 blocks (engine/quantized_comm.py; synchronous). `pieces`: reduce-scatter
+        the gradient as pieces ([Note: a bucket that keeps autograd's gradients]); every rank decides it alike."""
         if self._pending is not None:
             raise RuntimeError(f"bucket {self.plan.index} already has a reduction in flight")
         if self.state not in (BucketState.EMPTY, BucketState.ACCUMULATING):
             raise RuntimeError(f"bucket {self.plan.index} cannot start a reduction in state {self.state}")
+        self._scaling = scaling
+        self._replicate, self._stats = replicate, stats
+        assert replicate is None or self.mode is ReduceMode.SCATTER_TO_SHARD, "replicas exist at stage 3 only"
+        self.state = BucketState.REDUCING
+        if pieces:
+            assert self.mode is ReduceMode.SCATTER_TO_SHARD and quantized is None and use_reduce_scatter
+            assert scaling.pre == 1.0 and self.comm_dtype == self.grad_dtype, "pieces are reduced as they are"
+            self._comm_pieces = self._pieces()
+            self._pending = collectives.reduce_scatter_pieces(
+                self._comm_pieces, dp, stats, async_op=async_op, scratch=self.scratch
+            )
+            return
         full = self._full_grad()
         comm = full if self.comm_dtype == full.dtype else self.scratch.take(full.numel(), self.comm_dtype).copy_(full)
         if scaling.pre != 1.0:
@@ -258,17 +331,43 @@ class GradBucket:
                 self._owned(comm), comm, dp, stats, async_op=async_op, scratch=self.scratch
             )
         self._comm_buffer = comm
-        self._scaling = scaling
-        self._replicate, self._stats = replicate, stats
-        assert replicate is None or self.mode is ReduceMode.SCATTER_TO_SHARD, "replicas exist at stage 3 only"
-        self.state = BucketState.REDUCING
+
+    def _pieces(self) -> list[torch.Tensor]:
+        """The gradient as one piece per slot and one for the padding, in the plan's order: the places where every
+        rank cuts the reduce-scatter's messages ([Note: a reduce-scatter of pieces] in engine/collectives.py)."""
+        slots, numel = sorted(self.plan.slots, key=lambda slot: slot.offset), self.plan.numel
+        if self.grad is not None or not self._held:  # a buffer (or nothing: zeros) of its own
+            full = self._full_grad()
+            pieces = [full[slot.offset : slot.offset + slot.numel] for slot in slots]
+            return pieces + ([full[numel - self.plan.padding :]] if self.plan.padding else [])
+        held, zeros = self._held, lambda n: torch.zeros(n, dtype=self.grad_dtype, device=self.device)
+        pieces = [held[slot.param_index] if slot.param_index in held else zeros(slot.numel) for slot in slots]
+        return pieces + ([zeros(self.plan.padding)] if self.plan.padding else [])
+
+    def _owned_of_pieces(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """This rank's chunk of the reduced pieces: a view when one piece holds it, else a copy from `scratch`
+        (then True)."""
+        lo, hi = self.plan.shard_range(self.rank)
+        views, position = [], 0
+        for piece in pieces:
+            start, end = max(lo, position), min(hi, position + piece.numel())
+            if start < end:
+                views.append(piece[start - position : end - position])
+            position += piece.numel()
+        if len(views) == 1:
+            return views[0], False
+        return torch.cat(views, out=self.scratch.take(hi - lo, self.grad_dtype)), True
 
     def finish_reduce(self) -> None:
         """Waits for the collective and stores its result; does nothing when no reduction is in flight."""
         if self.state is not BucketState.REDUCING:
             return
-        assert self._pending is not None and self._comm_buffer is not None and self._scaling is not None
+        assert self._pending is not None and self._scaling is not None
         self._pending.wait()
+        if self._comm_pieces is not None:
+            self._finish_pieces(self._comm_pieces, self._scaling.post)
+            return
+        assert self._comm_buffer is not None
         comm, post, self._pending, self._comm_buffer = self._comm_buffer, self._scaling.post, None, None
         if self.mode is ReduceMode.ALL_REDUCE:
             self._store_all_reduced(comm, post)
@@ -288,6 +387,18 @@ class GradBucket:
         self._give_cast_copy(comm)
         self.state = BucketState.REDUCED
 
+    def _finish_pieces(self, pieces: list[torch.Tensor], post: float) -> None:
+        self._pending, self._comm_pieces = None, None
+        owned, copied = self._owned_of_pieces(pieces)
+        if self._replicate is not None:
+            # [Note: reducing over replicas]
+            collectives.all_reduce(owned, self._replicate, self._stats, kind="all_reduce_replicas")
+        self.kept.add(owned, post, fresh=not self._has_reduced)
+        self._has_reduced = True
+        self.kept.settle()  # `owned` may be autograd's gradient, dropped below (a copy from it may be in flight)
+        self._give_back(owned if copied else None)
+        self.state = BucketState.EMPTY
+
     def _give_back(self, comm: torch.Tensor | None) -> None:
         """Gives the full-size gradient (lazily allocated) and a cast copy `comm` back to `scratch`."""
         if self.scratch.reuses:
@@ -299,7 +410,7 @@ class GradBucket:
             self._slot.arena.give()
         elif self.grad is not None and not self._adopted:
             self.scratch.give(self.grad)  # (autograd's own gradient is dropped: no later one is served from it)
-        self.grad, self._adopted = None, False
+        self.grad, self._adopted, self._held = None, False, None
 
     def _give_cast_copy(self, comm: torch.Tensor) -> None:
         """Gives back the buffer a reduction ran on when it is a cast copy, not the gradient itself."""
@@ -374,6 +485,7 @@ class GradBucket:
         transient = []
         if self.mode is ReduceMode.SCATTER_TO_SHARD and self.grad is not None:
             transient.append(self.grad)
+        transient += list((self._held or {}).values())
         if self._comm_buffer is not None and self._comm_buffer is not self.grad:
             transient.append(self._comm_buffer)
         return transient

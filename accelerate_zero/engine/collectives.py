@@ -43,8 +43,10 @@ engine/compile_boundary.py): one that a compiled forward reaches breaks the grap
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -227,7 +229,7 @@ def reduce_scatter(
     nbytes = _nbytes(input)
     stats.record("reduce_scatter", nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "gather", nbytes))
     if dp.backend == "gloo" and output.data_ptr() == own_slice:
-        pending = _p2p_reduce_scatter(output, input, dp, scratch or ScratchBuffers(input.device, reuse=False))
+        pending = _p2p_reduce_scatter([input], dp, scratch or ScratchBuffers(input.device, reuse=False))
         return _timed(stats, _done_unless_async(pending, async_op), output)
     return _timed(stats, Pending(_reduce_scatter_single(output, input, group=dp.group, async_op=async_op)), output)
 
@@ -247,40 +249,103 @@ GLOO_REDUCE_SCATTER_TAG = 5101
 the order they were issued, which is the same on every rank (as for every collective)."""
 
 
-def _p2p_reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, dp: DataParallelGroup, scratch: ScratchBuffers
+def reads_pieces(dp: DataParallelGroup) -> bool:
+    """Whether `reduce_scatter_pieces` can run on `dp`: it reads the pieces where they are ([Note: a reduce-scatter
+    of pieces]), which only our own gloo algorithm does; NCCL reduces one contiguous buffer."""
+    return dp.world_size > 1 and dp.backend == "gloo"
+
+
+def reduce_scatter_pieces(
+    pieces: Sequence[torch.Tensor],
+    dp: DataParallelGroup,
+    stats: CommStats,
+    *,
+    async_op: bool = False,
+    scratch: ScratchBuffers | None = None,
 ) -> Pending:
-    """[Note: reduce-scatter on gloo]: asynchronous; `output` is this rank's chunk of `input`; `wait()` adds the
-    received partial sums to it (the first round is in flight on return, the others run in `wait()`)."""
-    world, rank, shard = dp.world_size, dp.rank, output.numel()
+    """Sums over the group the 1D tensor that the 1D `pieces` make end to end (W equal chunks) and leaves chunk
+    `rank` of the sum in the elements of `pieces` that hold that chunk, in place ([Note: a reduce-scatter of
+    pieces]). Every rank passes pieces of the same sizes in the same order. Only where `reads_pieces(dp)`."""
+    if not reads_pieces(dp):
+        raise ValueError(f"reduce_scatter_pieces needs a gloo group of 2 ranks or more, got {dp.world_size} rank(s)")
+    numel = sum(piece.numel() for piece in pieces)
+    if numel % dp.world_size:
+        raise ValueError(f"reduce_scatter_pieces: {numel} elements do not split into {dp.world_size} equal chunks")
+    nbytes = numel * pieces[0].element_size()
+    stats.record("reduce_scatter", nbytes, (dp.world_size - 1) / dp.world_size, between_nodes(dp, "gather", nbytes))
+    pending = _p2p_reduce_scatter(pieces, dp, scratch or ScratchBuffers(pieces[0].device, reuse=False))
+    return _timed(stats, _done_unless_async(pending, async_op), pieces[0])
+
+
+class _Segment(NamedTuple):
+    tensor: torch.Tensor
+    """A view of one piece."""
+    start: int
+    """Where it starts inside the range asked for."""
+
+
+def _segments(pieces: Sequence[torch.Tensor], starts: list[int], lo: int, hi: int) -> list[_Segment]:
+    """Views of `pieces` (piece i starting at `starts[i]`) covering elements [lo, hi) of their concatenation."""
+    out, position = [], lo
+    index = bisect.bisect_right(starts, lo) - 1
+    while position < hi:
+        piece, piece_start = pieces[index], starts[index]
+        end = min(hi, piece_start + piece.numel())
+        if end > position:
+            out.append(_Segment(piece[position - piece_start : end - piece_start], position - lo))
+        position, index = max(position, end), index + 1
+    return out
+
+
+# [Note: a reduce-scatter of pieces]
+# A stage-2/3 bucket's gradient is the concatenation of its parameters' gradients. Copying them into one full-size
+# buffer before the reduction holds that buffer beside autograd's gradient of each parameter while it is copied,
+# and with a reduction in flight beside it, three full-size gradients at once (issue 51, item 5). The point-to-point
+# algorithm below never needs the concatenation: each message is a contiguous range of one chunk, so it can be cut
+# where two pieces meet and sent from (or received beside) the pieces themselves. Every rank must cut at the same
+# places, so the pieces are the bucket's plan (one per parameter slot, and the padding), never what happened to
+# arrive on a rank. The sum of a rank's chunk is written over its own pieces, element for element the additions of
+# the one-buffer case, so the result is the same bit for bit.
+def _p2p_reduce_scatter(pieces: Sequence[torch.Tensor], dp: DataParallelGroup, scratch: ScratchBuffers) -> Pending:
+    """[Note: reduce-scatter on gloo] over [Note: a reduce-scatter of pieces]: asynchronous; `wait()` adds the
+    received partial sums over this rank's chunk of the pieces (the first round is in flight on return, the others
+    run in `wait()`)."""
+    world, rank = dp.world_size, dp.rank
+    starts = list(itertools.accumulate((piece.numel() for piece in pieces[:-1]), initial=0))
+    shard = (starts[-1] + pieces[-1].numel()) // world
     if shard == 0:
         return Pending(None)
     peers = [r for r in range(world) if r != rank]
     address = [r if dp.group is None else dist.get_global_rank(dp.group, r) for r in peers]
     width = max(1, min(GLOO_ROUND_NUMEL // world, -(-shard // GLOO_MIN_ROUNDS)))
-    received = scratch.take(width * len(peers), input.dtype)
+    received = scratch.take(width * len(peers), pieces[0].dtype)
     parts = received.view(len(peers), width)
-    chunks = input.view(world, shard)
 
     def start(lo: int) -> list[dist.Work]:
         hi = min(lo + width, shard)
+        own = _segments(pieces, starts, rank * shard + lo, rank * shard + hi)
         works = []
         for index, (peer, peer_address) in enumerate(zip(peers, address, strict=True)):
-            works.append(dist.isend(chunks[peer, lo:hi], peer_address, dp.group, GLOO_REDUCE_SCATTER_TAG))
-            works.append(dist.irecv(parts[index, : hi - lo], peer_address, dp.group, GLOO_REDUCE_SCATTER_TAG))
+            for segment in _segments(pieces, starts, peer * shard + lo, peer * shard + hi):
+                works.append(dist.isend(segment.tensor, peer_address, dp.group, GLOO_REDUCE_SCATTER_TAG))
+            for segment in own:
+                into = parts[index, segment.start : segment.start + segment.tensor.numel()]
+                works.append(dist.irecv(into, peer_address, dp.group, GLOO_REDUCE_SCATTER_TAG))
         return works
 
     def add_round(lo: int, hi: int) -> None:
-        own, others = output[lo:hi], parts[:, : hi - lo]
+        own, others = _segments(pieces, starts, rank * shard + lo, rank * shard + hi), parts[:, : hi - lo]
         # r_0 + ... + r_{W-1} in rank order; `own` (r_rank) is added to the sum of the ranks below it, which equals
         # that sum plus `own` exactly (floating-point addition commutes).
         if rank > 0:
             below = others[0]
             for index in range(1, rank):
                 below.add_(others[index])
-            own.add_(below)
+            for segment in own:
+                segment.tensor.add_(below[segment.start : segment.start + segment.tensor.numel()])
         for index in range(rank, len(peers)):
-            own.add_(others[index])
+            for segment in own:
+                segment.tensor.add_(others[index, segment.start : segment.start + segment.tensor.numel()])
 
     first = start(0)
 

@@ -22,6 +22,12 @@ would otherwise hold its buffers for a moment). With 2 this is the double buffer
 buckets: one bucket fills while the previous one is reduced. Before, two reductions stayed in flight while the next
 bucket filled, and a third for a moment at each launch: on a Llama with 28 MB decoder layers that was three layers'
 gradients and three received copies beside the gathered units (issue 44, item 12; bench/README.md, user_load.py).
+Autograd allocates a parameter's gradient before any hook sees it, so counting from the first gradient hook leaves
+one more full-size gradient alive while the next bucket's gradients are computed: at a stage-3 unit's boundary the
+two reductions in flight beside the unit's fresh gradient (issue 51, item 5: 4.2 MB above FSDP2's peak on a stack of
+Linear(1024) units). Where the next bucket is known before its gradients exist, a stage-3 unit whose backward begins
+(stage3/schedule.py `pre_backward`), `gradients_coming` makes room then. Stage 2 has no such signal; its buckets hold
+many parameters, so one parameter's gradient is a small part of one.
 A buffer given back is kept for the next bucket of its size ([Note: temporaries reused in host memory] in
 engine/scratch.py) unless no bucket still to fill in this backward (after the furthest one that received a
 gradient, in launch order) has that size, as the last decoder layers' buffers before the embeddings reduce: then it
@@ -38,12 +44,38 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from accelerate_zero.engine import collectives
 from accelerate_zero.engine.buckets import BucketState, GradBucket, GradScaling
 from accelerate_zero.engine.collectives import CommStats
 from accelerate_zero.engine.groups import DataParallelGroup
 from accelerate_zero.engine.quantized_comm import QuantizedReduceScatter
 from accelerate_zero.engine.scratch import ScratchBuffers
 from accelerate_zero.engine.shard_plan import ParamSlot
+
+
+# [Note: reductions in flight on gloo]
+# `overlap_comm` keeps reductions in flight while backward goes on: two on NCCL, where the collective runs on its
+# own stream while the next bucket's gradients are computed (FSDP2 on CUDA holds its reduce-scatter input the same
+# way). Our gloo reduce-scatter ([Note: reduce-scatter on gloo] in engine/collectives.py) only has its first round in
+# flight on return; the others run in `wait()`, so a reduction in flight overlaps a quarter of a stage-3 unit's
+# messages (one round of a large bucket), and holds its whole full-size gradient for it. Beside the next unit's
+# gradient and the gathered units that was a unit's gradient above FSDP2's peak on the CPU (issue 51, item 5;
+# FSDP2 reduce-scatters synchronously there). At stage 3 on gloo one reduction stays in flight, until the next
+# unit's gradients are about to be produced (`gradients_coming`): its first round overlaps the rest of the unit's
+# backward. DeepSpeed backs it: on its CPU accelerator (no streams) `overlap_comm` reduces every bucket synchronously
+# in the gradient hook that fills it. Measured in bench/README.md (accum_peaks.py); the CPU time is the same (a wait
+# costs none). Stage 2 keeps two: there the rule raised the backward's peak (phase_peaks.py, 66.9M Llama, W = 4,
+# second step: 744 -> 795 MB, 777 with its buckets keeping autograd's gradients; not traced further: its buckets are
+# few and large, and no signal announces the next one before its gradients exist).
+def reductions_in_flight(
+    overlap_comm: bool, buckets: Sequence[GradBucket], dp: DataParallelGroup, use_reduce_scatter: bool, units: bool
+) -> int:
+    """`GradReducer`'s `max_in_flight` for a config's `overlap_comm` ([Note: reductions in flight on gloo]);
+    `units`: stage 3 (the buckets are gather units')."""
+    if not overlap_comm:
+        return 0
+    on_gloo = dp.world_size > 1 and dp.backend == "gloo" and use_reduce_scatter
+    return 1 if units and on_gloo and any(bucket.mode.reduces_every_micro_step for bucket in buckets) else 2
 
 
 @dataclass
@@ -80,6 +112,7 @@ class GradReducer:
         param_names: dict[nn.Parameter, str] | None = None,
         on_bucket_complete: Callable[[int], None] | None = None,
         scratch: ScratchBuffers | None = None,
+        keeps_autograd_grads: bool = False,
     ) -> None:
         """
         Args:
@@ -97,6 +130,9 @@ class GradReducer:
             on_bucket_complete: called with a bucket's index once all its parameters delivered their gradient in
                 a reducing backward (stage 3 releases the unit's gathered parameters there).
             scratch: the temporaries the buckets share (for memory accounting; each bucket holds it too).
+            keeps_autograd_grads: buckets may keep autograd's gradients and reduce-scatter them as pieces where the
+                collective can read them ([Note: a bucket that keeps autograd's gradients] in engine/buckets.py);
+                stage 3 only (the note says why not stage 2).
         """
         self.buckets, self.locations = list(buckets), locations
         self.dp, self.stats, self.scaling, self.replicate = dp, stats, scaling, replicate
@@ -124,6 +160,20 @@ class GradReducer:
             later.add((bucket.plan.numel, bucket.grad_dtype))
         self._sizes_after.reverse()
         self._furthest = -1
+        self._reads_pieces = [keeps_autograd_grads and self._reduces_pieces(bucket) for bucket in self.buckets]
+        """Per bucket: it keeps autograd's gradients and reduce-scatters them as pieces ([Note: a bucket that keeps
+        autograd's gradients] in engine/buckets.py); the same on every rank, as the messages depend on it."""
+
+    def _reduces_pieces(self, bucket: GradBucket) -> bool:
+        own = bucket.reduce_group is not None
+        return (
+            bucket.mode.reduces_every_micro_step
+            and self.use_reduce_scatter
+            and (own or self.quantized is None)
+            and bucket.comm_dtype == bucket.grad_dtype
+            and self.scaling.pre == 1.0
+            and collectives.reads_pieces(bucket.reduce_group if own else self.dp)
+        )
 
     def register_hooks(self) -> None:
         for param in self.locations:
@@ -189,12 +239,12 @@ class GradReducer:
         index, slot = self.locations[param]
         bucket = self.buckets[index]
         self._furthest = max(self._furthest, index)
-        if self.partitioned and bucket.grad is None:
+        if self.partitioned and not bucket.filling:
             # A full-size buffer comes alive (this gradient, or the one it is copied into): the reductions in flight
             # beyond the bound finish first and give theirs back ([Note: full-size gradient buffers alive in
             # backward]).
             self._finish_beyond(max(self.max_in_flight - 1, 0))
-        bucket.add_grad(slot, grad)
+        bucket.add_grad(slot, grad, keep=self._reads_pieces[index])
         self._track_transient_bytes()
         session = self._session
         if session is None:
@@ -208,6 +258,16 @@ class GradReducer:
             while session.next_launch < len(self.buckets) and session.remaining[session.next_launch] == 0:
                 self._launch(session.next_launch)
                 session.next_launch += 1
+
+    def gradients_coming(self, bucket: GradBucket | None) -> None:
+        """Autograd is about to compute `bucket`'s gradients (a stage-3 unit's backward begins; None: a unit with
+        nothing to train): the reductions in flight beyond the bound finish now, before those gradients exist
+        ([Note: full-size gradient buffers alive in backward])."""
+        if self.partitioned and bucket is not None and not bucket.filling:
+            self._finish_beyond(max(self.max_in_flight - 1, 0))
+            # The temporaries they gave back would sit beside those gradients, at the backward's peak; the bucket's
+            # own reduction takes them again once its gradients are there.
+            self.scratch.clear()
 
     def _launch(self, index: int) -> None:
         # At most `max_in_flight` reductions hold their buffers at any moment: the oldest is finished before the next
@@ -223,6 +283,7 @@ class GradReducer:
             async_op=True,
             replicate=None if own else self.replicate,
             quantized=None if own else self.quantized,
+            pieces=self._reads_pieces[index],
         )
         if self._session is not None:
             self._session.launched.add(index)
@@ -244,7 +305,7 @@ class GradReducer:
 
     def _track_transient_bytes(self) -> None:
         if self.partitioned:
-            live = sum(b.grad.numel() * b.grad.element_size() for b in self.buckets if b.grad is not None)
+            live = sum(bucket.full_size_bytes() for bucket in self.buckets)
             self.peak_transient_bytes = max(self.peak_transient_bytes, live)
 
     # ---------------------------------------------------------------------- step

@@ -64,6 +64,7 @@ def _reference(world_size: int, accum: int) -> list[torch.Tensor]:
 
 def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
     import accelerate_zero
+    from accelerate_zero.engine.buckets import BucketState
     from accelerate_zero.engine.stage3.param_unit import UnitState
 
     out = {}
@@ -77,7 +78,14 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
         engine.scheduler.peak_live_numel = engine.reducer.peak_transient_bytes = 0
         batches = _batches(world_size, STEPS * accum)
         grads_between, comm_per_micro, gathered_between = [], [], []
-        allocations, cached_after, buffers_between = [], [], []
+        allocations, cached_after, buffers_between, cached_at_unit = [], [], [], []
+        alive_at_unit: list[int] = []
+
+        def at_unit_backward(unit: Any) -> None:  # after the engine's own hook of this moment (registered first)
+            cached_at_unit.append(len(engine.reducer.cached_tensors()))
+            alive_at_unit.append(sum(b.filling or b.state is BucketState.REDUCING for b in engine.reducer.buckets))
+
+        engine.scheduler.register_before_unit_backward(at_unit_backward)
         for x in batches:
             engine.reset_comm_stats()
             allocated_before = engine.reducer.scratch.allocations
@@ -109,6 +117,8 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
             "allocations": allocations,
             "buckets": len(engine.reducer.buckets),
             "cached_after": cached_after,
+            "cached_at_unit": cached_at_unit,
+            "alive_at_unit": alive_at_unit,
             "buffers_between": buffers_between,
             "params": list(full.values()),
         }
@@ -169,6 +179,18 @@ def test_peak_gathered_and_transient_bytes_do_not_grow_with_accumulation(measure
         assert four["peak_transient_bytes"] < four["full_grad_bytes"], rank
 
 
+def test_no_gradient_is_alive_when_a_units_backward_begins(measured: tuple) -> None:
+    """[Note: reductions in flight on gloo] and `gradients_coming` (engine/grad_reduce.py): on gloo the previous
+    unit's reduction is finished, and its gradient given back, before autograd computes the next unit's gradients,
+    so the backward's peak holds one unit's gradient beside the gathered units, as FSDP2's does on the CPU (issue
+    51, item 5)."""
+    _, results = measured
+    for rank, by_accum in enumerate(results):
+        for accum in (1, 4):
+            alive = by_accum[accum]["alive_at_unit"]
+            assert alive and set(alive) == {0}, (rank, accum, alive)
+
+
 def test_between_micro_steps_only_the_gradient_shard_is_kept(measured: tuple) -> None:
     _, results = measured
     for rank, by_accum in enumerate(results):
@@ -204,18 +226,19 @@ def test_training_with_accumulation_equals_the_reference(measured: tuple) -> Non
 
 
 def test_nothing_but_the_gradient_shard_survives_a_micro_step(measured: tuple) -> None:
-    """[Note: nothing but the gradient shard survives a micro-step] (engine/scratch.py): the full-size gradient
-    buffers and the reduce-scatter's received copies serve the next bucket of the same backward, and are dropped once
-    the backward is reduced, at every micro-step: kept until the cycle's end, they sat beside the next forward and
-    the peak grew with the accumulation (issue 44, item 11)."""
+    """[Note: nothing but the gradient shard survives a micro-step] (engine/scratch.py): the reduce-scatter's
+    temporaries are dropped once the backward is reduced, at every micro-step: kept until the cycle's end, they sat
+    beside the next forward and the peak grew with the accumulation (issue 44, item 11). Nor are they kept into a
+    unit's backward, where they sat beside its fresh gradient at the backward's peak ([Note: full-size gradient
+    buffers alive in backward] in engine/grad_reduce.py; issue 51, item 5)."""
     _, results = measured
     for rank, by_accum in enumerate(results):
         one, four = by_accum[1], by_accum[4]
-        # The units have one size and reduce one after the other: fewer buffers than buckets (without reuse, two
-        # per bucket: the gradient and the received copy); each micro-step allocates what a step at accumulation 1
-        # does, since nothing is left from the one before.
+        assert len(four["cached_at_unit"]) >= STEPS * 4 * four["buckets"], (rank, len(four["cached_at_unit"]))
+        assert set(one["cached_at_unit"]) == set(four["cached_at_unit"]) == {0}, (rank, four["cached_at_unit"])
+        # Each micro-step allocates what a step at accumulation 1 does, since nothing is left from the one before.
         per_step = one["allocations"][0]
-        assert 0 < per_step < four["buckets"], (rank, one["allocations"])
+        assert per_step > 0, (rank, one["allocations"])
         assert one["allocations"] == [per_step] * STEPS, (rank, one["allocations"])
         assert four["allocations"] == [per_step] * (STEPS * 4), (rank, four["allocations"])
         assert one["cached_after"] == [0] * STEPS and four["cached_after"] == [0] * (STEPS * 4), (rank, four)

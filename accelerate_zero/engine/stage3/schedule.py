@@ -51,7 +51,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -143,6 +143,7 @@ class UnitScheduler:
         self.shard_store = shard_store if shard_store is not None else ShardsInMemory()
         self.phase = TrainingPhase.IDLE
         self._resume_phase = TrainingPhase.IDLE  # the phase a backward interrupted
+        self._before_unit_backward: list[Callable[[ParamUnit], None]] = []
 
     # ------------------------------------------------------------------ phase
     def _enter(self, phase: TrainingPhase, *allowed_from: TrainingPhase) -> None:
@@ -294,9 +295,16 @@ class UnitScheduler:
         return distance < self.max_reuse_distance and self.live_numel() <= self.max_live_numel
 
     # ----------------------------------------------------------------- backward
+    def register_before_unit_backward(self, hook: Callable[[ParamUnit], None]) -> None:
+        """`hook(unit)` runs when a unit's backward begins, before its gradients exist (the gradient reducer makes
+        room for them: [Note: full-size gradient buffers alive in backward] in engine/grad_reduce.py)."""
+        self._before_unit_backward.append(hook)
+
     def pre_backward(self, unit: ParamUnit) -> None:
         if self.phase is not TrainingPhase.BACKWARD:  # the first unit this backward reaches
             self._begin_backward()
+        for hook in self._before_unit_backward:
+            hook(unit)
         for needed in (unit, *unit.external):
             self._gather_now(needed)
         if self.trace is not None and unit.index in self.trace:
