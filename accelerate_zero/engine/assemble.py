@@ -426,9 +426,8 @@ class _Assembly:
         )
         # Reductions in flight bound the full-size buffers (stages 2/3) and a reduction's temporaries ([Note:
         # reductions in flight on gloo]): two, or one on gloo at stage 3.
-        in_flight = reductions_in_flight(
-            zero.overlap_comm, buckets, self.dp, zero.reduce_scatter, units=self.scheduler is not None
-        )
+        units = self.scheduler is not None
+        in_flight = reductions_in_flight(zero.overlap_comm, buckets, self.dp, zero.reduce_scatter, units=units)
         return GradReducer(
             buckets,
             locations,
