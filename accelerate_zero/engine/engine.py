@@ -491,4 +491,6 @@ class ZeroEngine(DeepSpeedEngineAPI, CompileAPI):
         self.host_memory.close()
         for handle in self._hooks:
             handle.remove()
+        if self.scheduler is not None:
+            self.scheduler.end_recording()  # a first forward that raised: its torch function mode is process-wide
         unregister_engine_params(self)

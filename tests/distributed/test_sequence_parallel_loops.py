@@ -19,41 +19,11 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
-from tests.helpers.models import tiny_llama_config
+from tests.helpers.sequence_batches import ListCollator, RecordingCollator, gathered, samples, tiny_model
 
 
-VOCAB, MICRO, STEPS, LR = 64, 2, 2, 0.5
+MICRO, STEPS, LR = 2, 2, 0.5
 TOKENIZER = Path(__file__).resolve().parents[2] / "recipes" / "assets" / "tiny-llama"
-
-
-def _model() -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB))
-
-
-def _samples(count: int) -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(5)
-    lengths = torch.randint(6, 14, (count,), generator=generator).tolist()
-    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=generator)} for n in lengths]
-
-
-class RecordingCollator:
-    """Pads at the end (token 0, label -100, mask 0) and keeps a copy of every batch it made (in this process)."""
-
-    def __init__(self) -> None:
-        self.seen: list[dict[str, torch.Tensor]] = []
-
-    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        longest = max(len(row["input_ids"]) for row in rows)
-        ids = torch.zeros(len(rows), longest, dtype=torch.long)
-        mask = torch.zeros(len(rows), longest, dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row["input_ids"])], mask[i, : len(row["input_ids"])] = row["input_ids"], 1
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-        self.seen.append({k: v.clone() for k, v in batch.items()})
-        return batch
 
 
 def _config(sp: int, in_config: bool) -> dict[str, Any]:
@@ -64,13 +34,6 @@ def _config(sp: int, in_config: bool) -> dict[str, Any]:
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
     return {**config, "sequence_parallel_size": sp} if in_config else config
-
-
-def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    import accelerate_zero
-
-    with accelerate_zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _accelerator_loop(rank: int, world_size: int, sp: int, how: str, tiling: dict | None) -> dict[str, Any]:
@@ -92,10 +55,10 @@ def _accelerator_loop(rank: int, world_size: int, sp: int, how: str, tiling: dic
         plain_torchrun_environment()
         for name in launch:
             os.environ.pop(name, None)
-    model = _model()
+    model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     collator = RecordingCollator()
-    loader = torch.utils.data.DataLoader(_samples(MICRO * world_size * STEPS), batch_size=MICRO, collate_fn=collator)
+    loader = torch.utils.data.DataLoader(samples(MICRO * world_size * STEPS), batch_size=MICRO, collate_fn=collator)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
     losses, lengths, whole_logits = [], [], []
@@ -124,7 +87,7 @@ def _accelerator_loop(rank: int, world_size: int, sp: int, how: str, tiling: dic
         "losses": losses,
         "lengths": lengths,
         "len": len(loader),
-        "params": _gathered(model),
+        "params": gathered(model),
         "eval_logits": eval_logits,
         "traffic": sorted(engine.comm_stats()),
         "steps": engine.global_steps,
@@ -137,7 +100,7 @@ def _reference(
     seen_by_rank: list[list[dict[str, torch.Tensor]]], steps: int, eval_sample: dict | None = None
 ) -> dict[str, Any]:
     """One process: step k averages the token-mean losses of batch k of every rank."""
-    model = _model()
+    model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for k in range(steps):
@@ -233,14 +196,14 @@ def _trainer_kwargs(folder: str, sp: int | None, **overrides: Any) -> dict[str, 
 def _trainer_data(world_size: int) -> list[dict[str, torch.Tensor]]:
     """Batches in order (sequential sampling): rank r reads batches r, r + world, ...; the group's micro-batches
     are its members' batches in rank order, so the run's micro-batches are the one process's, in its order."""
-    return _samples(MICRO * TRAINER_ACCUMULATION * TRAINER_STEPS)
+    return samples(MICRO * TRAINER_ACCUMULATION * TRAINER_STEPS)
 
 
 def _train(folder: str, sp: int | None, trl: bool, data: list, resume: str | None = None, **overrides: Any) -> Any:
     """Builds and trains the Trainer (ours with sp, else transformers' or TRL's own in one process), from the
     checkpoint `resume` if given."""
     collator = RecordingCollator()
-    model = _model()
+    model = tiny_model()
     if trl:
         from datasets import Dataset
         from transformers import AutoTokenizer
@@ -256,7 +219,7 @@ def _train(folder: str, sp: int | None, trl: bool, data: list, resume: str | Non
             model=model,
             args=args,
             train_dataset=dataset,
-            data_collator=_ListCollator(collator),
+            data_collator=ListCollator(collator),
             processing_class=AutoTokenizer.from_pretrained(TOKENIZER),
         )
     else:
@@ -288,7 +251,7 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
     evaluated = trainer.evaluate(dataset.select([0] * 4) if trl else [data[0]] * 4)["eval_loss"]
     out = {
         "seen": trainer.recorded,
-        "params": _gathered(trainer.model),
+        "params": gathered(trainer.model),
         "logs": _logged(trainer),
         "sp": trainer.accelerator.sequence_parallel_size,
         "global_step": trainer.state.global_step,
@@ -297,12 +260,12 @@ def _trainer(rank: int, world_size: int, sp: int, folder: str, trl: bool) -> dic
         "batch": trainer.zero_engine.config.train_batch_size,
     }
     alst = _train(f"{folder}/alst", sp, trl, data, sequence_parallel_loss_normalization="deepspeed_alst")
-    out["alst_params"] = _gathered(alst.model)
+    out["alst_params"] = gathered(alst.model)
     out.update(_evaluated_over_cut_sequences(trainer, trl, data))
     # resumed inside the epoch: a checkpoint after the first of its 4 steps, then the 3 others from it
     _train(f"{folder}/resume", sp, trl, data, max_steps=1, save_strategy="steps", save_steps=1)
     resumed = _train(f"{folder}/resumed", sp, trl, data, resume=CHECKPOINT.format(folder=folder))
-    out.update(resumed_params=_gathered(resumed.model), resumed_logs=_logged(resumed))
+    out.update(resumed_params=gathered(resumed.model), resumed_logs=_logged(resumed))
     if not trl:
         out["refused"] = _refusals(_trainer_kwargs(folder, sp), data, RecordingCollator(), folder)
         out.update(_evaluated_before_training(_trainer_kwargs(f"{folder}/early", sp), data))
@@ -356,7 +319,7 @@ def _one_process(rank: int, world_size: int, folder: str, trl: bool) -> dict[str
     if not trl:  # the untrained model evaluated and predicted whole by transformers' own Trainer
         from transformers import Trainer, TrainingArguments
 
-        model = _model()
+        model = tiny_model()
         model.eval()
         args = TrainingArguments(**_trainer_kwargs(f"{folder}/early", None))
         fresh = Trainer(model=model, args=args, data_collator=RecordingCollator())
@@ -375,14 +338,14 @@ def _one_process(rank: int, world_size: int, folder: str, trl: bool) -> dict[str
         "uneven_eval_loss": trainer.evaluate(whole)["eval_loss"],
         "predictions": torch.as_tensor(predicted.predictions),  # numpy arrays do not pass between processes
         "label_ids": torch.as_tensor(predicted.label_ids),
-        "sp1_resumed_params": _gathered(at_sp1.model),
+        "sp1_resumed_params": gathered(at_sp1.model),
         "sp1_resumed_logs": _logged(at_sp1),
     }
 
 
 def _alst_reference(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """DeepSpeed ALST's rule in one process: each step averages its micro-batches' token means."""
-    model = _model()
+    model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for start in range(0, len(batches), TRAINER_ACCUMULATION):
         step = batches[start : start + TRAINER_ACCUMULATION]
@@ -406,20 +369,20 @@ def _refusals(kwargs: dict[str, Any], data: list, collator: RecordingCollator, f
 
     out = {}
     smoothing = Trainer(
-        model=_model(), args=TrainingArguments(**kwargs, label_smoothing_factor=0.1), train_dataset=data
+        model=tiny_model(), args=TrainingArguments(**kwargs, label_smoothing_factor=0.1), train_dataset=data
     )
     out["smoothing"] = error_of(smoothing.get_train_dataloader)
     out["rule"] = error_of(lambda: TrainingArguments(**kwargs, sequence_parallel_loss_normalization="alst"))
     plain = {**kwargs, "parallelism_config": None, "sequence_parallel_loss_normalization": "deepspeed_alst"}
     out["rule_without_sp"] = error_of(
-        Trainer(model=_model(), args=TrainingArguments(**plain), train_dataset=data).get_train_dataloader
+        Trainer(model=tiny_model(), args=TrainingArguments(**plain), train_dataset=data).get_train_dataloader
     )
     uncut = {
         **plain,
         "sequence_parallel_loss_normalization": "accumulated_tokens",
         "sequence_parallel_evaluation": True,
     }
-    out["evaluation_without_sp"] = error_of(lambda: Trainer(model=_model(), args=TrainingArguments(**uncut)))
+    out["evaluation_without_sp"] = error_of(lambda: Trainer(model=tiny_model(), args=TrainingArguments(**uncut)))
     return out
 
 
@@ -428,7 +391,7 @@ def _evaluated_before_training(kwargs: dict[str, Any], data: list) -> dict[str, 
     engine the model is prepared with for inference."""
     from accelerate_zero import Trainer, TrainingArguments
 
-    model = _model()
+    model = tiny_model()
     model.eval()
     early = {**kwargs, "sequence_parallel_evaluation": True}
     untrained = Trainer(model=model, args=TrainingArguments(**early), data_collator=RecordingCollator())
@@ -443,16 +406,6 @@ def _evaluated_before_training(kwargs: dict[str, Any], data: list) -> dict[str, 
     }
 
 
-class _ListCollator:
-    """TRL's datasets give lists of token ids: tensors for `RecordingCollator`."""
-
-    def __init__(self, inner: RecordingCollator) -> None:
-        self.inner = inner
-
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return self.inner([{"input_ids": torch.tensor(row["input_ids"])} for row in rows])
-
-
 def _error(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     return max((params[n] - p).abs().max().item() for n, p in reference.items())
 
@@ -465,7 +418,7 @@ def test_trainer_with_parallelism_config_matches_one_process(tmp_path, trl: bool
     world_size, sp = 2, 2
     results = run_distributed(_trainer, world_size, sp, str(tmp_path), trl)
     reference = run_distributed(_one_process, 1, str(tmp_path), trl)[0]
-    moved = _error(_model().state_dict(), reference["params"])
+    moved = _error(tiny_model().state_dict(), reference["params"])
     for result in results:
         if not trl:
             refused = result["refused"]

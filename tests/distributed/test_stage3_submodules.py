@@ -115,6 +115,8 @@ def _submodel_training(rank: int, tied: bool, head: str, checkpointing: bool = F
         mlp(torch.randn(1, 4, 7))
     except RuntimeError:
         out["raised"] = True
+    # ... and leaves no process-wide state behind: no recording torch function mode, no eager dynamo stance
+    out["modes_after_error"] = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
     engine.scheduler.release_all()
     with torch.no_grad():
         out["after_error_diff"] = (mlp(hidden) - mlp_reference(hidden)).abs().max().item()
@@ -218,6 +220,7 @@ def test_module_inside_a_unit_called_alone(results: Any) -> None:
         assert r["train-lm_head"]["attention_diff"] < 1e-6
         assert r["train-lm_head"]["released_after_call"]
         assert r["train-lm_head"]["raised"] and r["train-lm_head"]["after_error_diff"] < 1e-6
+        assert r["train-lm_head"]["modes_after_error"] == []
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])

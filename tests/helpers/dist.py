@@ -160,9 +160,34 @@ def _run_body(rank: int, world_size: int, task: tuple, baseline: dict) -> bytes:
             # Serialized, not shared: a tensor put on the queue as-is lives in this process's shared memory.
             buffer = io.BytesIO()
             torch.save(fn(rank, world_size, *args), buffer)
+            _raise_if_leaked(fn)
             return buffer.getvalue()
     finally:
         _reset_singletons()
+
+
+def _raise_if_leaked(fn: Callable[..., Any]) -> None:
+    """A body that returns with torch's process-wide modes still set (a TorchFunctionMode on the stack, dynamo's
+    stance other than "default") fails by name: every later body on the pooled rank would run under them (a compiled
+    model silently eager, every torch call intercepted), and a user's process would too."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    leaked = [type(mode).__qualname__ for mode in _get_current_function_mode_stack()]
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo import eval_frame
+
+        if eval_frame._stance.stance != "default":
+            leaked.append(f"dynamo stance {eval_frame._stance.stance!r}")
+            torch.compiler.set_stance("default")
+        from torch._dynamo import config as dynamo_config
+
+        for name, entry in dynamo_config._config.items():
+            value = getattr(dynamo_config, name)
+            if not dynamo_config._is_default(name) and value != entry.default:
+                leaked.append(f"torch._dynamo.config.{name}={value!r}")
+                setattr(dynamo_config, name, entry.default)
+    if leaked:
+        raise AssertionError(f"{fn.__module__}.{fn.__qualname__} returned with process-wide state left set: {leaked}")
 
 
 def _rank_loop(rank: int, world_size: int, tasks: Any, results: Any, stack_file: str) -> None:

@@ -17,6 +17,7 @@ from tests.helpers.dist import run_distributed, shared_parts
 from tests.helpers.models import make_batches
 from tests.integration import api_surface_checks as checks
 from tests.integration import api_surface_trainer_checks as trainer_checks
+from tests.integration import release_checks
 
 
 WORLD_SIZE = 2
@@ -174,7 +175,7 @@ def test_optimizer_step_was_skipped_after_an_overflow_on_one_rank(ranks: Any) ->
 
 
 def test_release_model_frees_the_engine_and_gives_back_a_plain_module(ranks: Any) -> None:
-    prepared_step, plain_step = checks.release_reference(WORLD_SIZE)
+    prepared_step, plain_step = release_checks.release_reference(WORLD_SIZE)
     for rank in ranks:
         run = rank["loop"]["release"]
         assert sum(run["hooks_while_prepared"].values()) > 0  # the census sees the engine's hooks

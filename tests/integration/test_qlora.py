@@ -8,7 +8,7 @@ on every rank; stored in a floating-point dtype (`bnb_4bit_quant_storage`, as tr
 ZeRO-3) the base is partitioned too. The checks: the quantized base gets no gradient, no optimizer state and is not
 changed by a bit; every adapter moved, and the trained adapters equal the plain transformers Trainer's in one
 process on the same rows (`PARITY`); the saved adapter reloads onto a freshly quantized base with the same logits.
-One real `accelerate-zero launch` runs the recipe end to end.
+The recipe's real `accelerate-zero launch` is README's, run by tests/integration/test_readme_commands.py.
 
 bitsandbytes (the `qlora` extra, which scripts/install.sh and so CI install) quantizes, dequantizes and trains NF4
 on the CPU since 0.45 (0.50.2 here; its optional `kernels` CPU kernel is not needed); the suite runs these tests
@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers.dist import scaled_seconds, shared_parts
+from tests.helpers.dist import shared_parts
 from tests.integration import qlora_checks as checks
 
 
@@ -104,32 +100,3 @@ def test_adapter_reloads_onto_its_quantized_base(ranks: Any, part: str) -> None:
     run = ranks[0][part]  # reloaded onto the recipe's base (uint8), whatever the storage trained with
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(run["files"])
     assert torch.allclose(run["reloaded_logits"], run["logits"], atol=1e-5)
-
-
-def test_recipe_runs_under_the_launcher(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate_zero.cli.main",
-        "launch",
-        "--config_file",
-        str(checks.REPO / "accelerate_configs" / "zero3.yaml"),
-        str(checks.RECIPES / "qlora.py"),
-        "--config",
-        str(checks.RECIPES / "configs" / "qlora_demo.yaml"),
-        "--max_steps",
-        "4",
-        "--logging_steps",
-        "2",
-        "--eval_samples",
-        "8",
-        "--output_dir",
-        str(tmp_path / "out"),
-    ]
-    env = {**os.environ, "ACCELERATE_ZERO_PG_TIMEOUT": scaled_seconds(60)}
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env=env, cwd=checks.REPO, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "held-out exact match" in result.stdout
-    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()

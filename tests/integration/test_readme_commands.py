@@ -3,10 +3,14 @@
 The commands are read from the documents themselves: each line of a ```bash block (and each `accelerate-zero ...`
 in a table row). Each must match one of the short forms below, else the first test fails and names it:
 
-* `validate`, `estimate`, `doctor` run as written;
+* `validate`, `estimate`, `doctor` run as written, in this process (`accelerate_zero.cli.main.main`: the entry point
+  the console script calls; a process each would pay torch's import for a few lines of output);
 * recipe launches run with few steps (`--max_steps 2`, 4 eval prompts, a temporary output folder); the demo
   (`bash scripts/demo.sh`, the same command as the SFT launch) runs once and the other commands reuse its output
-  (GRPO starts from it, `consolidate` merges its checkpoint);
+  (GRPO starts from it, `consolidate` merges its checkpoint); an SFT launch that spells out the demo's own values
+  (`--model_name_or_path ... --output_dir out/my-sft`) is checked to parse to the demo's arguments but for the
+  output folder, and its launch planned, not run again; the QLoRA recipe's launch is the one run of it in the
+  suite (it checks the adapter saved), and the `accelerate_hello.py` launch the one run of that example;
 * the GPU smoke test (`tests/gpu/smoke.py`) runs on 2 CPU processes;
 * launches of a placeholder script (`train.py`), and launches on several machines (`--num_machines 2`: the other
   machine is not here), are checked as `accelerate-zero launch` checks them before starting anything (flags,
@@ -43,7 +47,7 @@ RECIPE_FLAGS = {
     "sft.py": SHORT_SFT,
     "qlora.py": SHORT_SFT,
     "grpo.py": SHORT_GRPO,
-    "accelerate_hello.py": ["--steps", "2"],
+    "accelerate_hello.py": ["--steps", "4"],
 }
 NOISE = ("Failed to load CPU gemm_4bit_forward", "FutureWarning", "Traceback")
 TIMEOUT = 240
@@ -139,6 +143,20 @@ def run(argv: list[str], env: dict[str, str] | None = None) -> str:
     return output
 
 
+def run_in_process(argv: list[str]) -> str:
+    """`accelerate-zero ...` run by its entry point in this process; returns what it printed, fails on non-zero."""
+    import contextlib
+    import io
+
+    from accelerate_zero.cli.main import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        code = main(argv[1:])
+    assert code == 0, f"{shlex.join(argv)} exited {code}:\n{printed.getvalue()[-4000:]}"
+    return printed.getvalue()
+
+
 def _launch_port(words: list[str]) -> list[str]:
     """Port 0 (a free one) unless the command names one: other launches may be running on this machine."""
     return words if "--main_process_port" in words else [*words[:2], "--main_process_port", "0", *words[2:]]
@@ -180,7 +198,9 @@ def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) 
     env, words = split_env(shlex.split(command.replace("[", "").replace("]", "")))
     match kind_of(command):
         case "as_written":
-            run([w if w != "ds_config.json" else "accelerate_configs/ds_config.json" for w in words])
+            run_in_process([w if w != "ds_config.json" else "accelerate_configs/ds_config.json" for w in words])
+        case "recipe" if _is_the_demo_spelled_out(words):
+            _check_same_as_demo(words, tmp_path)
         case "recipe":
             _run_recipe(words, demo, tmp_path, env)
         case "launch_checks":
@@ -233,6 +253,49 @@ def _run_recipe(words: list[str], demo: dict[str, Any], tmp_path: Path, env: dic
         flags += ["--model_name_or_path", str(demo["out"])]
     output = run(_launch_port(words) + flags, {**_env(), **env})
     assert not [noise for noise in NOISE if noise in output], output[-3000:]
+    if script == "qlora.py":
+        assert "held-out exact match" in output, output[-3000:]
+        assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    if script == "accelerate_hello.py":
+        assert "ZeRO stage 2 on 2 processes (DistributedType.MULTI_CPU)" in output, output[-3000:]
+        assert "step   4  loss" in output and "done" in output, output[-3000:]
+
+
+def _recipe_arguments(words: list[str]) -> tuple[Any, ...]:
+    """What recipes/sft.py makes of a documented launch's script flags (its own parser, in this process)."""
+    import importlib
+
+    script = words.index(next(w for w in words if w.endswith("sft.py")))
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        sft = importlib.import_module("sft")
+        return sft.parse_config((sft.SFTScriptArguments, sft.TrainingArguments), words[script + 1 :])
+    finally:
+        sys.path.remove(str(REPO / "recipes"))
+
+
+def _is_the_demo_spelled_out(words: list[str]) -> bool:
+    demo = shlex.split(DEMO)
+    return words[: len(demo)] == demo and len(words) > len(demo) and "--output_dir" in words
+
+
+def _check_same_as_demo(words: list[str], tmp_path: Path) -> None:
+    """The demo with its defaults written out: the same recipe arguments but for the output folder (the demo ran
+    them), and a launch the launcher plans as the demo's."""
+    from dataclasses import asdict
+
+    def comparable(arguments: tuple[Any, ...]) -> list[dict[str, Any]]:
+        out = [asdict(a) if not hasattr(a, "to_dict") else a.to_dict() for a in arguments]
+        for values in out:
+            for name in ("output_dir", "logging_dir"):
+                values.pop(name, None)
+            for name, value in values.items():  # the YAML's paths are resolved; the command's relative to the repo
+                if isinstance(value, str) and value and (REPO / value).exists():
+                    values[name] = str((REPO / value).resolve())
+        return out
+
+    assert comparable(_recipe_arguments(words)) == comparable(_recipe_arguments(shlex.split(DEMO)))
+    _check_launch(words[: words.index(next(w for w in words if w.endswith(".py"))) + 1], tmp_path)
 
 
 def _check_launch(words: list[str], tmp_path: Path) -> None:

@@ -3,24 +3,22 @@
 The shared 2 ranks (tests/helpers/dist.py) run each check of tests/integration/zero_accelerator_checks.py as its own
 body, in a torchrun-style environment without accelerate's variables: training with `accumulate()` at stages 1, 2
 and 3 plus a frozen model prepared in the same call, save_state/load_state with fp16 at stage 3, save_model ->
-from_pretrained, and bf16. One real `accelerate-zero launch` runs recipes/accelerate_hello.py.
+from_pretrained, and bf16. The real `accelerate-zero launch` of recipes/accelerate_hello.py is README's, run by
+tests/integration/test_readme_commands.py.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers.dist import scaled_seconds, shared_parts
+from tests.helpers.dist import shared_parts
 from tests.integration import zero_accelerator_checks as checks
 
 
 WORLD_SIZE = 2
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -123,23 +121,6 @@ def test_bf16_is_the_engines_not_accelerates(ranks: Any) -> None:
             "autocast": False,
             "dtype": torch.bfloat16,
         }
-
-
-def test_recipe_runs_under_accelerate_zero_launch(monkeypatch: pytest.MonkeyPatch, capfd: Any) -> None:
-    from accelerate_zero.cli.main import main
-
-    timeout = scaled_seconds(30)  # before the loop below clears ACCELERATE_ZERO_TEST_TIMEOUT_SCALE
-    for name in list(os.environ):
-        if name.startswith(("ACCELERATE_ZERO_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_USE_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("ACCELERATE_ZERO_PG_TIMEOUT", timeout)
-    monkeypatch.chdir(REPO)
-    config = str(REPO / "accelerate_configs" / "zero2.yaml")
-    script = str(REPO / "recipes" / "accelerate_hello.py")
-    assert main(["launch", "--main_process_port", "0", "--config_file", config, script, "--steps", "4"]) == 0
-    out = capfd.readouterr().out
-    assert "ZeRO stage 2 on 2 processes (DistributedType.MULTI_CPU)" in out, out
-    assert "step   4  loss" in out and "done" in out, out
 
 
 def test_errors_before_any_process_group_work() -> None:

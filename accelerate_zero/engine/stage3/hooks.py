@@ -58,22 +58,22 @@ def register_entry_hooks(model: nn.Module, units: list[ParamUnit], scheduler: Un
     handles = []
     in_units = {id(m) for unit in units[:-1] for m in unit.module.modules()}
     for module, needed in entry_units(model, units):
-        entry = _Entry(needed, scheduler)
+        entry = _Entry(needed, scheduler, always_called=id(module) not in in_units)
         handles.append(module.register_forward_pre_hook(entry.pre, prepend=True))
         # `always_call` keeps the scheduler consistent when a forward raises, but makes every call of the module
         # several times slower. Modules inside a unit run nested in its forward nearly always, where the entry
         # does nothing, so they go without: after an exception in one called alone, its unit stays marked in use
         # until the model's next forward (whose start resets that); `UnitScheduler.enter` gathers it again if it
         # was released meanwhile.
-        handles.append(module.register_forward_hook(entry.post, always_call=id(module) not in in_units))
+        handles.append(module.register_forward_hook(entry.post, always_call=entry.always_called))
     return handles
 
 
 class _Entry:
     """The pre- and post-forward hooks of one sub-module: a stack, since the module may run inside itself."""
 
-    def __init__(self, needed: list[ParamUnit], scheduler: UnitScheduler) -> None:
-        self.needed, self.scheduler = needed, scheduler
+    def __init__(self, needed: list[ParamUnit], scheduler: UnitScheduler, always_called: bool) -> None:
+        self.needed, self.scheduler, self.always_called = needed, scheduler, always_called
         self.frames: list[tuple[list[ParamUnit], bool]] = []
 
     def pre(self, module: nn.Module, args: Any) -> None:
@@ -85,7 +85,7 @@ class _Entry:
             self.frames.append(_NESTED)
             return
         with torch.profiler.record_function("ZeRO::pre_forward_entry"):
-            self.frames.append(self.scheduler.enter(id(module), self.needed))
+            self.frames.append(self.scheduler.enter(id(module), self.needed, record_external=self.always_called))
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
         if tracing() or not self.frames:

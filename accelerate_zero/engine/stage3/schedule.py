@@ -41,7 +41,11 @@ live in, except the ones whose unit module it contains (their own hooks gather t
 releases them again; their gradients are re-gathered for backward by a hook on the call's outputs, exactly as for a
 unit, and reach their buckets as usual. Inside a forward that already holds those units (the model's own forward,
 a unit's forward) the entry hook does nothing, so nesting costs a few identity checks per call. A call that starts while no
-forward runs begins a forward of its own, with its own execution-order trace, keyed by the module called.
+forward runs begins a forward of its own, with its own execution-order trace, keyed by the module called. A module
+inside a unit called alone (a probe of one layer) records no external uses (engine/stage3/external.py): its
+post-forward hook is not always called, so a call that raises would leave the detector, a process-wide torch
+function mode, and the eager stance it sets ([Note: compiling around ZeRO's hooks]) in place for every later torch
+call of the process.
 Gathering is a collective: every rank must run the same sequence of module forwards (as under DeepSpeed); a rank
 that calls a different sub-module than the others waits for them until the process-group timeout.
 """
@@ -184,16 +188,20 @@ class UnitScheduler:
             self._end_forward()
         self._release_after_forward(unit)
 
-    def enter(self, key: int, needed: Sequence[ParamUnit]) -> tuple[list[ParamUnit], bool]:
+    def enter(
+        self, key: int, needed: Sequence[ParamUnit], record_external: bool = True
+    ) -> tuple[list[ParamUnit], bool]:
         """A sub-module's forward starts ([Note: sub-module calls]): gathers the `needed` units not in use yet.
 
-        Returns the units entered (to pass to `leave`) and whether this call began a forward of its own.
+        `record_external`: a forward this call begins may watch for parameters used outside their unit (only where
+        the module's post-forward hook runs even when the call raises). Returns the units entered (to pass to
+        `leave`) and whether this call began a forward of its own.
         """
         in_use = self._held_ids()
         entered = [unit for unit in needed if id(unit) not in in_use]
         begins = bool(entered) and not self.active and not self.in_backward()
         if begins:
-            self._begin_forward(key)
+            self._begin_forward(key, record_external)
         for unit in entered:
             self._run(unit)
         for unit in needed:
@@ -246,14 +254,16 @@ class UnitScheduler:
             if id(done) not in in_use and not self._keep_after_forward(done):
                 done.reshard(keep_secondary=keep_secondary)
 
-    def _begin_forward(self, key: int) -> None:
+    def _begin_forward(self, key: int, record_external: bool = True) -> None:
         # FORWARD too: a forward that raised never ended.
         self._enter(TrainingPhase.FORWARD, TrainingPhase.IDLE, TrainingPhase.FORWARD)
         self._entry_key, self.trace = key, self.traces.get(key)
         self._observed = []
         self._on_trace = self.trace is not None
         self.active.clear()
-        if self.trace is None and self._detector is None:
+        if not record_external:
+            self.end_recording()
+        elif self.trace is None and self._detector is None:
             self._detector = ExternalUseDetector(param_index(self.units), self.active, self._gather_now)
             self._detector.__enter__()
 
@@ -265,11 +275,16 @@ class UnitScheduler:
         ):
             self._on_trace = False
 
+    def end_recording(self) -> None:
+        """Leaves the recording forward's detector and eager stance, process-wide state (also for a forward that
+        raised and never ended: `engine.destroy()` calls it)."""
+        if self._detector is not None:
+            detector, self._detector = self._detector, None
+            detector.__exit__(None, None, None)
+
     def _end_forward(self) -> None:
         self._enter(TrainingPhase.IDLE, TrainingPhase.FORWARD)
-        if self._detector is not None:
-            self._detector.__exit__(None, None, None)
-            self._detector = None
+        self.end_recording()
         observed = self._observed
         if self.trace is not None and observed != self.trace:
             self._trace_changes += 1
