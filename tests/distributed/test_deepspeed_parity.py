@@ -76,7 +76,9 @@ def _both_frameworks(rank: int, world_size: int, folder: str, reference: dict) -
         config = {**_tutorial_config(stage), "gradient_clipping": 0.0}
         for label, reader in (("deepspeed", deepspeed), ("ours", ours)):
             place = str(Path(folder) / f"resume_{stage}_{label}")
-            results[f"resume stage {stage} / {label}"] = deepspeed_scripts.resumed(deepspeed, reader, config, place, rank)
+            results[f"resume stage {stage} / {label}"] = deepspeed_scripts.resumed(
+                deepspeed, reader, config, place, rank
+            )
     return results
 
 

@@ -81,9 +81,11 @@ def _measure(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
         allocations, cached_after, buffers_between, cached_at_unit = [], [], [], []
         alive_at_unit: list[int] = []
 
-        def at_unit_backward(unit: Any) -> None:  # after the engine's own hook of this moment (registered first)
-            cached_at_unit.append(len(engine.reducer.cached_tensors()))
-            alive_at_unit.append(sum(b.filling or b.state is BucketState.REDUCING for b in engine.reducer.buckets))
+        def at_unit_backward(
+            unit: Any, reducer: Any = engine.reducer, cached: list = cached_at_unit, alive: list = alive_at_unit
+        ) -> None:  # after the engine's own hook of this moment (registered first)
+            cached.append(len(reducer.cached_tensors()))
+            alive.append(sum(b.filling or b.state is BucketState.REDUCING for b in reducer.buckets))
 
         engine.scheduler.register_before_unit_backward(at_unit_backward)
         for x in batches:

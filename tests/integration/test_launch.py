@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from accelerate_zero.cli.main import main
-from tests.helpers.dist import free_port, plain_torchrun_environment, run_distributed, scaled_seconds
+from tests.helpers.dist import free_port, scaled_seconds
+from tests.integration.planned_launch import planned_environment, run_as_planned
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,49 +62,20 @@ def check_run(out: Path, stage: int) -> list[dict[str, Any]]:
 
 SHIPPED = {"zero1.yaml": 1, "zero2.yaml": 2, "zero3.yaml": 3, "zero3_offload.yaml": 3, "zero3_nvme.yaml": 3}
 LAUNCHED = "zero3.yaml"
-"""The shipped config launched for real; the others' launches are planned by the launcher (`prepare_launch`, every
-check it makes before starting a process) and the ranks it would start are the suite's 2 pooled ranks given the
-planned environment: the same script, the same variables, without 3 processes importing torch per config."""
+"""The shipped config launched for real; the others are planned by the launcher and run on the pooled ranks
+(tests/integration/planned_launch.py)."""
 
 
 @pytest.fixture(scope="module")
 def planned_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from accelerate.commands.launch import launch_command_parser
-
-    from accelerate_zero.integrations.accelerate import launcher
-
-    plans = {}
-    for name in SHIPPED:
-        if name != LAUNCHED:
-            args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / name), str(SCRIPT)])
-            prepared = launcher.prepare_launch(args)
-            assert prepared.num_processes == 2, (name, prepared.num_processes)
-            plans[name] = (prepared.env, str(tmp_path_factory.mktemp(name.removesuffix(".yaml"))))
-    run_distributed(_train_as_planned, 2, plans)
-    return {name: Path(out) for name, (_, out) in plans.items()}
-
-
-def _train_as_planned(rank: int, world_size: int, plans: dict[str, tuple[dict[str, str], str]]) -> None:
-    import importlib.util
-
-    from accelerate.state import AcceleratorState
-
-    plain_torchrun_environment()
-    spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    environ, argv = dict(os.environ), list(sys.argv)
-    for env, out in plans.values():
-        os.environ.update(env)
-        sys.argv = [str(SCRIPT), "--out", out]
-        try:
-            script.main()
-        finally:
-            os.environ.clear()
-            os.environ.update(environ)
-            sys.argv = argv
-            AcceleratorState._reset_state()  # the next plan's Accelerator reads its own variables
+    launches = {name: ["--config_file", str(CONFIGS / name)] for name in SHIPPED if name != LAUNCHED}
+    launches["zero2.yaml --zero_stage 1"] = ["--config_file", str(CONFIGS / "zero2.yaml"), "--zero_stage", "1"]
+    folders, runs = {}, []
+    for label, flags in launches.items():
+        folders[label] = tmp_path_factory.mktemp(label.split(".")[0])
+        runs.append((planned_environment(flags, SCRIPT), ["--out", str(folders[label])]))
+    run_as_planned(SCRIPT, runs)
+    return folders
 
 
 @pytest.mark.parametrize(("name", "stage"), list(SHIPPED.items()))
@@ -115,9 +87,8 @@ def test_shipped_config_trains_on_two_processes(
     check_run(planned_runs.get(name, tmp_path), stage)
 
 
-def test_flag_overrides_the_config_file(tmp_path: Path) -> None:
-    assert launch(tmp_path, "--config_file", str(CONFIGS / "zero2.yaml"), "--zero_stage", "1") == 0
-    check_run(tmp_path, 1)
+def test_flag_overrides_the_config_file(planned_runs: dict[str, Path]) -> None:
+    check_run(planned_runs["zero2.yaml --zero_stage 1"], 1)
 
 
 def test_deepspeed_config_file_with_a_multi_gpu_config(tmp_path: Path) -> None:

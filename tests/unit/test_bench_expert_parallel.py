@@ -59,7 +59,9 @@ def test_the_goal_check_passes_at_one_ep_th_and_fails_above(bench: ModuleType) -
 
 def test_the_held_state_row_compares_each_expert_parallel_run_with_flat_stage_3(bench: ModuleType) -> None:
     def run(parameters: int) -> dict:
-        return {"breakdown": {"parameters": parameters, "gradients": 4e6, "master_weights": 0, "optimizer_states": 8e6}}
+        return {
+            "breakdown": {"parameters": parameters, "gradients": 4e6, "master_weights": 0, "optimizer_states": 8e6}
+        }
 
     results = {"flat3 accum 1": run(4e6), "ep2_s3 accum 1": run(4e6), "ep4_s3 accum 2": run(5e6)}
     rows = bench.held_rows(results, [1, 2])
