@@ -4,7 +4,9 @@ library is missing refused by name at load ([Note: the monitor's events] in moni
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +63,56 @@ def test_a_monitor_without_its_library_is_refused_by_name(
         f"{module.replace('_', '-')} (or switch {block} off)"
     ]
     ZeroConfig.from_any({block: {"enabled": False}})  # off: no library needed
+
+
+class _Recorder:
+    """A stand-in for a monitor library (wandb, comet_ml and its experiment): records every call made on it."""
+
+    def __init__(self, calls: list, prefix: str = "") -> None:
+        self._calls, self._prefix = calls, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._calls.append((self._prefix + name, args, kwargs))
+            return _Recorder(self._calls, "experiment.") if name == "start" else None
+
+        return call
+
+
+@pytest.mark.parametrize("block", ["wandb", "comet"])
+def test_wandb_and_comet_get_deepspeeds_calls(block: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What DeepSpeed 0.19.8's WandbMonitor and CometMonitor call on their library, for the same events (the libraries
+    are stand-ins: neither is installed in the test environment)."""
+    module = {"wandb": "wandb", "comet": "comet_ml"}[block]
+    calls: list = []
+    monkeypatch.setitem(sys.modules, module, _Recorder(calls))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == module else real(name, *a))
+    settings = {
+        "wandb": {"enabled": True, "project": "p", "group": "g", "team": "t"},
+        "comet": {"enabled": True, "project": "p", "samples_log_interval": 16, "experiment_name": "run"},
+    }[block]
+    monitors = build_monitors(ZeroConfig.from_any({block: settings}), rank=0)
+    assert monitors is not None
+    monitors.write_events([("Train/Samples/lr", 0.5, 8), ("Train/Samples/train_loss", 2.0, 8)])
+    monitors.write_events([("Train/Samples/lr", 0.4, 16), ("Train/Samples/lr", 0.3, 24)])
+    monitors.close()
+    if block == "wandb":  # init once; one log per event at its step
+        assert calls == [
+            ("init", (), {"project": "p", "group": "g", "entity": "t"}),
+            ("log", ({"Train/Samples/lr": 0.5},), {"step": 8}),
+            ("log", ({"Train/Samples/train_loss": 2.0},), {"step": 8}),
+            ("log", ({"Train/Samples/lr": 0.4},), {"step": 16}),
+            ("log", ({"Train/Samples/lr": 0.3},), {"step": 24}),
+            ("finish", (), {}),
+        ]
+    else:  # an event name is logged again once samples_log_interval samples have passed since it last was
+        started = {"api_key": None, "project": "p", "workspace": None, "experiment_key": None}
+        assert calls[0] == ("start", (), {**started, "mode": None, "online": None})
+        assert calls[1:] == [
+            ("experiment.set_name", ("run",), {}),
+            ("experiment.log_metric", ("Train/Samples/lr", 0.5), {"step": 8}),
+            ("experiment.log_metric", ("Train/Samples/train_loss", 2.0), {"step": 8}),
+            ("experiment.log_metric", ("Train/Samples/lr", 0.3), {"step": 24}),
+            ("experiment.end", (), {}),
+        ]
