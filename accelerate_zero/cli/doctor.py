@@ -76,19 +76,21 @@ def register(subcommands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs `doctor`; returns 0, or 2 when the config is invalid."""
-    from accelerate_zero.cli.validate import config_from_accelerate_file, is_accelerate_config
+    from accelerate_zero.cli.validate import config_from_accelerate_file, is_accelerate_config, notes_printed_here
     from accelerate_zero.integrations.accelerate.launch_checks import resolve_leaving_auto
 
     accelerate_file = is_accelerate_config(args.config)
     problems: list[str] = []
+    notes: list[str] = []
     summary, world_size = "", args.num_processes or 1
     try:
-        if accelerate_file:
-            config, world_size = config_from_accelerate_file(args.config, args.num_processes)
-        else:
-            config = ZeroConfig.from_any(args.config)
+        with notes_printed_here():
+            if accelerate_file:
+                config, world_size = config_from_accelerate_file(args.config, args.num_processes)
+            else:
+                config = ZeroConfig.from_any(args.config)
         resolve_leaving_auto(config, world_size)
-        summary = describe(config)
+        summary, notes = describe(config), list(config.notes)
     except ZeroConfigError as error:
         problems = list(error.problems)
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
@@ -103,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.config}: {'an accelerate config file' if accelerate_file else 'a DeepSpeed config'}")
     for problem in problems:
         print(f"  problem: {problem}")
+    for note in notes:  # keys DeepSpeed ignores too, disabled blocks: accepted, no effect
+        print(f"  note: {note}")
     for launcher, key in _rows(accelerate_file, kind, bool(problems), has_deepspeed):
         print(f"\n{launcher}:\n  {LAUNCHER_TEXT[key].format(**fill)}")
     return INVALID_CONFIG_EXIT_CODE if problems else 0

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     warnings: list[str] = []
     try:
-        with _notes_printed_here():
+        with notes_printed_here():
             if is_accelerate_config(args.config):
                 label = f"accelerate config {args.config}"
                 config, world_size, machines = _accelerate_file(args.config, args.world_size)
@@ -118,8 +118,8 @@ def _unfilled(key: str) -> str:
 
 
 @contextlib.contextmanager
-def _notes_printed_here() -> Iterator[None]:
-    """`validate` prints the config's notes itself: they are not logged as well."""
+def notes_printed_here() -> Iterator[None]:
+    """`validate` and `doctor` print the config's notes themselves: they are not logged as well."""
     saved = os.environ.get(NOTED_ENV)
     os.environ[NOTED_ENV] = "1"
     try:

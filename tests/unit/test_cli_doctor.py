@@ -49,3 +49,14 @@ def test_invalid_config_names_the_problems(tmp_path: Path, capsys: pytest.Captur
 
 def test_every_sentence_comes_from_the_table() -> None:
     assert set(doctor.LAUNCHER_TEXT) >= {"ours", "accelerate_ds", "accelerate_no_ds", "torchrun_accel"}
+
+
+def test_notes_are_printed_as_validate_prints_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A key DeepSpeed ignores is accepted with a note: doctor says so too (once, not also logged)."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, "comms_config": {"verbose": false}}')
+    assert main(["doctor", str(path)]) == 0
+    out, err = capsys.readouterr()
+    notes = [line for line in out.splitlines() if line.startswith("  note: ")]
+    assert len(notes) == 1 and "comms_config" in notes[0] and "DeepSpeed ignores it too" in notes[0], out
+    assert "comms_config" not in err
