@@ -267,7 +267,11 @@ def test_consolidate_refuses_damaged_checkpoints_with_exit_2(
     from accelerate_zero.cli.consolidate import run
 
     root, _, _ = checkpoints
-    code = run(argparse.Namespace(checkpoint=str(root / case), output=str(root / f"out {case}"), dtype="fp32"))
+    code = run(
+        argparse.Namespace(
+            checkpoint=str(root / case), output=str(root / f"out {case}"), dtype="fp32", format="safetensors"
+        )
+    )
     assert code == 2
     assert re.search(expected, capsys.readouterr().err)
 

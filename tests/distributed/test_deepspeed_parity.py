@@ -10,7 +10,6 @@ reference engine.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +54,11 @@ def _cases(world_size: int) -> list[tuple[str, str, tuple]]:
 
 
 def _both_frameworks(rank: int, world_size: int, folder: str, reference: dict) -> dict[str, dict[str, Any]]:
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-    import deepspeed.ops
-
     import accelerate_zero.deepspeed as ours
+    from tests.distributed.deepspeed_runs import deepspeed as import_deepspeed
+
+    # for the CPU, and without the process-group caches of an earlier DeepSpeed body on this pooled rank
+    deepspeed = import_deepspeed()
 
     # No compiled DeepSpeed op: its CPU process group would otherwise JIT-build the shared-memory all-reduce (used by
     # inference only) with g++ on first use, minutes on this machine, behind a file lock other processes share.
