@@ -66,6 +66,8 @@ def config(world_size: int, stage: int, dtype: str = "fp32", **zero: Any) -> dic
     }
     if dtype == "bf16":
         out["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # the scale doubles after every step without overflow: the saved scale is not the initial one
+        out["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 1, "hysteresis": 1}
     return out
 
 
@@ -111,10 +113,11 @@ def deepspeed_run(
     engine, *_ = ds.initialize(model=model, model_parameters=params, config=config(world_size, stage, dtype))
     train(engine, range(SAVED_AT), rank, world_size)
     engine.save_checkpoint(str(folder), **save)
+    scale_at_save = float(getattr(engine.optimizer, "loss_scale", 1.0))
     train(engine, range(SAVED_AT, STEPS), rank, world_size)
     final = {key: value for key, value in save.items() if key != "tag"}
     engine.save_checkpoint(str(folder), tag=FINAL, save_latest=False, **final)
-    out = {"lr": engine.get_lr()[0], "steps": engine.global_steps}
+    out = {"lr": engine.get_lr()[0], "steps": engine.global_steps, "scale_at_save": scale_at_save}
     dist.barrier()
     return out
 

@@ -38,6 +38,7 @@ def _resume(
     engine = runs.ours(world_size, stage, dtype, lora)
     loaded, _ = engine.load_checkpoint(str(folder), **load)
     out = {"loaded": Path(loaded).name, "steps_loaded": engine.global_steps, "at_load": runs.full_state(engine)}
+    out["scale_at_load"] = engine.loss_scale
     runs.train(engine, range(runs.SAVED_AT, runs.STEPS), rank, world_size)
     out |= {"state": runs.full_state(engine), "lr": engine.get_lr()[0], "steps": engine.global_steps}
     return out
@@ -51,7 +52,12 @@ def _compare(rank: int, got: dict[str, Any], folder: Path, ran: dict[str, Any]) 
     if rank == 0:
         got["diff_at_load"] = runs.max_diff(at_load, runs.deepspeed_masters(folder, f"global_step{runs.SAVED_AT}"))
         got["diff"] = runs.max_diff(state, runs.deepspeed_masters(folder, runs.FINAL))
-    return {**got, "reference_lr": ran["lr"], "reference_steps": ran["steps"]}
+    return {
+        **got,
+        "reference_lr": ran["lr"],
+        "reference_steps": ran["steps"],
+        "reference_scale": ran.get("scale_at_save"),
+    }
 
 
 def _body(rank: int, world_size: int, root: str, other: str | None) -> dict[str, Any]:
@@ -92,6 +98,9 @@ def _variants(rank: int, world_size: int, root: Path) -> dict[str, Any]:
     folder = root / "ds_bf16_z2"
     ran = runs.deepspeed_run(rank, world_size, folder, 2, "bf16")
     out[("bf16", 2, 2)] = _compare(rank, _resume(rank, world_size, folder, 2, "bf16"), folder, ran)
+    folder = root / "ds_fp16_z2"  # fp16 with dynamic loss scaling: DeepSpeed's loss scaler comes along
+    ran = runs.deepspeed_run(rank, world_size, folder, 2, "fp16")
+    out[("fp16", 2, 2)] = _compare(rank, _resume(rank, world_size, folder, 2, "fp16"), folder, ran)
     folder = root / "accelerate_deepspeed"  # the tag accelerate's DeepSpeed save_state writes
     out["accelerate_ran"] = runs.deepspeed_run(rank, world_size, folder, 2, tag="pytorch_model")
     for stage, exclude in ((2, True), (3, True), (3, False)):
@@ -214,10 +223,12 @@ def test_deepspeed_zero_checkpoints_resume_in_our_engines(runs: tuple) -> None:
                 assert got["lr"] == pytest.approx(got["reference_lr"], rel=1e-12), where
                 if rank == 0:
                     assert got["diff_at_load"] == 0.0, (where, got["diff_at_load"])  # the masters, exactly
-                    bound = BF16_TOLERANCE if key[0] == "bf16" else TOLERANCE
+                    bound = BF16_TOLERANCE if key[0] in ("bf16", "fp16") else TOLERANCE
                     assert got["diff"] < bound, (where, got["diff"])
                     checked += 1
-    assert checked == 9 + 1 + 3 + 3 + 2 * 2  # every case ran
+                if key[0] == "fp16":  # DeepSpeed's dynamic scale when it saved (grown from 2**10 by the good steps)
+                    assert got["scale_at_load"] == got["reference_scale"] > 2.0**10, (where, got["reference_scale"], got)
+    assert checked == 9 + 2 + 3 + 3 + 2 * 2  # every case ran
 
 
 def test_foreign_classes_damaged_and_missing_files_are_refused_on_every_rank(runs: tuple) -> None:
