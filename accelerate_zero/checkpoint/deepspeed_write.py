@@ -48,7 +48,8 @@ def write_deepspeed_folder(checkpoint: str | Path, output_dir: str | Path) -> Pa
     meta = read_meta(engine_folder(checkpoint))
     state = consolidated_state_dict(checkpoint, torch.float32)
     names = [name for name in meta["param_shapes"] if name in state]
-    buffers = {name: tensor for name, tensor in state.items() if name not in set(names)}
+    parameters = set(names)
+    buffers = {name: tensor for name, tensor in state.items() if name not in parameters}
     shapes = OrderedDict((name, state[name].shape) for name in names)
     flat = torch.cat([state[name].reshape(-1).float() for name in names]) if names else torch.zeros(0)
     padded = ALIGNMENT * math.ceil(flat.numel() / ALIGNMENT)

@@ -124,15 +124,20 @@ def _accelerate_loop(accelerator: Any, model: Any, world_size: int, steps: range
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if force is not None:
         force()
-    rank = accelerator.process_index
     for step in steps:
-        data = torch.randint(0, trainer_checks.VOCAB, (6, 8), generator=torch.Generator().manual_seed(50 + step))
-        batch = data[rank * 6 // world_size : (rank + 1) * 6 // world_size]
-        accelerator.backward(model(input_ids=batch, labels=batch).loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        _step(accelerator, model, optimizer, scheduler, step, world_size)
     return model, scheduler
+
+
+def _step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, step: int, world_size: int) -> None:
+    """One optimizer step on this rank's rows of step `step`'s batch (the same batches in every run)."""
+    rank = accelerator.process_index
+    data = torch.randint(0, trainer_checks.VOCAB, (6, 8), generator=torch.Generator().manual_seed(50 + step))
+    batch = data[rank * 6 // world_size : (rank + 1) * 6 // world_size]
+    accelerator.backward(model(input_ids=batch, labels=batch).loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
 
 
 def _fsdp_accelerator(version: int) -> tuple[Any, Any]:
@@ -190,17 +195,11 @@ def _merged(dcp_folder: Path, rank: int) -> dict[str, torch.Tensor] | None:
 
 
 def _continue(accelerator: Any, model: Any, scheduler: Any, world_size: int, force: Any = None) -> tuple[Any, Any]:
-    rank = accelerator.process_index
     optimizer = accelerator._optimizers[0]
     for step in range(SAVE_AT, trainer_checks.STEPS):
         if force is not None:
             force()
-        data = torch.randint(0, trainer_checks.VOCAB, (6, 8), generator=torch.Generator().manual_seed(50 + step))
-        batch = data[rank * 6 // world_size : (rank + 1) * 6 // world_size]
-        accelerator.backward(model(input_ids=batch, labels=batch).loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        _step(accelerator, model, optimizer, scheduler, step, world_size)
     return model, scheduler
 
 
