@@ -6,12 +6,14 @@ in a table row). Each must match one of the short forms below, else the first te
 * `validate`, `estimate`, `doctor` run as written, in this process (`accelerate_zero.cli.main.main`: the entry point
   the console script calls; a process each would pay torch's import for a few lines of output);
 * recipe launches run with few steps (`--max_steps 2`, 4 eval prompts, a temporary output folder); the demo
-  (`bash scripts/demo.sh`, the same command as the SFT launch) runs once and the other commands reuse its output
-  (GRPO starts from it, `consolidate` merges its checkpoint); an SFT launch that spells out the demo's own values
-  (`--model_name_or_path ... --output_dir out/my-sft`) is checked to parse to the demo's arguments but for the
-  output folder, and its launch planned, not run again; the QLoRA recipe's launch is the one run of it in the
-  suite (it checks the adapter saved), and the `accelerate_hello.py` launch the one run of that example;
-* the GPU smoke test (`tests/gpu/smoke.py`) runs on 2 CPU processes;
+  (`bash scripts/demo.sh`, the same command as the SFT launch) runs once, for real, and the other commands reuse its
+  output (GRPO starts from it, `consolidate` merges its checkpoint); an SFT launch that spells out the demo's own
+  values (`--model_name_or_path ... --output_dir out/my-sft`) is checked to parse to the demo's arguments but for
+  the output folder, and its launch planned, not run again; the QLoRA recipe's launch is the one run of it in the
+  suite (it checks the adapter saved), launched for real; the other recipe launches (GRPO, sequence parallelism,
+  two simulated nodes, `accelerate_hello.py`) are planned by the launcher and run on the pooled ranks
+  (tests/integration/planned_launch.py: the launcher's process handling is tested by the real launches);
+* the GPU smoke test (`tests/gpu/smoke.py`) runs on 2 CPU ranks, its launch planned the same way;
 * launches of a placeholder script (`train.py`), and launches on several machines (`--num_machines 2`: the other
   machine is not here), are checked as `accelerate-zero launch` checks them before starting anything (flags,
   config, batch rule), without starting processes;
@@ -209,7 +211,8 @@ def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) 
             _check_deepspeed_launch(words, tmp_path)
         case "gpu_smoke":  # on this machine's CPU, with 2 processes whatever N the document shows
             count = words.index("--num_processes") + 1
-            output = run(_launch_port([*words[:count], "2", *words[count + 1 :], "--workdir", str(tmp_path)]))
+            launch = _launch_port([*words[:count], "2", *words[count + 1 :]])
+            output = _run_planned(launch, ["--workdir", str(tmp_path)], env)
             assert "GPU smoke test: 2 ranks" in output and " FAIL " not in output, output[-3000:]
         case "consolidate":
             run(["accelerate-zero", "consolidate", str(demo["out"] / "checkpoint-2"), str(tmp_path / "merged")])
@@ -251,7 +254,10 @@ def _run_recipe(words: list[str], demo: dict[str, Any], tmp_path: Path, env: dic
         flags += ["--output_dir", str(tmp_path / "out")]
     if script == "grpo.py":  # it starts from the SFT demo's output, as documented
         flags += ["--model_name_or_path", str(demo["out"])]
-    output = run(_launch_port(words) + flags, {**_env(), **env})
+    if script == "qlora.py":
+        output = run(_launch_port(words) + flags, {**_env(), **env})
+    else:
+        output = _run_planned(_launch_port(words), flags, env)
     assert not [noise for noise in NOISE if noise in output], output[-3000:]
     if script == "qlora.py":
         assert "held-out exact match" in output, output[-3000:]
@@ -259,6 +265,26 @@ def _run_recipe(words: list[str], demo: dict[str, Any], tmp_path: Path, env: dic
     if script == "accelerate_hello.py":
         assert "ZeRO stage 2 on 2 processes (DistributedType.MULTI_CPU)" in output, output[-3000:]
         assert "step   4  loss" in output and "done" in output, output[-3000:]
+
+
+def _run_planned(words: list[str], script_flags: list[str], env: dict[str, str]) -> str:
+    """`words` (an `accelerate-zero launch` of a script) planned by the launcher and run on the pooled ranks with
+    `script_flags` after the command's own script arguments and `env` set; returns what every rank printed."""
+    from tests.integration.planned_launch import plan, run_as_planned
+
+    position = words.index(next(w for w in words if w.endswith(".py")))
+    saved, folder = dict(os.environ), os.getcwd()
+    os.environ.update(env)  # NAME=value words the launcher reads (simulated nodes)
+    os.chdir(REPO)  # the documented paths are the repository's
+    try:
+        planned, processes = plan(words[2:position], REPO / words[position])
+        arguments = [*words[position + 1 :], *script_flags]
+        printed = run_as_planned(REPO / words[position], [({**env, **planned}, arguments)], processes)
+    finally:
+        os.chdir(folder)
+        os.environ.clear()
+        os.environ.update(saved)
+    return "\n".join(run for rank in printed for run in rank)
 
 
 def _recipe_arguments(words: list[str]) -> tuple[Any, ...]:

@@ -1,5 +1,7 @@
-"""The recipes run end to end: real 2-process `accelerate-zero launch`es of recipes/sft.py and recipes/grpo.py at
-ZeRO stages 2 and 3, with few steps set on the command line (the demo configs otherwise).
+"""The recipes run end to end: 2-process `accelerate-zero launch`es of recipes/sft.py and recipes/grpo.py at ZeRO
+stages 2 and 3, with few steps set on the command line (the demo configs otherwise). Each launch is planned by the
+launcher and run on the pooled ranks (tests/integration/planned_launch.py); the README's demo launches the SFT
+recipe for real (tests/integration/test_readme_commands.py).
 
 The ranks write their results as JSON in the output folder (`eval_results.json`, `grpo_results.json`); the saved
 models are loaded here with `from_pretrained`. The GRPO runs start from the stage-2 SFT run's model.
@@ -17,8 +19,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from accelerate_zero.cli.main import main
 from tests.helpers.dist import scaled_seconds
+from tests.integration.planned_launch import planned_environment, run_as_planned
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,8 +44,8 @@ def _launch_env() -> Any:
 
 def launch(stage: int, script: str, config: str, *overrides: str) -> None:
     flags = ["--config_file", str(CONFIGS / f"zero{stage}.yaml"), "--main_process_port", "0"]
-    args = [str(RECIPES / script), "--config", str(RECIPES / "configs" / config), *overrides]
-    assert main(["launch", *flags, *args]) == 0
+    args = ["--config", str(RECIPES / "configs" / config), *overrides]
+    run_as_planned(RECIPES / script, [(planned_environment(flags, RECIPES / script), args)])
 
 
 def sft(stage: int, out: Path, *overrides: str) -> dict[str, Any]:
