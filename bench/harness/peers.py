@@ -153,9 +153,12 @@ def _engine(
             boundary = engine.is_gradient_accumulation_boundary()
             micro = loss(engine)
             engine.backward(micro)  # divides by gradient_accumulation_steps itself
+            total += micro.detach() / grad_accum
+            # The torch peers keep only `loss / grad_accum`; the loss itself can be a view of a whole buffer (mse_loss:
+            # its elementwise losses), which would otherwise live on through the next micro-step's forward.
+            del micro
             after(boundary)
             engine.step()
-            total += micro.detach() / grad_accum
         return total
 
     return System(step, comm, reset, engine)
