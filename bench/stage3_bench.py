@@ -17,6 +17,7 @@ from harness.peers import PEERS
 from harness.readings import PeakSampler, count_gradient_arenas_whole, proc_status, reset_peak_rss
 from harness.report import Check, fmt, ratio
 from harness.steps import runnable, start_measurement
+from harness.tensor_peaks import TensorPeaks, build
 from harness.summary import MB
 
 
@@ -27,10 +28,13 @@ LLAMA = dict(intermediate=1408, heads=8, vocab=16000)
 
 
 # ------------------------------------------------------------------------------------------------ phases
-def phase_peaks(system: str, accumulation: int, steps: int, warmup: int, zero: str, arena_whole: bool) -> dict:
+def phase_peaks(
+    system: str, accumulation: int, steps: int, warmup: int, zero: str, arena_whole: bool, live_tensors: bool = False
+) -> dict:
     """Rank function: `system` trains the stack; the exact peak of every phase of the timed steps (VmHWM reset when
     a phase starts, read when it ends) and the RSS between micro-steps (after each backward but the boundary's),
-    above the baseline."""
+    above the baseline; with `live_tensors` the same readings of live tensor bytes beside them ("tensors":
+    harness/tensor_peaks.py)."""
     import torch
     import torch.distributed as dist
     from harness import peers
@@ -41,11 +45,15 @@ def phase_peaks(system: str, accumulation: int, steps: int, warmup: int, zero: s
         count_gradient_arenas_whole()
     reset_peak_rss()
     baseline, peaks, between, current = proc_status()["VmHWM"], {}, [0], [None]
+    counted = TensorPeaks().start(engine_mappings=system.startswith("az")) if live_tensors else None
+    tensors: dict[str, Any] = {"peaks": {}, "between": 0}
 
     def phase(name: str | None) -> None:
+        tensor_peak = counted.phase() if counted is not None else 0
         if current[0] is not None:
             peak = proc_status()["VmHWM"] - baseline
             peaks[current[0]] = max(peaks.get(current[0], peak), peak)
+            tensors["peaks"][current[0]] = max(tensors["peaks"].get(current[0], 0), tensor_peak)
         reset_peak_rss()
         current[0] = name
 
@@ -64,6 +72,8 @@ def phase_peaks(system: str, accumulation: int, steps: int, warmup: int, zero: s
     def after_backward(boundary: bool) -> None:
         phase("optimizer" if boundary else None)
         between[0] = between[0] if boundary else max(between[0], proc_status()["VmRSS"] - baseline)
+        if counted is not None and not boundary:
+            tensors["between"] = max(tensors["between"], counted.live())
 
     wrapped = peers.build(system, models.build_model(), loss, grad_accum=accumulation, zero_config=config,
                           after_backward=after_backward)  # fmt: skip
@@ -71,9 +81,10 @@ def phase_peaks(system: str, accumulation: int, steps: int, warmup: int, zero: s
         if step == warmup:  # the timed steps only (the first step allocates the optimizer state)
             peaks.clear()
             between[0] = 0
+            tensors.update(peaks={}, between=0)
         wrapped.step()
         phase(None)
-    return {"rank": dist.get_rank(), "peaks": peaks, "between": between[0]}
+    return {"rank": dist.get_rank(), "peaks": peaks, "between": between[0], "tensors": tensors}
 
 
 def phases(
@@ -84,6 +95,7 @@ def phases(
     warmup: int = 1,
     zero: str = "{}",
     arena_whole: bool = False,
+    live_tensors: bool = False,
     ds_venv: Path = launch.DEFAULT_DS_VENV,
 ) -> cli.Answer:
     """The peak RSS of every phase of every micro-step (forward, backward, the optimizer step) and between
@@ -98,27 +110,45 @@ def phases(
         warmup: untimed steps before them.
         zero: stage 3: zero_optimization keys over models.STAGE3_KEYS (JSON).
         arena_whole: count the engine's gradient arenas whole from their allocation, as a device allocator does.
+        live_tensors: also read the peaks of live torch tensor bytes (a counting CPU allocator, built once): exact,
+            and the same rule for every system, collectives' buffers included (harness/tensor_peaks.py).
         ds_venv: DeepSpeed's own virtualenv.
     """
+    if live_tensors:
+        build()  # once, here: the ranks load what it built
     results = {}
     for accumulation in accumulations:
         for system in runnable(list(systems), ds_venv):
             kwargs = dict(system=system, accumulation=accumulation, steps=steps, warmup=warmup, zero=zero,
-                          arena_whole=arena_whole)  # fmt: skip
+                          arena_whole=arena_whole, live_tensors=live_tensors)  # fmt: skip
             python = launch.deepspeed_python(ds_venv) if system.startswith("ds") else None
             name = f"{system}_{accumulation}"
             ranks = launch.on_ranks(world_size, phase_peaks, kwargs, python=python, name=name, out_dir=OUT)
             results[(system, accumulation)] = ranks.results
+    rss_table, lines = _phase_table(results, min(accumulations), 1)
+    texts = [rss_table, *lines]
+    if live_tensors:
+        tensors = {key: [r["tensors"] for r in ranks] for key, ranks in results.items()}
+        tensor_table, _ = _phase_table(tensors, min(accumulations), 3)
+        texts.append(f"Live tensor bytes since the baseline (harness/tensor_peaks.py), MB, max over ranks:\n\n"
+                     f"{tensor_table}")
+    title = f"stage3_bench phases: W = {world_size}, peak RSS above the baseline per phase (MB, max over ranks)"
+    return cli.Answer(title, "\n\n".join(texts), {f"{s}@{a}": r for (s, a), r in results.items()})
+
+
+def _phase_table(results: dict[tuple[str, int], list[dict]], first: int, digits: int) -> tuple[str, list[str]]:
+    """The table of `phases` for one reading ({"peaks", "between"} per rank), and its checks."""
     order = ["forward", "backward", "optimizer"]
     columns = sorted({n for ranks in results.values() for r in ranks for n in r["peaks"]},
                      key=lambda n: (int(n.partition(" ")[2] or 99), order.index(n.partition(" ")[0])))  # fmt: skip
     top = {key: max(max(r["peaks"].values()) for r in ranks) for key, ranks in results.items()}
-    first, rows, lines = min(accumulations), [], []
+    rows, lines = [], []
     for (system, accumulation), ranks in results.items():
         peak = top[(system, accumulation)]
-        between = "-" if accumulation == 1 else fmt(max(r["between"] for r in ranks) / MB)
-        rows.append((system, accumulation, *(fmt(max(r["peaks"].get(c, 0) for r in ranks) / MB) for c in columns),
-                     fmt(peak / MB), between, ratio(peak, top.get((system, first))),
+        between = "-" if accumulation == 1 else fmt(max(r["between"] for r in ranks) / MB, digits)
+        rows.append((system, accumulation,
+                     *(fmt(max(r["peaks"].get(c, 0) for r in ranks) / MB, digits) for c in columns),
+                     fmt(peak / MB, digits), between, ratio(peak, top.get((system, first))),
                      *(ratio(peak, top.get((peer, accumulation))) for peer in ("ddp", "fsdp2"))))  # fmt: skip
         if system == "az3" and accumulation != first and ("az3", first) in top:
             value = peak / top[("az3", first)]
@@ -128,8 +158,7 @@ def phases(
             )
     table = report.table(["system", "accumulation", *columns, "step peak", "between micro-steps",
                           f"/ at accumulation {first}", "/ DDP", "/ FSDP2"], rows)  # fmt: skip
-    title = f"stage3_bench phases: W = {world_size}, peak RSS above the baseline per phase (MB, max over ranks)"
-    return cli.Answer(title, "\n\n".join([table, *lines]), {f"{s}@{a}": r for (s, a), r in results.items()})
+    return table, lines
 
 
 # ------------------------------------------------------------------------------------------------ loading

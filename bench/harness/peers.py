@@ -68,6 +68,12 @@ class System:
     collectives): a process that builds another peer afterwards (a test) calls it."""
 
 
+# [Note: the loss alive in backward]
+# Every loop holds the micro-step's loss, as returned, through its backward and drops it after: the engines take it
+# whole (`engine.backward(loss)` divides by the accumulation itself), and a loss can be a view of a whole buffer
+# (mse_loss's scalar views its elementwise losses: 8 x 1024 fp32 on the Linear stack). The torch loops used to keep
+# only `loss / grad_accum`, freeing that buffer before backward, and the engine loop kept it on through the next
+# micro-step's forward: 32,768 bytes of difference in the live-tensor peaks (stage3_bench.py phases --live_tensors).
 MicroLoss = Callable[["nn.Module"], "torch.Tensor"]
 """The loss of one micro-step, given the wrapped model (DDP module, FSDP2 root or engine)."""
 AfterBackward = Callable[[bool], None]
@@ -153,9 +159,10 @@ def _engine(
             boundary = engine.is_gradient_accumulation_boundary()
             micro = loss(engine)
             engine.backward(micro)  # divides by gradient_accumulation_steps itself
+            total += micro.detach() / grad_accum
+            del micro  # [Note: the loss alive in backward]
             after(boundary)
             engine.step()
-            total += micro.detach() / grad_accum
         return total
 
     return System(step, comm, reset, engine)
@@ -207,8 +214,10 @@ def _ddp(name: str, model: nn.Module, loss: MicroLoss, lr: float, grad_accum: in
             boundary = micro == grad_accum - 1
             # Non-boundary micro-steps accumulate locally; the boundary's backward all-reduces the sum.
             with contextlib.nullcontext() if boundary else ddp.no_sync():
-                value = loss(ddp) / grad_accum
+                raw = loss(ddp)  # [Note: the loss alive in backward]
+                value = raw / grad_accum
                 value.backward()
+                del raw
             after(boundary)
             total += value.detach()
         optimizer.step()
@@ -309,8 +318,10 @@ def _fsdp2(
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for micro in range(grad_accum):
-            value = loss(model) / grad_accum
+            raw = loss(model)  # alive through backward, as the engines' loss is ([Note: the loss alive in backward])
+            value = raw / grad_accum
             value.backward()
+            del raw
             after(micro == grad_accum - 1)
             total += value.detach()
         optimizer.step()
