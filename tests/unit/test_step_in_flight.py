@@ -14,7 +14,8 @@ from accelerate_zero.engine.step_in_flight import OVERLAP_ENV, SliceState, StepI
 
 
 class _Runner:
-    """Steps slices when `release` is set (so a test sees the step in flight), `fail` raises instead."""
+    """Steps slices on the worker thread when `release` is set (so a test sees the step in flight), on the caller's
+    thread at once (`step_direct`); `fail` raises instead."""
 
     on_host = True
 
@@ -28,7 +29,8 @@ class _Runner:
     def step_where(self, sharded: Any, coefficient: float, keep: Any) -> None:
         for s in self.slices:
             if keep is None or keep(s):
-                self.release.wait(10)
+                if threading.current_thread() is not threading.main_thread():
+                    assert self.release.wait(10), "the test never released the worker"
                 if self.fail:
                     raise OSError("disk full")
                 sharded.step_slices([s], coefficient)
