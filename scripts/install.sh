@@ -25,8 +25,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "[install] creating $VENV with $PYTHON"
     "$PYTHON" -m venv "$VENV"
 fi
-# deepspeed is looked up, not imported (its import takes seconds); a .venv made before it joined the extra gets it
-HAS_ALL="import accelerate_zero, pytest, bitsandbytes, trl; from importlib.metadata import version; version('deepspeed')"
+# The packages are looked up, not imported (importing them takes seconds of CPU, paid by every `scripts/test.sh`);
+# a .venv made before deepspeed joined the test extra gets it
+HAS_ALL="import sys; from importlib.metadata import version; from importlib.util import find_spec; version('deepspeed')
+sys.exit(any(find_spec(name) is None for name in ('torch', 'accelerate_zero', 'pytest', 'bitsandbytes', 'trl')))"
 if "$VENV/bin/python" -c "$HAS_ALL" >/dev/null 2>&1; then
     echo "[install] $VENV already has accelerate_zero and its extras (delete $VENV to reinstall)"
     exit 0
