@@ -1,13 +1,14 @@
 """A 2-process save killed for real (SIGKILL, every process of the job) leaves the previous checkpoint loadable.
 
-tests/unit/test_checkpoint_io.py raises an exception at every rename of a one-process save; here real `torchrun` jobs
-(tests/integration/scripts/killed_save.py) train a stage-3 engine, save checkpoint A, train on and start saving B,
-and stop inside B's save at one of four points: a rank half-way through writing its file (the other waiting for
-it), B's folder in place before `latest` names it, B replacing A under the same tag, and an asynchronous save of B
-whose writer thread is half-way through a rank file while training goes on. The test kills every
-process of the job with SIGKILL (no exception handler, exit handler or destructor runs) and starts a fresh job,
-which must load A, bit-identical and with A's counters, from `latest`; and whose next save must publish and
-clear what the killed one left.
+tests/unit/test_checkpoint_io.py raises an exception at every rename of a one-process save; here real 2-process jobs
+(tests/integration/scripts/killed_save.py, each rank a process started with torchrun's variables) train a stage-3
+engine, save checkpoint A, train on and start saving B, and stop inside B's save at one of four points: a rank
+half-way through writing its file (the other waiting for it), B's folder in place before `latest` names it, B
+replacing A under the same tag, and an asynchronous save of B whose writer thread is half-way through a rank file
+while training goes on. The test kills every process of the job with SIGKILL (no exception handler, exit handler
+or destructor runs); a fresh job (the suite's pooled ranks: other processes than the killed ones) must load A,
+bit-identical and with A's counters, from `latest`; and its next save must publish and clear what the killed one
+left.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.dist import free_port, scaled_seconds
+from tests.integration.planned_launch import run_as_planned
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,38 +35,38 @@ POINTS = ("rank_file", "publish", "resave", "async")
 JOB_SECONDS = 120  # a few seconds idle: a job that hangs fails this test, not the session
 
 
-def _torchrun(out: Path, *args: str) -> subprocess.Popen:
-    """A 2-process job of the script, its output in <out>/job.log (jobs run side by side: no pipe to fill)."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "ACCELERATE_ZERO_PG_TIMEOUT": scaled_seconds(60),
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    with open(out / "job.log", "w") as log:
-        return subprocess.Popen(
-            [*command, str(SCRIPT), "--out", str(out), *args],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # the launcher's own group; torchrun starts each rank in a session of its own
-        )
+class _Job:
+    """The 2 rank processes of one job, started as torchrun starts them (its variables; a session each, so no
+    signal meant for one reaches the other); output in <out>/job.log (jobs run side by side: no pipe to fill)."""
 
+    def __init__(self, out: Path, *args: str) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        port = str(free_port())
+        self.log = open(out / "job.log", "w")  # noqa: SIM115 - closed in wait()
+        self.ranks = []
+        for rank in range(2):
+            env = {**os.environ, "PYTHONPATH": str(REPO), "ACCELERATE_ZERO_PG_TIMEOUT": scaled_seconds(60)}
+            env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2")
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+            command = [sys.executable, str(SCRIPT), "--out", str(out), *args]
+            self.ranks.append(
+                subprocess.Popen(
+                    command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
 
-def _kill(job: subprocess.Popen, out: Path) -> list[int]:
-    """SIGKILL to every rank that started and to the launcher's process group: nothing gets to clean up."""
-    ranks = [int(path.read_text()) for path in sorted(out.glob("pid_rank*"))]
-    for pid in ranks:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=30)
-    return ranks
+    def running(self) -> bool:
+        return all(rank.poll() is None for rank in self.ranks)
+
+    def kill(self) -> list[int]:
+        """SIGKILL to every rank: nothing gets to clean up."""
+        for rank in self.ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signal.SIGKILL)
+        for rank in self.ranks:
+            rank.wait(timeout=30)
+        self.log.close()
+        return [rank.pid for rank in self.ranks]
 
 
 def _alive(pid: int) -> bool:
@@ -75,18 +77,18 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a killed rank whose launcher is gone may linger as a zombie until init reaps it
 
 
-def _kill_inside_the_save(job: subprocess.Popen, out: Path, point: str) -> dict[str, Any]:
+def _kill_inside_the_save(job: _Job, out: Path, point: str) -> dict[str, Any]:
     deadline = time.monotonic() + JOB_SECONDS
     try:
         while not (out / "paused").exists():
-            if job.poll() is not None or time.monotonic() > deadline:
+            if not job.running() or time.monotonic() > deadline:
                 raise AssertionError(
                     f"the job did not stop inside the save at {point!r}:\n{(out / 'job.log').read_text()}"
                 )
             time.sleep(0.1)
     finally:
-        ranks = _kill(job, out)
-    assert len(ranks) == 2
+        ranks = job.kill()
+    assert sorted(int(path.read_text()) for path in out.glob("pid_rank*")) == sorted(ranks)
     time.sleep(0.5)  # let the kernel finish tearing the ranks down before the folder is read
     folder = out / "ckpt"
     partial = folder / ".global_step4.partial"
@@ -101,20 +103,15 @@ def _kill_inside_the_save(job: subprocess.Popen, out: Path, point: str) -> dict[
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, list[dict[str, Any]]]]:
     root = tmp_path_factory.mktemp("killed_save")
-    jobs = {point: _torchrun(root / point, "--pause", point) for point in POINTS}  # side by side: they wait to die
+    jobs = {point: _Job(root / point, "--pause", point) for point in POINTS}  # side by side: they wait to die
     try:
         killed = {point: _kill_inside_the_save(job, root / point, point) for point, job in jobs.items()}
     finally:
-        for point, job in jobs.items():
-            if job.poll() is None:
-                _kill(job, root / point)
-    loader = _torchrun(root / "loader", "--load", *(str(root / point) for point in POINTS))
-    try:
-        loader.wait(timeout=JOB_SECONDS)
-    finally:
-        if loader.poll() is None:
-            _kill(loader, root / "loader")
-    assert loader.returncode == 0, (root / "loader" / "job.log").read_text()
+        for job in jobs.values():
+            if not job.log.closed:
+                job.kill()
+    (root / "loader").mkdir()
+    run_as_planned(SCRIPT, [({}, ["--out", str(root / "loader"), "--load", *(str(root / p) for p in POINTS)])])
     loaded = {p: [json.loads((root / p / f"loaded_rank{r}.json").read_text()) for r in range(2)] for p in POINTS}
     return root, killed, loaded
 

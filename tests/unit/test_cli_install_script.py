@@ -61,11 +61,11 @@ def test_a_failing_pip_fails_the_install(tmp_path: Path) -> None:
 
 
 def _venv_with(root: Path, *, deepspeed: bool) -> Path:
-    """A stand-in venv whose python (the real one, on stand-in packages only) has accelerate_zero, pytest,
+    """A stand-in venv whose python (the real one, on stand-in packages only) has torch, accelerate_zero, pytest,
     bitsandbytes and trl, and deepspeed's metadata when `deepspeed`; its pip fails, so installing shows."""
     venv = _fake_venv(root / "venv", pip_exit=7)
     packages = root / "packages"
-    for name in ("accelerate_zero", "pytest", "bitsandbytes", "trl"):
+    for name in ("torch", "accelerate_zero", "pytest", "bitsandbytes", "trl"):
         (packages / name).mkdir(parents=True)
         (packages / name / "__init__.py").write_text("")
     if deepspeed:
