@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.heap import freeze_new_imports
+
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
@@ -24,6 +26,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_cuda)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # The pytest process lives as long as the ranks and imports as much (tests/helpers/heap.py).
+    freeze_new_imports()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

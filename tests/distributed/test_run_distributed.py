@@ -3,8 +3,12 @@ reports what every rank was doing, and the next body gets working ranks."""
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import time
+import types
+import weakref
 from typing import Any
 
 import pytest
@@ -46,6 +50,25 @@ def _accelerate_initialized() -> bool:
     return PartialState._shared_state != {}
 
 
+_CYCLES: list[weakref.ref] = []
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _import_and_leave_a_cycle(rank: int, world_size: int) -> None:
+    # A module the rank has not seen (so the pool freezes after this body) and garbage only a collection frees.
+    name = f"_heap_probe_{len(sys.modules)}"
+    sys.modules[name] = types.ModuleType(name)
+    _CYCLES.append(weakref.ref(_Cycle()))
+
+
+def _cycles_left(rank: int, world_size: int) -> dict[str, int]:
+    return {"alive": sum(ref() is not None for ref in _CYCLES), "seen": len(_CYCLES), "frozen": gc.get_freeze_count()}
+
+
 def _fail_on_rank_1(rank: int, world_size: int) -> None:
     from accelerate_zero.engine.groups import init_data_parallel_group
 
@@ -75,6 +98,14 @@ def test_bodies_share_ranks_but_not_state() -> None:
     fresh = run_distributed(_look, 2, fresh=True)
     assert spawned_rank_count() == started + 2
     assert {r["pid"] for r in fresh}.isdisjoint(r["pid"] for r in second)
+
+
+def test_imports_are_frozen_out_of_collections_but_a_body_garbage_is_freed() -> None:
+    # tests/helpers/heap.py: after a body that imported modules the rank collects, then freezes what is alive.
+    run_distributed(_import_and_leave_a_cycle, 2)
+    for r in run_distributed(_cycles_left, 2):
+        assert r["seen"] >= 1 and r["alive"] == 0, r  # frozen garbage would live for the rank's whole life
+        assert r["frozen"] > 100_000, r  # torch's objects, at least, are out of the collector's view
 
 
 def test_bodies_see_pytest_environment_at_the_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
