@@ -149,10 +149,17 @@ class _Pool:
     def stacks_of(self, ranks: list[int]) -> dict[int, str]:
         """Asks `ranks` for the stack of every thread (faulthandler on SIGUSR1) and returns what they wrote."""
         sizes = {rank: Path(self.stack_files[rank]).stat().st_size for rank in ranks}
-        for rank in ranks:
-            if self.processes[rank].is_alive():
-                os.kill(self.processes[rank].pid, signal.SIGUSR1)
-        time.sleep(_STACK_GRACE_SECONDS)
+        asked = [rank for rank in ranks if self.processes[rank].is_alive()]
+        for rank in asked:
+            os.kill(self.processes[rank].pid, signal.SIGUSR1)
+        # faulthandler writes from the signal handler, thread by thread: done when every file grew, then held still
+        deadline, last = time.monotonic() + _STACK_GRACE_SECONDS, None
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = [Path(self.stack_files[rank]).stat().st_size for rank in asked]
+            if now == last and all(size > sizes[rank] for size, rank in zip(now, asked, strict=True)):
+                break
+            last = now
         out = {}
         for rank in ranks:
             with open(self.stack_files[rank]) as file:
