@@ -11,12 +11,14 @@ group was still alive after the engine's handler ran.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.processes import Started, started_together
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,23 +42,30 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("creator", ["engine", "script"])
-@pytest.mark.parametrize(
-    ("ending", "returncode", "alive_at_exit"),
-    [("normal", 0, "False"), ("raise", 1, "True")],
-)
+CASES = [
+    (ending, returncode, alive_at_exit, creator)
+    for ending, returncode, alive_at_exit in [("normal", 0, "False"), ("raise", 1, "True")]
+    for creator in ("engine", "script")
+]
+
+
+@pytest.fixture(scope="module")
+def exits(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], tuple[Started, Path]]]:
+    """Every case's interpreter, started together (tests/helpers/processes.py), with the file its handler writes."""
+    folder = tmp_path_factory.mktemp("exits")
+    reports = {(ending, creator): folder / f"{ending}_{creator}" for ending, _, _, creator in CASES}
+    commands = {case: [sys.executable, "-c", SCRIPT, str(report), *case] for case, report in reports.items()}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    with started_together(commands, cwd=REPO, env=env) as started:
+        yield {case: (started[case], reports[case]) for case in reports}
+
+
+@pytest.mark.parametrize(("ending", "returncode", "alive_at_exit", "creator"), CASES)
 def test_the_group_is_destroyed_at_a_normal_exit_only(
-    tmp_path: Path, ending: str, returncode: int, alive_at_exit: str, creator: str
+    exits: dict[tuple[str, str], tuple[Started, Path]], ending: str, returncode: int, alive_at_exit: str, creator: str
 ) -> None:
-    report = tmp_path / "alive_at_exit"
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(report), ending, creator],
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    started, report = exits[ending, creator]
+    done = started.finished(timeout=120)
     assert done.returncode == returncode, done.stderr
     # After an uncaught exception the group is left to the launcher: a collective teardown could wait on a peer.
     assert report.read_text() == alive_at_exit

@@ -18,6 +18,8 @@ in a table row). Each must match one of the short forms below, else the first te
   machine is not here), are checked as `accelerate-zero launch` checks them before starting anything (flags,
   config, batch rule), without starting processes;
 * `NAME=value` words before a command are set in its environment (`ACCELERATE_ZERO_SIMULATED_NODES=2 ...`);
+* the commands that need nothing the others make (`scripts/test.sh`, collecting with pytest, `build_assets.py`) and
+  the demo with a mistyped flag start together before the demo runs, and their tests read their output;
 * `pip install` lines are not run (they install packages; this environment was installed by scripts/install.sh).
 """
 
@@ -30,6 +32,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ import pytest
 import yaml
 
 from tests.helpers.dist import scaled_seconds
+from tests.helpers.processes import Started, started_together
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +55,8 @@ RECIPE_FLAGS = {
     "grpo.py": SHORT_GRPO,
     "accelerate_hello.py": ["--steps", "4"],
 }
+SELF_CONTAINED = ("test_sh", "pytest_collect", "build_assets")
+"""Short forms that need nothing the other tests make: they run as processes started together with the demo."""
 NOISE = ("Failed to load CPU gemm_4bit_forward", "FutureWarning", "Traceback")
 TIMEOUT = 240
 
@@ -172,8 +178,54 @@ def _venv_runs_demo_sh() -> bool:
     )
 
 
+def _self_contained_process(command: str, folder: Path) -> tuple[list[str], dict[str, str]] | None:
+    """The process (command line, environment) of a SELF_CONTAINED command's short form; None when not run here."""
+    _, words = split_env(shlex.split(command.replace("[", "").replace("]", "")))
+    match kind_of(command):
+        case "test_sh":
+            if not _venv_runs_demo_sh():
+                return None
+            # test.sh always passes `tests`: collecting the unit tests checks the command without running the suite
+            short = ["--collect-only", "-q", "--ignore=tests/integration", "--ignore=tests/distributed"]
+            return ["bash", "scripts/test.sh", *short], {**_env(), "VENV": sys.prefix}
+        case "pytest_collect":
+            return [sys.executable, *words[1:], "--collect-only", "-q"], _env()
+        case "build_assets":
+            flags = ["--out", str(folder / "assets"), "--n_train", "50", "--n_eval", "10"]
+            return [sys.executable, words[1], *[w for w in _drop(words[2:], "--out", "--n_train")], *flags], _env()
+    raise AssertionError(f"{command!r} is not one of {SELF_CONTAINED}")
+
+
+MISTYPED = "the demo with a mistyped flag"
+
+
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def early(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Started, Path]]]:
+    """The SELF_CONTAINED commands and the mistyped-flag launch, started together before the demo runs
+    (tests/helpers/processes.py): each spends most of its time importing on one core; by command, with its folder."""
+    commands, own, folders = {}, {}, {}
+    for command in [c for c in readme_commands() if kind_of(c) in SELF_CONTAINED]:
+        folders[command] = tmp_path_factory.mktemp("self_contained")
+        process = _self_contained_process(command, folders[command])
+        if process is not None:
+            commands[command], own[command] = process[0], {"env": process[1]}
+    launch = _launch_port(shlex.split(DEMO))[1:]
+    commands[MISTYPED] = [sys.executable, "-m", "accelerate_zero.cli.main", *launch, "--maxsteps", "5"]
+    folders[MISTYPED] = REPO
+    with started_together(commands, own, cwd=REPO, env=_env()) as started:
+        yield {command: (started[command], folders[command]) for command in started}
+
+
+def _finished(started: Started) -> str:
+    """stdout + stderr of a process started early; fails the test on a non-zero exit, as `run` does."""
+    done = started.finished(timeout=TIMEOUT)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{shlex.join(done.args)} exited {done.returncode}:\n{output[-4000:]}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def demo(early: dict[str, tuple[Started, Path]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The demo once, short: `bash scripts/demo.sh` (the documented SFT command) saving a checkpoint at step 2."""
     out = tmp_path_factory.mktemp("demo") / "sft"
     flags = [*SHORT_SFT, "--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "2"]
@@ -196,7 +248,9 @@ def test_demo_shards_and_prints_what_each_rank_holds(demo: dict[str, Any]) -> No
 
 
 @pytest.mark.parametrize("command", [c for c in readme_commands() if kind_of(c) not in ("demo", "not_run")])
-def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) -> None:
+def test_documented_command(
+    command: str, demo: dict[str, Any], early: dict[str, tuple[Started, Path]], tmp_path: Path
+) -> None:
     env, words = split_env(shlex.split(command.replace("[", "").replace("]", "")))
     match kind_of(command):
         case "as_written":
@@ -217,19 +271,15 @@ def test_documented_command(command: str, demo: dict[str, Any], tmp_path: Path) 
         case "consolidate":
             run(["accelerate-zero", "consolidate", str(demo["out"] / "checkpoint-2"), str(tmp_path / "merged")])
             assert (tmp_path / "merged" / "config.json").is_file()
-        case "test_sh":
-            if not _venv_runs_demo_sh():
+        case "test_sh" | "pytest_collect" | "build_assets":
+            if command not in early:
                 pytest.skip("scripts/test.sh would install packages into this environment")
-            # test.sh always passes `tests`: collecting the unit tests checks the command without running the suite
-            short = ["--collect-only", "-q", "--ignore=tests/integration", "--ignore=tests/distributed"]
-            output = run(["bash", "scripts/test.sh", *short], {**_env(), "VENV": sys.prefix})
-            assert "tests/unit/test_shard_plan.py" in output
-        case "pytest_collect":
-            run([sys.executable, *words[1:], "--collect-only", "-q"])
-        case "build_assets":
-            flags = ["--out", str(tmp_path / "assets"), "--n_train", "50", "--n_eval", "10"]
-            output = run([sys.executable, words[1], *[w for w in _drop(words[2:], "--out", "--n_train")], *flags])
-            assert (tmp_path / "assets" / "tiny-llama" / "config.json").is_file(), output
+            started, folder = early[command]
+            output = _finished(started)
+            if kind_of(command) == "test_sh":
+                assert "tests/unit/test_shard_plan.py" in output
+            if kind_of(command) == "build_assets":
+                assert (folder / "assets" / "tiny-llama" / "config.json").is_file(), output
 
 
 def _drop(words: list[str], *flags: str) -> list[str]:
@@ -359,16 +409,8 @@ def _check_deepspeed_launch(words: list[str], tmp_path: Path) -> None:
     assert [p.command[3] for p in processes] == [f"--local_rank={i}" for i in range(args.num_gpus)]
 
 
-def test_mistyped_recipe_flag_is_one_usage_and_one_line() -> None:
-    done = subprocess.run(
-        [*[sys.executable, "-m", "accelerate_zero.cli.main"], *_launch_port(shlex.split(DEMO))[1:], "--maxsteps", "5"],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+def test_mistyped_recipe_flag_is_one_usage_and_one_line(early: dict[str, tuple[Started, Path]]) -> None:
+    done = early[MISTYPED][0].finished(timeout=TIMEOUT)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]
     assert output.count("error: unrecognized arguments: --maxsteps 5") == 1  # rank 0 only

@@ -1,10 +1,13 @@
 """What `import accelerate_zero` loads: the engine, not the integrations' libraries (loaded on first use)."""
 
-import subprocess
+import json
+import os
 import sys
 from collections.abc import Iterator
 
 import pytest
+
+from tests.helpers.processes import Started, started_together
 
 
 _PROBE = """
@@ -17,27 +20,27 @@ print(sorted(name for name in accelerate_zero.__all__ if not hasattr(accelerate_
 
 
 @pytest.fixture(scope="module")
-def probes() -> Iterator[dict[str, subprocess.Popen]]:
-    """Both probes in fresh interpreters (the test session has long imported accelerate and transformers), started
-    together: each spends seconds of one core importing, and neither needs the other."""
-    started = {
-        name: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name, code in (("engine", _PROBE), ("deepspeed", _DEEPSPEED_PROBE))
-    }
-    yield started
-    for process in started.values():
-        process.kill()
-        process.communicate()
+def probes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Started]]:
+    """The probes in fresh interpreters (the test session has long imported accelerate and transformers), started
+    together (tests/helpers/processes.py)."""
+    config = tmp_path_factory.mktemp("probes") / "ds_config.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3}}))
+    code = {"engine": _PROBE, "deepspeed": _DEEPSPEED_PROBE.replace("DS_CONFIG", repr(str(config)))}
+    # as a user's shell has it: no launcher's variables
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE"))}
+    commands = {name: [sys.executable, "-c", text] for name, text in code.items()}
+    with started_together(commands, env=env, cwd=config.parent) as started:
+        yield started
 
 
-def _printed(probe: subprocess.Popen) -> str:
+def _printed(probe: Started) -> str:
     """What `probe` printed; fails the test with its error output when it did not exit cleanly."""
-    stdout, stderr = probe.communicate(timeout=300)
-    assert probe.returncode == 0, f"the probe exited {probe.returncode}:\n{stderr[-4000:]}"
-    return stdout
+    done = probe.finished()
+    assert done.returncode == 0, f"the probe exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return done.stdout
 
 
-def test_import_loads_the_engine_only_and_integrations_on_first_use(probes: dict[str, subprocess.Popen]):
+def test_import_loads_the_engine_only_and_integrations_on_first_use(probes: dict[str, Started]):
     loaded, accelerator, missing = _printed(probes["engine"]).splitlines()
     assert loaded == "[]", f"`import accelerate_zero` imported {loaded}; the engine needs none of them"
     assert accelerator == "accelerate_zero.integrations.accelerate.accelerator True"
@@ -52,10 +55,12 @@ import torch
 
 import accelerate_zero.integrations.transformers
 import accelerate_zero.integrations.trl
-from accelerate_zero import ZeroAccelerator
+from accelerate_zero import TrainingArguments, ZeroAccelerator
 
 ZeroAccelerator.unwrap_model(None, torch.nn.Linear(1, 1))
-print("ours:", "deepspeed" in sys.modules)
+# a DeepSpeed config passed as `deepspeed=` is read as our zero_config (tests/integration/test_migration.py)
+arguments = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True, deepspeed=DS_CONFIG)
+print("ours:", "deepspeed" in sys.modules, arguments.zero_stage)
 from accelerate.utils import extract_model_from_parallel
 
 extract_model_from_parallel(torch.nn.Linear(1, 1))  # what transformers' save_pretrained and TRL's trainers call
@@ -63,15 +68,15 @@ print("accelerate:", "deepspeed" in sys.modules, importlib.util.find_spec("deeps
 """
 
 
-def test_what_the_readme_says_about_importing_deepspeed(probes: dict[str, subprocess.Popen]):
-    """README ("Launching"): accelerate_zero (its integrations, TRL's modules and our unwrap included) imports no
-    deepspeed; with deepspeed installed, accelerate's `extract_model_from_parallel`, which transformers'
+def test_what_the_readme_says_about_importing_deepspeed(probes: dict[str, Started]):
+    """README ("Launching"): accelerate_zero (its integrations, TRL's modules, our unwrap, and TrainingArguments given
+    a DeepSpeed config as `deepspeed=`) imports no deepspeed; with deepspeed installed, accelerate's `extract_model_from_parallel`, which transformers'
     `save_pretrained` and TRL's trainers call, imports it."""
     lines = {
         line.split(":")[0]: line.split()[1:]
         for line in _printed(probes["deepspeed"]).splitlines()
         if line.startswith(("ours:", "accelerate:"))
     }
-    assert lines["ours"] == ["False"], "accelerate_zero's code imported deepspeed"
+    assert lines["ours"] == ["False", "3"], "accelerate_zero's code imported deepspeed"
     imported, installed = lines["accelerate"]
     assert imported == installed, "accelerate imports deepspeed exactly when it is installed"
