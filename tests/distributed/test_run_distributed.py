@@ -69,6 +69,11 @@ def _cycles_left(rank: int, world_size: int) -> dict[str, int]:
     return {"alive": sum(ref() is not None for ref in _CYCLES), "seen": len(_CYCLES), "frozen": gc.get_freeze_count()}
 
 
+def _what_the_rank_had(rank: int, world_size: int) -> dict[str, Any]:
+    needed = ("transformers.trainer", "trl", "peft", "accelerate_zero.integrations.transformers")
+    return {"parent": os.getppid(), "imported": [name for name in needed if name in sys.modules]}
+
+
 def _fail_on_rank_1(rank: int, world_size: int) -> None:
     from accelerate_zero.engine.groups import init_data_parallel_group
 
@@ -106,6 +111,15 @@ def test_imports_are_frozen_out_of_collections_but_a_body_garbage_is_freed() -> 
     for r in run_distributed(_cycles_left, 2):
         assert r["seen"] >= 1 and r["alive"] == 0, r  # frozen garbage would live for the rank's whole life
         assert r["frozen"] > 100_000, r  # torch's objects, at least, are out of the collector's view
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA devices ranks are spawned (tests/helpers/dist.py)")
+def test_ranks_fork_from_a_template_that_imported_the_libraries() -> None:
+    # tests/helpers/rank_template.py: the forkserver ignores an ImportError in it, which would leave every rank
+    # importing on its own again (seconds of CPU each), silently
+    for r in run_distributed(_what_the_rank_had, 2, fresh=True):
+        assert r["parent"] != os.getpid(), r  # the forkserver's child
+        assert r["imported"] == ["transformers.trainer", "trl", "peft", "accelerate_zero.integrations.transformers"], r
 
 
 def test_bodies_see_pytest_environment_at_the_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

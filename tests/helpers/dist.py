@@ -3,9 +3,9 @@
 Starting a rank costs seconds (importing torch and transformers), so ranks are started once per world size and
 kept for the pytest session: a pool of N processes runs one test body after another (as torch's own distributed
 tests do with a continuous process group), and a test runs many checks inside one body and returns their results;
-the assertions happen in the pytest process. What a rank runs is in tests/helpers/rank_process.py; it starts in
-tests/helpers/rank_entry.py, and freezes what its imports left out of the garbage collector's view after each body
-that imported something (tests/helpers/heap.py).
+the assertions happen in the pytest process. What a rank runs is in tests/helpers/rank_process.py; ranks are forked
+by a forkserver that imported the libraries once (tests/helpers/rank_template.py), and each freezes what imports
+left out of the garbage collector's view after a body that imported something (tests/helpers/heap.py).
 
 [Note: what a pooled rank resets between test bodies]
 Each body gets a fresh default process group (a new port; the group the code under test created from the
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers.rank_entry import start_rank
+from tests.helpers.rank_process import rank_loop
 
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -129,14 +129,19 @@ class _Pool:
     calls: int = 0
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(_start_method())
+        if ctx.get_start_method() == "forkserver":
+            # Ranks fork from a process that imported the libraries once (tests/helpers/rank_template.py); this
+            # takes effect when the first pool starts the forkserver, which ignores an ImportError (ranks then
+            # import on their own).
+            ctx.set_forkserver_preload(["tests.helpers.rank_template"])
         self.results = ctx.Queue()
         folder = tempfile.mkdtemp(prefix=f"accelerate_zero_ranks{self.world_size}_")
         for rank in range(self.world_size):
             tasks = ctx.Queue()
             stack_file = str(Path(folder) / f"rank{rank}.stacks")
             process = ctx.Process(
-                target=start_rank,
+                target=rank_loop,
                 args=(rank, self.world_size, tasks, self.results, stack_file),
                 name=f"accelerate_zero_rank{rank}_of_{self.world_size}",
             )
@@ -184,6 +189,12 @@ class _Pool:
         self.processes.clear()
         if self.stack_files:
             shutil.rmtree(Path(self.stack_files[0]).parent, ignore_errors=True)
+
+
+def _start_method() -> str:
+    """How ranks start: "forkserver" on a machine without CUDA devices, "spawn" where there are some (a library's
+    import may ask the CUDA runtime how many devices there are, and a process forked after that cannot use CUDA)."""
+    return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
 _POOLS: dict[int, _Pool] = {}

@@ -94,8 +94,10 @@ def _raise_if_leaked(fn: Callable[..., Any]) -> None:
         from torch._dynamo import config as dynamo_config
 
         for name, entry in dynamo_config._config.items():
+            if dynamo_config._is_default(name):
+                continue  # reading a deprecated option warns: read only those a body set
             value = getattr(dynamo_config, name)
-            if not dynamo_config._is_default(name) and value != entry.default:
+            if value != entry.default:
                 leaked.append(f"torch._dynamo.config.{name}={value!r}")
                 setattr(dynamo_config, name, entry.default)
     if leaked:
