@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,15 @@ def release(rank: int, world_size: int) -> dict[str, Any]:
     accelerator.release_model(model)
     accelerator.release_model(frozen)
     del optimizer  # the optimizer prepare returned (its wrapper holds the engine, as accelerate's holds its engine)
+    # Collected until nothing is alive, for at most 2 s: in 1 of 3 full suites (loaded machine, pooled ranks) one of
+    # the 20 tensors was still alive right after the first collection, never in the file alone; suspected, not
+    # proven: gloo's worker thread dropping a finished collective's tensors after wait() returned. A tensor the
+    # released engine still holds stays alive past the deadline and fails the check as before.
+    deadline = time.monotonic() + 2.0
     gc.collect()
+    while any(ref() is not None for ref in tensors) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        gc.collect()
     out.update(
         engines_alive=sum(ref() is not None for ref in engines),
         tensors_alive=sum(ref() is not None for ref in tensors),
