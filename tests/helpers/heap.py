@@ -8,8 +8,9 @@ survived it; measured on four test files (engine parity, layout compositions, mo
 ranks), the collector took 60 of the 311 CPU seconds of all processes, almost all of it in full collections of
 imported objects (0.2-0.8 s each). `gc.freeze()` moves every object alive now to a generation the collector never
 visits, so after a collection that frees the garbage of the body that just ran, freezing once per new batch of
-imports leaves only a body's own objects to visit (the same files: 34 s of 262). Freezing never frees or keeps
-anything a test created: the body's garbage is collected first, and objects created later are collected as usual.
+imports leaves only a body's own objects to visit (the same files: 34 s of 262). The body's garbage is collected
+before each freeze, and objects created later are collected as usual; but an object alive at a freeze that later
+becomes garbage in a reference cycle is never collected (what earlier bodies left in module-level caches).
 `gc.get_objects()` does not list frozen objects, so a test that looks for its own objects there finds them (they
 are created after the freeze).
 """
