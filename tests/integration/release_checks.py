@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import gc
 import math
-import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.helpers.models import IN_FEATURES, make_model
+from tests.helpers.settle import settled
 from tests.integration.api_surface_checks import MICRO, ZERO3, _accelerator, loop_data
 
 
@@ -95,18 +94,13 @@ def release(rank: int, world_size: int) -> dict[str, Any]:
     accelerator.release_model(model)
     accelerator.release_model(frozen)
     del optimizer  # the optimizer prepare returned (its wrapper holds the engine, as accelerate's holds its engine)
-    # Collected until nothing is alive, for at most 2 s: in 1 of 3 full suites (loaded machine, pooled ranks) one of
-    # the 20 tensors was still alive right after the first collection, never in the file alone; suspected, not
-    # proven: gloo's worker thread dropping a finished collective's tensors after wait() returned. A tensor the
-    # released engine still holds stays alive past the deadline and fails the check as before.
-    deadline = time.monotonic() + 2.0
-    gc.collect()
-    while any(ref() is not None for ref in tensors) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        gc.collect()
+    # Read once gloo let go of the last collectives' tensors ([Note: gloo keeps a collective's tensors a moment after
+    # `wait()` returned] in tests/helpers/settle.py): in 1 of 3 full suites one of the 20 was alive right after a
+    # single collection. A tensor the released engine still holds stays alive and fails the check.
+    tensors_alive = settled(lambda: sum(ref() is not None for ref in tensors))
     out.update(
         engines_alive=sum(ref() is not None for ref in engines),
-        tensors_alive=sum(ref() is not None for ref in tensors),
+        tensors_alive=tensors_alive,
         tensors_tracked=len(tensors),
         hooks_after={"model": hook_census(model), "frozen": hook_census(frozen)},
         prepared_left=len(accelerator.zero_engines),
