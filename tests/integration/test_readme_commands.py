@@ -146,8 +146,13 @@ def run(argv: list[str], env: dict[str, str] | None = None) -> str:
     done = subprocess.run(
         argv, cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=TIMEOUT, check=False
     )
+    return _output_of(done)
+
+
+def _output_of(done: subprocess.CompletedProcess) -> str:
+    """stdout + stderr of a finished process; fails the test on a non-zero exit."""
     output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{output[-4000:]}"
+    assert done.returncode == 0, f"{shlex.join(done.args)} exited {done.returncode}:\n{output[-4000:]}"
     return output
 
 
@@ -218,10 +223,7 @@ def early(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[
 
 def _finished(started: Started) -> str:
     """stdout + stderr of a process started early; fails the test on a non-zero exit, as `run` does."""
-    done = started.finished(timeout=TIMEOUT)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{shlex.join(done.args)} exited {done.returncode}:\n{output[-4000:]}"
-    return output
+    return _output_of(started.finished(timeout=TIMEOUT))
 
 
 @pytest.fixture(scope="module")
