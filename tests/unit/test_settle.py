@@ -8,8 +8,10 @@ import threading
 import time
 import weakref
 
+import pytest
 import torch
 
+from tests.helpers import settle
 from tests.helpers.settle import settled
 
 
@@ -36,10 +38,13 @@ def test_a_tensor_another_thread_drops_a_moment_later_is_read_as_gone() -> None:
         thread.join()
 
 
-def test_a_tensor_kept_for_good_is_read_as_alive() -> None:
+def test_a_tensor_kept_for_good_is_read_as_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An answer that holds still is returned after QUIET_SECONDS, not at the deadline (made long, so that a loaded
+    # machine's slow collections cannot pass for waiting on it).
+    monkeypatch.setattr(settle, "LONGEST_SECONDS", 60.0)
     kept = torch.ones(4)
     ref = weakref.ref(kept)
     started = time.monotonic()
     assert settled(lambda: ref() is not None) is True
-    assert time.monotonic() - started < 1.0  # an answer that holds still is not waited on for the longest time
+    assert time.monotonic() - started < 30.0
     del kept
