@@ -11,12 +11,12 @@ partitions a built model; arguments it lacks are refused by name.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
 from torch import nn
 
+from bench.harness.readings import live_tensor_bytes
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import tiny_llama_config
 from tests.helpers.settle import settled
@@ -33,18 +33,8 @@ def _live_tensor_bytes() -> int:
 
 
 def _storage_bytes() -> int:
-    seen, total = set(), 0
     with torch._C.DisableTorchFunction():  # inside zero.Init: look at the placeholders, do not gather them
-        for obj in gc.get_objects():
-            if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-                try:
-                    storage = obj.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                if storage.data_ptr() not in seen and storage.nbytes():
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-    return total
+        return live_tensor_bytes()
 
 
 class _Block(nn.Module):

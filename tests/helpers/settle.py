@@ -21,7 +21,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-QUIET_SECONDS = 0.05  # a reading that did not change for this long is settled (the lag is microseconds when idle)
+QUIET_SECONDS = 0.05  # a reading that did not change for this long is settled (the lag measured under 10 ms)
 LONGEST_SECONDS = 2.0  # a reading still changing after this long is returned as it is
 
 
